@@ -1,0 +1,1 @@
+"""Pieces every process shares: wire protocol, transport, config, metrics, logging."""

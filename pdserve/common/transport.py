@@ -1,0 +1,288 @@
+"""ZeroMQ sockets that speak protocol.py, set up the same way everywhere.
+
+Why one place: high-water marks, linger, ROUTER_MANDATORY, size limits, CURVE
+keys and the zero-copy rules decide whether a slow or dead peer can stall a
+node or lose messages silently; getting them right once beats getting them
+right in every role.
+
+Rules the helpers enforce:
+- A ROUTER never drops a message silently: ROUTER_MANDATORY is on, and a send to
+  an unknown or full peer raises ``SendError`` (routed sends default to NOBLOCK,
+  so one slow peer cannot stall the sender's loop).
+- Frames of ``copy_threshold`` bytes or more go out with ``copy=False``: pyzmq
+  holds a reference to the buffer (and so to the tensor) until ZeroMQ is done.
+  The tensor's *memory* must not be reused before then; pass ``track=True`` and
+  wait for ``tracker.done`` when it will be.
+- Receives use ``copy=False`` so tensors are rebuilt over the received frames.
+- Malformed input raises ``ProtocolError``; on a ROUTER its ``peer`` is set so
+  the caller can answer with ``err.to_message()``.
+
+Sockets belong to one thread (or one asyncio loop); never share them.
+"""
+import dataclasses
+import errno
+import logging
+from typing import Iterable, Optional, Union
+
+import zmq
+import zmq.asyncio
+
+from pdserve.common.protocol import Message, ProtocolError, decode, encode
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SNDHWM = 1000  # messages, not bytes; with NOBLOCK a full queue raises SendError
+DEFAULT_RCVHWM = 1000
+DEFAULT_LINGER_MS = 0  # data sockets drop unsent messages on close; pass more to flush a Bye
+COPY_THRESHOLD = 64 * 1024  # pyzmq copies smaller frames anyway; zero-copy pays above this
+ZAP_DOMAIN = b"pdserve"
+_MAX_HEARTBEAT_TTL_MS = 6_553_599  # ZMQ_HEARTBEAT_TTL limit
+
+Endpoints = Union[str, Iterable[str], None]
+
+
+class SendError(Exception):
+    """A message that could not be queued: ``reason`` is "unreachable" or "full"."""
+
+    def __init__(self, peer: Optional[bytes], reason: str, detail: str = ""):
+        super().__init__(f"cannot send to {peer!r}: {reason}" + (f" ({detail})" if detail else ""))
+        self.peer = peer
+        self.reason = reason
+
+
+@dataclasses.dataclass(frozen=True)
+class CurveConfig:
+    """CurveZMQ keys (Z85 text or 32 raw bytes) for one socket.
+
+    Server: its own keys plus ``allowed_client_keys``. Client: its own keys plus
+    ``server_public_key``. The allow-list is enforced by a ZAP authenticator,
+    which does not exist yet: see ``start_zap_authenticator``.
+    """
+
+    secret_key: bytes
+    public_key: bytes
+    server_public_key: Optional[bytes] = None
+    allowed_client_keys: frozenset = frozenset()
+
+    @property
+    def is_server(self) -> bool:
+        return self.server_public_key is None
+
+    @classmethod
+    def server(cls, secret_key: bytes, public_key: bytes,
+               allowed_client_keys: Iterable[bytes] = ()) -> "CurveConfig":
+        return cls(secret_key, public_key, None, frozenset(allowed_client_keys))
+
+    @classmethod
+    def client(cls, secret_key: bytes, public_key: bytes,
+               server_public_key: bytes) -> "CurveConfig":
+        return cls(secret_key, public_key, server_public_key)
+
+
+def start_zap_authenticator(ctx: zmq.Context, curve: CurveConfig):
+    """Hook for the ZAP handler that enforces ``allowed_client_keys`` on ZAP_DOMAIN.
+
+    TODO(zap): not implemented yet. Until it is, a CURVE server encrypts and
+    authenticates itself but accepts any client that knows its public key.
+    """
+    raise NotImplementedError("ZAP allow-list authentication is not implemented yet")
+
+
+def _endpoints(value: Endpoints) -> list[str]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def make_socket(
+    ctx: Union[zmq.Context, zmq.asyncio.Context],
+    kind: int,
+    *,
+    bind: Endpoints = None,
+    connect: Endpoints = None,
+    identity: Union[str, bytes, None] = None,
+    sndhwm: int = DEFAULT_SNDHWM,
+    rcvhwm: int = DEFAULT_RCVHWM,
+    linger_ms: int = DEFAULT_LINGER_MS,
+    sndtimeo_ms: Optional[int] = None,
+    router_mandatory: Optional[bool] = None,
+    router_handover: Optional[bool] = None,
+    max_msg_size: Optional[int] = None,
+    heartbeat_ivl_ms: Optional[int] = None,
+    heartbeat_timeout_ms: Optional[int] = None,
+    curve: Optional[CurveConfig] = None,
+) -> zmq.Socket:
+    """Create, configure, then bind/connect a socket; the only way pdserve makes one.
+
+    - ROUTER: ``router_mandatory`` defaults to True (unknown/full peer -> error, not
+      a silent drop) and ``router_handover`` to True (a node that restarts with the
+      same identity takes over its old connection).
+    - ``sndtimeo_ms``: a blocking send gives up (SendError "full") after this long.
+    - ``max_msg_size``: ZMQ_MAXMSGSIZE, checked per *frame*; a peer that sends a
+      bigger frame is disconnected and the message never arrives.
+    - ``heartbeat_ivl_ms``: ZMTP-level PINGs (detect dead TCP peers);
+      ``heartbeat_timeout_ms`` and the TTL default to 3 intervals. These are not
+      the application Heartbeat messages.
+    - Bind to ``tcp://127.0.0.1:*`` and read ``endpoint_of(sock)`` for a free port.
+    """
+    sock = ctx.socket(kind)
+    try:
+        sock.setsockopt(zmq.LINGER, linger_ms)
+        sock.setsockopt(zmq.SNDHWM, sndhwm)
+        sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        if sndtimeo_ms is not None:
+            sock.setsockopt(zmq.SNDTIMEO, sndtimeo_ms)
+        if identity is not None:
+            sock.setsockopt(zmq.IDENTITY,
+                            identity.encode() if isinstance(identity, str) else identity)
+        if kind == zmq.ROUTER:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1 if router_mandatory in (None, True) else 0)
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1 if router_handover in (None, True) else 0)
+        elif router_mandatory or router_handover:
+            raise ValueError("router_mandatory/router_handover apply to ROUTER sockets only")
+        if max_msg_size is not None:
+            sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size)
+        if heartbeat_ivl_ms is not None:
+            timeout = heartbeat_timeout_ms if heartbeat_timeout_ms is not None \
+                else 3 * heartbeat_ivl_ms
+            sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ivl_ms)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout)
+            sock.setsockopt(zmq.HEARTBEAT_TTL, min(timeout, _MAX_HEARTBEAT_TTL_MS))
+        if curve is not None:
+            _apply_curve(sock, curve)
+        for how, endpoints in (("bind", bind), ("connect", connect)):
+            for endpoint in _endpoints(endpoints):
+                try:
+                    getattr(sock, how)(endpoint)
+                except zmq.ZMQError as e:
+                    raise zmq.ZMQError(e.errno, f"{how} {endpoint!r}: {e.strerror}") from None
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+def _apply_curve(sock: zmq.Socket, curve: CurveConfig) -> None:
+    if not zmq.has("curve"):
+        raise RuntimeError("this libzmq was built without CURVE; install pyzmq with libsodium")
+    sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public_key)
+    if curve.is_server:
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+        if curve.allowed_client_keys:
+            log.warning("CURVE allow-list of %d keys is not enforced yet (no ZAP "
+                        "authenticator); any client with the server key can connect",
+                        len(curve.allowed_client_keys))
+    else:
+        sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server_public_key)
+
+
+def endpoint_of(sock: zmq.Socket) -> str:
+    """The endpoint the socket last bound or connected (the real port after ``:*``)."""
+    return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+
+# ---------------------------------------------------------------- send
+
+def _frames(msg: Message, copy_threshold: int, track: bool):
+    """zmq Frames for msg: big ones share the tensor memory; and their tracker."""
+    frames, tracked = [], []
+    for buf in encode(msg):
+        big = memoryview(buf).nbytes >= copy_threshold
+        frame = zmq.Frame(buf, copy=not big, track=track and big)
+        frames.append(frame)
+        if track and big:
+            tracked.append(frame)
+    return frames, (zmq.MessageTracker(*tracked) if track else None)
+
+
+def _send_error(peer: Optional[bytes], e: zmq.ZMQError) -> Exception:
+    if e.errno == errno.EHOSTUNREACH:
+        return SendError(peer, "unreachable", "no connected peer with this identity")
+    if e.errno == errno.EAGAIN:
+        return SendError(peer, "full", "high-water mark reached, or no peer connected")
+    return e
+
+
+def send_message(sock: zmq.Socket, msg: Message, *, flags: int = 0,
+                 copy_threshold: int = COPY_THRESHOLD,
+                 track: bool = False) -> Optional[zmq.MessageTracker]:
+    """Send on a DEALER-like socket; with track=True, the tracker of the zero-copy frames."""
+    frames, tracker = _frames(msg, copy_threshold, track)
+    try:
+        sock.send_multipart(frames, flags=flags, copy=False)
+    except zmq.ZMQError as e:
+        raise _send_error(None, e) from None
+    return tracker
+
+
+def send_routed(sock: zmq.Socket, peer: bytes, msg: Message, *, flags: int = zmq.NOBLOCK,
+                copy_threshold: int = COPY_THRESHOLD,
+                track: bool = False) -> Optional[zmq.MessageTracker]:
+    """Send to one peer of a ROUTER; SendError if it is unknown or full (never silent)."""
+    frames, tracker = _frames(msg, copy_threshold, track)
+    try:
+        sock.send_multipart([peer, *frames], flags=flags, copy=False)
+    except zmq.ZMQError as e:
+        raise _send_error(peer, e) from None
+    return tracker
+
+
+async def async_send_message(sock: zmq.asyncio.Socket, msg: Message, *, flags: int = 0,
+                             copy_threshold: int = COPY_THRESHOLD,
+                             track: bool = False) -> Optional[zmq.MessageTracker]:
+    """Twin of send_message for zmq.asyncio sockets."""
+    frames, tracker = _frames(msg, copy_threshold, track)
+    try:
+        await sock.send_multipart(frames, flags=flags, copy=False)
+    except zmq.ZMQError as e:
+        raise _send_error(None, e) from None
+    return tracker
+
+
+async def async_send_routed(sock: zmq.asyncio.Socket, peer: bytes, msg: Message, *,
+                            flags: int = zmq.NOBLOCK, copy_threshold: int = COPY_THRESHOLD,
+                            track: bool = False) -> Optional[zmq.MessageTracker]:
+    """Twin of send_routed for zmq.asyncio sockets."""
+    frames, tracker = _frames(msg, copy_threshold, track)
+    try:
+        await sock.send_multipart([peer, *frames], flags=flags, copy=False)
+    except zmq.ZMQError as e:
+        raise _send_error(peer, e) from None
+    return tracker
+
+
+# ---------------------------------------------------------------- receive
+
+def _split_routed(frames: list, expected: Optional[tuple]) -> tuple[bytes, Message]:
+    peer = frames[0].bytes
+    try:
+        return peer, decode(frames[1:], expected)
+    except ProtocolError as e:
+        e.peer = peer
+        raise
+
+
+def recv_message(sock: zmq.Socket, expected: Optional[tuple] = None, *,
+                 flags: int = 0) -> Message:
+    """Receive one message (zero-copy tensors). ProtocolError if malformed or unexpected."""
+    return decode(sock.recv_multipart(flags, copy=False), expected)
+
+
+def recv_routed(sock: zmq.Socket, expected: Optional[tuple] = None, *,
+                flags: int = 0) -> tuple[bytes, Message]:
+    """(peer identity, message) from a ROUTER; a ProtocolError carries ``.peer``."""
+    return _split_routed(sock.recv_multipart(flags, copy=False), expected)
+
+
+async def async_recv_message(sock: zmq.asyncio.Socket, expected: Optional[tuple] = None, *,
+                             flags: int = 0) -> Message:
+    """Twin of recv_message for zmq.asyncio sockets."""
+    return decode(await sock.recv_multipart(flags, copy=False), expected)
+
+
+async def async_recv_routed(sock: zmq.asyncio.Socket, expected: Optional[tuple] = None, *,
+                            flags: int = 0) -> tuple[bytes, Message]:
+    """Twin of recv_routed for zmq.asyncio sockets."""
+    return _split_routed(await sock.recv_multipart(flags, copy=False), expected)

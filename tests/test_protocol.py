@@ -1,0 +1,348 @@
+"""Codec unit tests: every message round-trips, tensors decode zero-copy, and
+anything malformed ends in a ProtocolError that says what was wrong."""
+import ctypes
+import random
+import zlib
+
+import msgpack
+import pytest
+import torch
+
+from pdserve.common import protocol as P
+
+MODEL = P.ModelIdentity(name="tiny-llama", config_hash="abc123")
+STATS = P.NodeStats(num_free_blocks=90, num_total_blocks=100, num_running=3, num_waiting=1,
+                    queued_prompt_tokens=512)
+SAMPLING = P.SamplingSpec(max_tokens=16, temperature=0.7, top_p=0.9, top_k=40, seed=7,
+                          stop_token_ids=[2], ignore_eos=False)
+
+
+def layout(dtype="bfloat16", num_layers=2):
+    return P.KVLayout(num_layers=num_layers, num_kv_heads=2, head_dim=8, dtype=dtype,
+                      block_size=4)
+
+
+def kv_chunk(dtype="bfloat16", num_tokens=7, checksums=False, **kw):
+    lay = layout(dtype)
+    torch_dtype = P.DTYPES[dtype]
+    shape = (-(-num_tokens // lay.block_size), lay.block_size, lay.num_kv_heads, lay.head_dim)
+    tensors = {}
+    for layer in range(lay.num_layers):
+        for kv in "kv":
+            if torch_dtype.is_floating_point:
+                t = torch.randn(shape).to(torch_dtype)
+            else:
+                t = torch.randint(0, 100, shape).to(torch_dtype)
+            tensors[f"{kv}{layer}"] = t  # [num_blocks, block_size, kv_heads, head_dim]
+    sums = [P.crc32_of(t) for t in tensors.values()] if checksums else []
+    fields = dict(req_id="r1", model=MODEL, kv_layout=lay, layer_start=0,
+                  layer_end=lay.num_layers, num_tokens=num_tokens, checksums=sums, last=True,
+                  first_token=42, tensors=tensors)
+    fields.update(kw)
+    return P.KVChunk(**fields)
+
+
+def prefill_batch(n=3):
+    return P.PrefillBatch(requests=[
+        P.PrefillRequest(req_id=f"r{i}", prompt_token_ids=list(range(i, i + 10)),
+                         sampling=SAMPLING, decode_node_id="d0", kv_address="tcp://10.0.0.2:7000",
+                         timeout_s=30.0) for i in range(n)])
+
+
+def hello(**kw):
+    fields = dict(node_id="p0", role="prefill", protocol_version=P.PROTOCOL_VERSION, model=MODEL,
+                  kv_layout=layout(), capacity=STATS, kv_address=None, pid=1234)
+    fields.update(kw)
+    return P.Hello(**fields)
+
+
+SAMPLES = [
+    hello(), hello(role="decode", kv_address="tcp://127.0.0.1:7001"),
+    P.Welcome(accepted=True, reason="", heartbeat_interval_s=1.0, liveness=3),
+    P.Heartbeat(node_id="p0", stats=STATS), P.Heartbeat(node_id="router"),
+    prefill_batch(),
+    P.FirstTokens(items=[P.FirstToken(req_id="r0", token_id=5),
+                         P.FirstToken(req_id="r1", token_id=2, finish_reason="stop")]),
+    P.Reserve(req_id="r0", prompt_token_ids=[1, 2, 3], sampling=SAMPLING, prefill_node_id="p0",
+              lease_s=5.0),
+    P.ReserveReply(req_id="r0", ok=False, reason="no free blocks", num_blocks=0),
+    kv_chunk(), kv_chunk(last=False, first_token=None, checksums=True),
+    P.KVAck(req_id="r0", ok=True, reason=""),
+    P.TokenBatch(items=[P.TokenItem(req_id="r0", token_ids=[7, 8]),
+                        P.TokenItem(req_id="r1", token_ids=[], finish_reason="length")]),
+    P.Abort(req_ids=["r0", "r1"], reason="client disconnected"),
+    P.Error(req_id=None, code=P.BAD_MESSAGE, message="x"),
+    P.Error(req_id="r0", code=P.TIMEOUT, message="deadline passed"),
+    P.Drain(reason="shutdown"),
+    P.Bye(node_id="p0", reason="shutdown"),
+]
+
+
+def header_of(frames):
+    return msgpack.unpackb(frames[0])
+
+
+def with_header(frames, header):
+    return [msgpack.packb(header), *frames[1:]]
+
+
+def expect_error(frames, code=P.BAD_MESSAGE, *fragments, expected=None):
+    with pytest.raises(P.ProtocolError) as info:
+        P.decode(frames, expected)
+    assert info.value.code == code, info.value
+    for fragment in fragments:
+        assert fragment in info.value.message, info.value.message
+    return info.value
+
+
+def test_samples_cover_every_message_type():
+    assert {type(m).TAG for m in SAMPLES} == set(P.MESSAGE_TYPES)
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    frames = P.encode(msg)
+    for copy in (False, True):  # views as encoded, and bytes as a socket would give
+        got = P.decode([bytes(f) for f in frames] if copy else frames)
+        assert got == msg and type(got) is type(msg)
+        for name, t in getattr(msg, "tensors", {}).items():
+            assert got.tensors[name].dtype == t.dtype and torch.equal(got.tensors[name], t)
+
+
+@pytest.mark.parametrize("dtype", list(P.DTYPES))
+def test_tensor_round_trip_every_dtype(dtype):
+    msg = kv_chunk(dtype, checksums=True)
+    got = P.decode([bytes(f) for f in P.encode(msg)])
+    assert list(got.tensors) == list(msg.tensors)
+    for name, t in msg.tensors.items():
+        assert torch.equal(got.tensors[name], t)
+    assert [P.crc32_of(t) for t in got.tensors.values()] == got.checksums
+
+
+def test_encode_takes_views_and_decode_is_zero_copy():
+    msg = kv_chunk("float16", num_tokens=64)
+    frames = P.encode(msg)
+    assert frames[1].obj is not None and not isinstance(frames[1], bytes)
+    assert torch.frombuffer(frames[1], dtype=torch.uint8).data_ptr() == msg.tensors["k0"].data_ptr()
+    buffers = [bytearray(f) for f in frames]
+    got = P.decode(buffers)
+    for buf, t in zip(buffers[1:], got.tensors.values()):
+        start = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
+        assert start <= t.data_ptr() < start + len(buf)
+    buffers[1][0] ^= 0xFF  # the decoded tensor *is* the frame
+    assert not torch.equal(got.tensors["k0"], msg.tensors["k0"])
+
+
+def test_unaligned_frame_is_copied_to_aligned_memory():
+    # ZeroMQ packs small frames into its receive batch at any offset.
+    t = torch.arange(6, dtype=torch.float32)
+    meta, frame = P.tensor_to_frame("x", t)
+    unaligned = memoryview(bytearray(len(frame) + 1))[1:]
+    unaligned[:] = frame
+    got = P.frame_to_tensor(meta, unaligned)
+    assert got.data_ptr() % 4 == 0 and torch.equal(got, t)
+
+
+def test_non_contiguous_tensor_is_made_contiguous():
+    msg = kv_chunk("float32")
+    t = msg.tensors["k0"]
+    strided = t.transpose(0, 1).contiguous().transpose(0, 1)  # same values, other strides
+    assert not strided.is_contiguous()
+    tensors = dict(msg.tensors, k0=strided)
+    got = P.decode(P.encode(P.KVChunk(**{**msg.__dict__, "tensors": tensors})))
+    assert torch.equal(got.tensors["k0"], t)
+
+
+def test_int_accepted_for_float_and_converted():
+    got = P.decode(P.encode(P.Welcome(accepted=True, reason="", heartbeat_interval_s=2,
+                                      liveness=3)))
+    assert type(got.heartbeat_interval_s) is float
+
+
+def test_crc32_of_tensor_and_frame_agree():
+    t = torch.arange(10, dtype=torch.int64)
+    assert P.crc32_of(t) == zlib.crc32(t.numpy().tobytes()) == P.crc32_of(t.numpy().tobytes())
+
+
+def test_protocol_error_answers_as_error_message():
+    err = expect_error([b"\xc1"], P.BAD_MESSAGE, "MessagePack")
+    reply = P.decode(P.encode(err.to_message("r9")))
+    assert reply == P.Error(req_id="r9", code=P.BAD_MESSAGE, message=err.message)
+
+
+# ---------------------------------------------------------------- malformed input
+
+def test_garbage_and_truncated_headers():
+    expect_error([], P.BAD_MESSAGE, "empty message")
+    expect_error([b"\x00\xff\xfe garbage"], P.BAD_MESSAGE, "MessagePack")
+    good = P.encode(hello())
+    expect_error([good[0][:-5]], P.BAD_MESSAGE, "not valid MessagePack")
+    expect_error([msgpack.packb([1, 2])], P.BAD_MESSAGE, "header is a list, expected a map")
+    expect_error([object()], P.BAD_MESSAGE, "not a buffer")
+
+
+def test_version_mismatch_names_both_versions():
+    frames = P.encode(hello())
+    err = expect_error(with_header(frames, {**header_of(frames), "v": 2}), P.VERSION_MISMATCH)
+    assert "version 2" in err.message and f"version {P.PROTOCOL_VERSION}" in err.message
+    expect_error(with_header(frames, {**header_of(frames), "v": None}), P.BAD_MESSAGE, "'v'")
+
+
+def test_unknown_and_unexpected_types():
+    frames = P.encode(hello())
+    expect_error(with_header(frames, {**header_of(frames), "t": "teleport"}), P.UNKNOWN_TYPE,
+                 "'teleport'")
+    expect_error(with_header(frames, {**header_of(frames), "t": [1]}), P.UNKNOWN_TYPE)
+    expect_error(frames, P.UNEXPECTED_TYPE,
+                 "unexpected message type Hello on this socket, expected one of Heartbeat, Bye",
+                 expected=(P.Heartbeat, P.Bye))
+    assert P.decode(frames, expected=(P.Hello,)) == hello()
+
+
+def test_missing_and_wrong_typed_fields():
+    frames = P.encode(hello())
+    header = header_of(frames)
+    del header["pid"]
+    expect_error(with_header(frames, header), P.BAD_MESSAGE, "Hello.pid: missing field")
+    header = header_of(frames)
+    del header["kv_address"]  # optional with a default: fine
+    assert P.decode(with_header(frames, header)).kv_address is None
+    header = header_of(frames)
+    header["capacity"]["num_running"] = True  # bool is not an int
+    expect_error(with_header(frames, header), P.BAD_MESSAGE,
+                 "Hello.capacity.num_running: expected int, got bool")
+    header = header_of(frames)
+    header["model"] = "tiny"
+    expect_error(with_header(frames, header), P.BAD_MESSAGE,
+                 "Hello.model: expected ModelIdentity, got str")
+
+
+def test_wrong_typed_field_inside_a_list():
+    frames = P.encode(prefill_batch())
+    header = header_of(frames)
+    header["requests"][2]["prompt_token_ids"] = "1 2 3"
+    expect_error(with_header(frames, header), P.BAD_MESSAGE,
+                 "PrefillBatch.requests[2].prompt_token_ids: expected list[int], got str")
+    header = header_of(frames)
+    header["requests"][1]["prompt_token_ids"][4] = 1.5
+    expect_error(with_header(frames, header), P.BAD_MESSAGE,
+                 "PrefillBatch.requests[1].prompt_token_ids[4]: expected int, got float")
+    header = header_of(frames)
+    header["requests"][0]["sampling"]["seed"] = "7"
+    expect_error(with_header(frames, header), P.BAD_MESSAGE,
+                 "PrefillBatch.requests[0].sampling.seed: expected int, got str")
+
+
+def test_encode_checks_fields_too():
+    with pytest.raises(P.ProtocolError, match="Hello.pid: expected int, got str"):
+        P.encode(hello(pid="1234"))
+    with pytest.raises(P.ProtocolError, match="Hello.role"):
+        P.encode(hello(role="router"))
+    with pytest.raises(P.ProtocolError, match="not a registered message type"):
+        P.encode(MODEL)
+    with pytest.raises(P.ProtocolError, match="cannot pack"):
+        P.encode(P.Heartbeat(node_id="x", stats=P.NodeStats(
+            num_free_blocks=2**70, num_total_blocks=0, num_running=0, num_waiting=0,
+            queued_prompt_tokens=0)))
+
+
+def test_tensor_meta_mismatches():
+    frames = P.encode(kv_chunk("bfloat16"))
+    header = header_of(frames)
+    header["tensors"][0]["nbytes"] += 2
+    expect_error(with_header(frames, header), P.BAD_MESSAGE, "'k0'", "nbytes=")
+    header = header_of(frames)
+    header["tensors"][1]["dtype"] = "float32"  # same shape, twice the bytes
+    expect_error(with_header(frames, header), P.BAD_MESSAGE, "'v0'", "x float32 is")
+    header = header_of(frames)
+    header["tensors"][1]["dtype"] = "float64"
+    expect_error(with_header(frames, header), P.BAD_MESSAGE, "'v0'", "float64")
+    header = header_of(frames)
+    header["tensors"][0]["shape"][0] = -1
+    expect_error(with_header(frames, header), P.BAD_MESSAGE, "non-negative")
+    short = list(frames)
+    short[2] = bytes(frames[2])[:-1]
+    expect_error(short, P.BAD_MESSAGE, "'v0'", "frame has")
+    header = header_of(frames)
+    header["tensors"][0].update(shape=[2**62] * 4, nbytes=2**63)  # claims, never allocates
+    expect_error(with_header(frames, header), P.BAD_MESSAGE, "'k0'")
+    header = header_of(frames)
+    header["tensors"][0]["name"] = "v0"
+    expect_error(with_header(frames, header), P.BAD_MESSAGE, "appears twice")
+
+
+def test_frame_count_must_match_tensor_count():
+    frames = P.encode(kv_chunk())
+    expect_error(frames[:-1], P.BAD_MESSAGE, "declares 4 tensor frame(s) but 3 followed")
+    expect_error([*frames, b"extra"], P.BAD_MESSAGE, "declares 4 tensor frame(s) but 5 followed")
+    hello_frames = P.encode(hello())
+    header = {**header_of(hello_frames), "tensors": header_of(frames)["tensors"]}
+    expect_error([msgpack.packb(header), *frames[1:]], P.BAD_MESSAGE, "Hello carries no tensors")
+    header = {**header_of(hello_frames), "tensors": {}}
+    expect_error([msgpack.packb(header)], P.BAD_MESSAGE, "'tensors' must be a list")
+
+
+def test_kv_chunk_must_match_its_layout():
+    with pytest.raises(P.ProtocolError, match="expected \\['k0', 'v0', 'k1', 'v1'\\]"):
+        P.encode(kv_chunk(tensors={"k0": torch.zeros(2, 4, 2, 8, dtype=torch.bfloat16)}))
+    with pytest.raises(P.ProtocolError, match="tensor 'k0' is \\[2, 4, 2, 8\\] torch.float32"):
+        P.encode(kv_chunk(tensors=dict(kv_chunk().tensors, k0=torch.zeros(2, 4, 2, 8))))
+    with pytest.raises(P.ProtocolError, match="not last"):
+        P.encode(kv_chunk(last=False))
+    with pytest.raises(P.ProtocolError, match="layers \\[1, 3\\)"):
+        P.encode(kv_chunk(layer_start=1, layer_end=3))
+    frames = P.encode(kv_chunk())
+    header = header_of(frames)
+    header["kv_layout"]["num_kv_heads"] = 4  # the peer's layout disagrees with its tensors
+    expect_error(with_header(frames, header), P.BAD_MESSAGE, "expected [2, 4, 4, 8]")
+    header = header_of(frames)
+    header["checksums"] = [1, 2]
+    expect_error(with_header(frames, header), P.BAD_MESSAGE, "2 checksums for 4 tensors")
+
+
+def test_encode_rejects_unsupported_tensors():
+    with pytest.raises(P.ProtocolError, match="float64"):
+        P.tensor_to_frame("x", torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(P.ProtocolError, match="expected torch.Tensor"):
+        P.tensor_to_frame("x", [1, 2])
+
+
+def test_header_size_limit(monkeypatch):
+    frames = P.encode(prefill_batch(50))
+    monkeypatch.setattr(P, "MAX_HEADER_BYTES", 1000)
+    expect_error(frames, P.TOO_LARGE, "MAX_HEADER_BYTES=1000")
+    with pytest.raises(P.ProtocolError, match="send fewer items"):
+        P.encode(prefill_batch(50))
+
+
+def test_only_protocol_error_escapes_random_input():
+    rng = random.Random(1234)
+    valid = [P.encode(m) for m in SAMPLES]
+    outcomes = {"ok": 0, "error": 0}
+    for _ in range(500):
+        kind = rng.randrange(4)
+        if kind == 0:  # pure noise
+            frames = [rng.randbytes(rng.randrange(0, 64)) for _ in range(rng.randrange(1, 4))]
+        elif kind == 1:  # a valid message with flipped bytes in the header
+            frames = [bytes(f) for f in rng.choice(valid)]
+            header = bytearray(frames[0])
+            for _ in range(rng.randrange(1, 6)):
+                header[rng.randrange(len(header))] = rng.randrange(256)
+            frames[0] = bytes(header)
+        elif kind == 2:  # a valid message cut short, frames dropped or added
+            frames = [bytes(f) for f in rng.choice(valid)]
+            frames[0] = frames[0][:rng.randrange(len(frames[0]) + 1)]
+            if rng.random() < 0.5:
+                frames = frames[:rng.randrange(len(frames) + 1)] + [b"x"] * rng.randrange(2)
+        else:  # well-formed msgpack of random shape
+            value = rng.choice([None, 1, -1, 2**63, "hello", b"\x00", [1, "x"], {"v": 1},
+                                {"v": 1, "t": rng.choice(list(P.MESSAGE_TYPES)), "tensors": []},
+                                {"v": 1, "t": "kv_chunk", "tensors": [{"name": 1}]}])
+            frames = [msgpack.packb(value)] + [b"\x00" * rng.randrange(4)] * rng.randrange(2)
+        try:
+            P.decode(frames)
+            outcomes["ok"] += 1
+        except P.ProtocolError as e:
+            assert e.code in P.ERROR_CODES and e.message
+            outcomes["error"] += 1
+    assert outcomes["error"] > 400

@@ -1,0 +1,202 @@
+"""Socket tests on loopback: real ZeroMQ sockets, real frames, real peers."""
+import asyncio
+import ctypes
+import gc
+
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+
+from pdserve.common import protocol as P
+from pdserve.common import transport as T
+
+LOCAL = "tcp://127.0.0.1:*"
+MiB = 1024 * 1024
+
+
+def big_chunk(nbytes=8 * MiB, req_id="r1"):
+    """A one-layer KVChunk whose k0/v0 total `nbytes` of float32."""
+    lay = P.KVLayout(num_layers=1, num_kv_heads=8, head_dim=128, dtype="float32", block_size=16)
+    num_blocks = nbytes // 2 // (16 * 8 * 128 * 4)
+    shape = (num_blocks, 16, 8, 128)  # [num_blocks, block_size, kv_heads, head_dim]
+    tensors = {"k0": torch.randn(shape), "v0": torch.randn(shape)}
+    return P.KVChunk(req_id=req_id, model=P.ModelIdentity(name="m", config_hash="h"),
+                     kv_layout=lay, layer_start=0, layer_end=1, num_tokens=num_blocks * 16,
+                     last=True, first_token=1, tensors=tensors)
+
+
+def same_tensors(a, b):
+    return a.tensors.keys() == b.tensors.keys() and all(
+        torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
+
+
+@pytest.fixture
+def make():
+    """make(kind, **kw) -> socket on one shared context; all closed at teardown."""
+    ctx = zmq.Context()
+    sockets = []
+
+    def _make(kind, **kw):
+        sock = T.make_socket(ctx, kind, **kw)
+        sockets.append(sock)
+        return sock
+
+    yield _make
+    for sock in sockets:
+        sock.close(linger=0)
+    ctx.term()
+
+
+def poll_in(sock, timeout_ms=5000):
+    return sock.poll(timeout_ms, zmq.POLLIN) == zmq.POLLIN
+
+
+def pair(make, **router_kw):
+    router = make(zmq.ROUTER, bind=LOCAL, **router_kw)
+    dealer = make(zmq.DEALER, connect=T.endpoint_of(router), identity="node-a")
+    return router, dealer
+
+
+def test_dealer_router_dealer_round_trip_with_8mib_tensor(make):
+    router = make(zmq.ROUTER, bind=LOCAL)
+    a = make(zmq.DEALER, connect=T.endpoint_of(router), identity="a")
+    b = make(zmq.DEALER, connect=T.endpoint_of(router), identity="b")
+    T.send_message(b, P.Heartbeat(node_id="b"))  # b makes itself known to the router
+    assert T.recv_routed(router, (P.Heartbeat,)) == (b"b", P.Heartbeat(node_id="b"))
+
+    sent = big_chunk()
+    T.send_message(a, sent)
+    peer, msg = T.recv_routed(router, (P.KVChunk,))
+    assert peer == b"a" and msg == sent and same_tensors(msg, sent)
+    T.send_routed(router, b"b", msg)  # forwarded straight from the received frames
+    got = T.recv_message(b, (P.KVChunk,))
+    assert got == sent and same_tensors(got, sent)
+
+
+def test_receive_is_zero_copy(make):
+    router, dealer = pair(make)
+    T.send_message(dealer, big_chunk())
+    frames = router.recv_multipart(copy=False)
+    msg = P.decode(frames[1:])
+    for frame, tensor in zip(frames[2:], msg.tensors.values()):
+        buf = frame.buffer
+        start = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        assert start <= tensor.data_ptr() < start + buf.nbytes
+
+
+def test_zero_copy_send_keeps_buffer_alive_and_tracks(make):
+    router, dealer = pair(make)
+    sent = big_chunk()
+    expected = {k: t.clone() for k, t in sent.tensors.items()}
+    tracker = T.send_message(dealer, sent, track=True)
+    del sent  # ZeroMQ still holds the tensors until it has sent them
+    gc.collect()
+    assert isinstance(tracker, zmq.MessageTracker)
+    _, got = T.recv_routed(router, (P.KVChunk,))
+    assert all(torch.equal(got.tensors[k], t) for k, t in expected.items())
+    tracker.wait(5)
+    assert tracker.done
+    small = T.send_message(dealer, P.Heartbeat(node_id="a"), track=True)
+    assert small.done  # every frame was copied: nothing to wait for
+
+
+def test_router_send_to_unknown_peer_raises(make):
+    router, _ = pair(make)
+    with pytest.raises(T.SendError) as info:
+        T.send_routed(router, b"nobody", P.Drain(reason="x"))
+    assert info.value.peer == b"nobody" and info.value.reason == "unreachable"
+
+
+def test_router_send_to_full_peer_raises(make):
+    router = make(zmq.ROUTER, bind=LOCAL, sndhwm=1)
+    dealer = make(zmq.DEALER, connect=T.endpoint_of(router), identity="slow", rcvhwm=1)
+    T.send_message(dealer, P.Heartbeat(node_id="slow"))
+    T.recv_routed(router)
+    msg = big_chunk(1 * MiB)
+    with pytest.raises(T.SendError) as info:
+        for _ in range(2000):  # the dealer never reads: kernel buffers, then the HWM, fill up
+            T.send_routed(router, b"slow", msg)
+    assert info.value.reason == "full"
+
+
+def test_malformed_input_on_router_is_answerable(make):
+    router, dealer = pair(make)
+    dealer.send_multipart([b"not msgpack \xc1"])
+    with pytest.raises(P.ProtocolError) as info:
+        T.recv_routed(router)
+    assert info.value.peer == b"node-a"
+    T.send_routed(router, info.value.peer, info.value.to_message())
+    reply = T.recv_message(dealer, (P.Error,))
+    assert reply.code == P.BAD_MESSAGE
+    T.send_message(dealer, P.Bye(node_id="node-a", reason="done"))  # the router still serves
+    with pytest.raises(P.ProtocolError, match="unexpected message type Bye"):
+        T.recv_routed(router, (P.Hello,))
+
+
+def test_max_msg_size_drops_oversized_frames(make):
+    router, dealer = pair(make, max_msg_size=1 * MiB)
+    T.send_message(dealer, big_chunk(4 * MiB))  # 2 MiB frames: the router drops the peer
+    assert not poll_in(router, 300)
+    T.send_message(dealer, P.Heartbeat(node_id="node-a"))  # after reconnecting, small ones pass
+    assert poll_in(router, 5000)
+    assert T.recv_routed(router) == (b"node-a", P.Heartbeat(node_id="node-a"))
+
+
+def test_make_socket_options_and_errors(make):
+    sock = make(zmq.DEALER, sndhwm=7, rcvhwm=9, linger_ms=5, max_msg_size=123,
+                heartbeat_ivl_ms=100, sndtimeo_ms=50)
+    assert [sock.getsockopt(o) for o in (zmq.SNDHWM, zmq.RCVHWM, zmq.LINGER, zmq.MAXMSGSIZE,
+                                         zmq.HEARTBEAT_IVL, zmq.HEARTBEAT_TIMEOUT, zmq.SNDTIMEO)] \
+        == [7, 9, 5, 123, 100, 300, 50]
+    with pytest.raises(T.SendError, match="full"):  # no peer: the timed send gives up
+        T.send_message(sock, P.Drain(reason="x"))
+    with pytest.raises(ValueError, match="ROUTER sockets only"):
+        make(zmq.DEALER, router_mandatory=True)
+    router = make(zmq.ROUTER, bind=LOCAL)
+    with pytest.raises(zmq.ZMQError, match="bind 'tcp://127.0.0.1:"):
+        make(zmq.ROUTER, bind=T.endpoint_of(router))  # port taken
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
+def test_curve_round_trip(make):
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    router = make(zmq.ROUTER, bind=LOCAL, curve=T.CurveConfig.server(server_secret, server_public))
+    dealer = make(zmq.DEALER, connect=T.endpoint_of(router), identity="c",
+                  curve=T.CurveConfig.client(client_secret, client_public, server_public))
+    T.send_message(dealer, P.Heartbeat(node_id="c"))
+    assert poll_in(router)
+    assert T.recv_routed(router) == (b"c", P.Heartbeat(node_id="c"))
+    with pytest.raises(NotImplementedError):
+        T.start_zap_authenticator(None, T.CurveConfig.server(server_secret, server_public))
+
+
+def test_asyncio_twins():
+    async def main():
+        ctx = zmq.asyncio.Context()
+        router = T.make_socket(ctx, zmq.ROUTER, bind=LOCAL)
+        dealer = T.make_socket(ctx, zmq.DEALER, connect=T.endpoint_of(router), identity="n")
+        try:
+            await T.async_send_message(dealer, P.Heartbeat(node_id="n"))
+            peer, msg = await asyncio.wait_for(T.async_recv_routed(router, (P.Heartbeat,)), 5)
+            assert (peer, msg) == (b"n", P.Heartbeat(node_id="n"))
+
+            sent = big_chunk()
+            tracker = await T.async_send_routed(router, peer, sent, track=True)
+            got = await asyncio.wait_for(T.async_recv_message(dealer, (P.KVChunk,)), 5)
+            assert got == sent and same_tensors(got, sent)
+            assert tracker.wait(5) is None and tracker.done
+
+            with pytest.raises(T.SendError, match="unreachable"):
+                await T.async_send_routed(router, b"nobody", P.Drain(reason="x"))
+            await T.async_send_message(dealer, P.Drain(reason="x"))
+            with pytest.raises(P.ProtocolError) as info:
+                await asyncio.wait_for(T.async_recv_routed(router, (P.Hello,)), 5)
+            assert info.value.code == P.UNEXPECTED_TYPE and info.value.peer == b"n"
+        finally:
+            router.close(linger=0)
+            dealer.close(linger=0)
+            ctx.term()
+
+    asyncio.run(main())
