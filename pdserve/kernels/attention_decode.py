@@ -1,0 +1,166 @@
+"""Decode attention: one new query token per sequence over its paged KV cache.
+
+This is the step that runs every token, so the Triton kernel gives each
+(sequence, kv head) pair one program that reads every K/V page once for all
+the query heads that share it (GQA), with an online softmax over tiles of
+positions. Each position's page is looked up on its own, so any block size
+works and pages can lie anywhere in the cache.
+
+Numerics: the torch reference gathers the pages into one padded batch and
+calls torch's SDPA on the input dtype with a padding mask, the call
+transformers' "sdpa" attention makes for a decode step. When every sequence
+has the batch's longest length (a batch of one, say) that is bit for bit what
+transformers computes; padding changes the blocking inside SDPA, so shorter
+sequences can differ by an ulp (about 1e-7 in float32). The Triton kernel
+loads in the input dtype and computes in float32: Q.K^T with exact products
+(tf32 holds bf16/fp16 values exactly), the softmax in float32, P@V with P
+rounded to tf32 (full float32 for float32 inputs), one rounding on store.
+"""
+from __future__ import annotations
+
+import torch
+
+from pdserve.kernels._dispatch import (
+    FLOAT_DTYPES, INDEX_DTYPES, check_contiguous, check_gqa, check_same_dtype, check_scale,
+    check_tensor, head_block, last_dim_contiguous, pick_backend, sdpa, tl, triton)
+
+_LOG2E = 1.4426950408889634
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           backend: str | None = None) -> torch.Tensor:
+    """Attention of each sequence's newest token over its first ``seq_lens[i]`` cached tokens.
+
+    q [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size,
+    num_kv_heads, head_dim] (contiguous); block_tables int32/int64 [num_seqs,
+    max_blocks_per_seq]; seq_lens int32/int64 [num_seqs], counting the new token,
+    whose K/V must already be in the cache. Block-table entries past a
+    sequence's last block are never read (any value). A sequence with
+    seq_lens 0 (batch padding) gets zeros. Returns [num_seqs, num_heads, head_dim]
+    in q's dtype. q may have any strides.
+    """
+    dims: dict[str, tuple[int, str]] = {}
+    check_tensor("q", q, "[num_seqs, num_heads, head_dim]", FLOAT_DTYPES, dims)
+    cache_shape = "[num_blocks, block_size, num_kv_heads, head_dim]"
+    check_tensor("k_cache", k_cache, cache_shape, FLOAT_DTYPES, dims, q.device)
+    check_tensor("v_cache", v_cache, cache_shape, FLOAT_DTYPES, dims, q.device)
+    check_same_dtype("k_cache", k_cache, "q", q)
+    check_same_dtype("v_cache", v_cache, "q", q)
+    check_tensor("block_tables", block_tables, "[num_seqs, max_blocks_per_seq]", INDEX_DTYPES,
+                 dims, q.device)
+    check_tensor("seq_lens", seq_lens, "[num_seqs]", INDEX_DTYPES, dims, q.device)
+    check_gqa(q.shape[1], k_cache.shape[2])
+    check_contiguous("k_cache", k_cache)
+    check_contiguous("v_cache", v_cache)
+    scale = check_scale(scale)
+    if pick_backend(backend, q.device) == "torch":
+        return _decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return _decode_triton(q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(),
+                          scale)
+
+
+def _decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    num_seqs, _, head_dim = q.shape
+    block_size = k_cache.shape[1]
+    lens = seq_lens.long()
+    max_len = int(lens.max()) if num_seqs else 0
+    if max_len == 0:
+        return q.new_zeros(q.shape)
+    num_blocks = -(-max_len // block_size)
+    if num_blocks > block_tables.shape[1]:
+        raise ValueError(f"seq_lens needs {num_blocks} blocks of {block_size} tokens for "
+                         f"{max_len} tokens, but block_tables has {block_tables.shape[1]} columns")
+    # Entries past a sequence's last block may be garbage: point them at block 0 (masked).
+    cols = torch.arange(num_blocks, device=q.device)
+    used = cols[None, :] < (lens[:, None] + block_size - 1) // block_size  # [B, NB]
+    tables = torch.where(used, block_tables[:, :num_blocks].long(), 0)  # [B, NB]
+    k = k_cache[tables].flatten(1, 2)[:, :max_len]  # [B, L, KVH, D]
+    v = v_cache[tables].flatten(1, 2)[:, :max_len]  # [B, L, KVH, D]
+    mask = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]  # [B, L]
+    out = sdpa(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), scale,
+               attn_mask=mask[:, None, None, :])  # [B, H, 1, D]
+    out = out[:, :, 0, :]  # [B, H, D]
+    empty = lens == 0
+    if bool(empty.any()):
+        out = out.masked_fill(empty[:, None, None], 0.0)
+    return out
+
+
+def _decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [B, H, D]
+    if num_seqs == 0:
+        return out
+    q = last_dim_contiguous(q)
+    group = num_heads // num_kv_heads
+    block_d = head_block(head_dim)
+    assert out.stride(2) == 1 and q.stride(2) == 1 and k_cache.stride(3) == 1
+    assert v_cache.stride() == k_cache.stride() and block_tables.stride(1) == 1
+    _decode_kernel[(num_seqs, num_kv_heads)](
+        q, k_cache, v_cache, block_tables, seq_lens, out,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        scale * _LOG2E, block_size, head_dim,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=64 if block_d <= 128 else 32, BLOCK_D=block_d,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4,
+    )
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
+        stride_qs, stride_qh,
+        stride_cb, stride_cs, stride_ch,  # the same for k_cache and v_cache
+        stride_bt, stride_os, stride_oh,
+        qk_scale,  # scale * log2(e): the softmax runs in base 2
+        block_size, head_dim,
+        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        seq = tl.program_id(0).to(tl.int64)
+        kv_head = tl.program_id(1)
+        seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        heads = kv_head * GROUP + offs_g
+        mask_gd = (offs_g < GROUP)[:, None] & (offs_d < head_dim)[None, :]
+        q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=mask_gd, other=0.0).to(tl.float32)  # [G, D]
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        table = block_tables_ptr + seq * stride_bt
+        for start in range(0, seq_len, BLOCK_N):
+            pos = start + offs_n
+            mask_n = pos < seq_len
+            page = tl.load(table + pos // block_size, mask=mask_n, other=0).to(tl.int64)
+            row = page * stride_cb + (pos % block_size).to(tl.int64) * stride_cs
+            kv_off = row[:, None] + kv_head * stride_ch + offs_d[None, :]  # [N, D]
+            mask_nd = mask_n[:, None] & (offs_d < head_dim)[None, :]
+            k = tl.load(k_cache_ptr + kv_off, mask=mask_nd, other=0.0).to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [G, N]
+            s = tl.where(mask_n[None, :], s, float("-inf"))
+            # Every tile holds at least one valid position, so m_new is finite.
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])  # [G, N]
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_cache_ptr + kv_off, mask=mask_nd, other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+            m_i = m_new
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)  # seq_len 0: zeros, not NaN
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=mask_gd)
