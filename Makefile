@@ -1,0 +1,26 @@
+# `make serve` and `make test` do all the set-up on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch first and pinned: a CPU wheel of 2.13.0 lies on the build machines; never let
+# pip resolve torch from the registry (a multi-GB CUDA build).
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: serve test install clean
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+serve: $(VENV)/.installed
+	$(VENV)/bin/pdserve generate --prompt "The cluster of prefill and decode nodes" --max-tokens 64
+
+test: $(VENV)/.installed
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

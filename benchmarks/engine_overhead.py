@@ -1,0 +1,75 @@
+"""Decode step time through the engine against the bare model forward, same batch.
+
+The engine's step = schedule + build inputs + forward + sample + detokenize +
+stop checks. The bare forward = the model's forward and LM head on inputs
+built once beforehand. Both run on the same 16 sequences (255-token prompts),
+interleaved round by round so machine noise hits both alike.
+
+    python benchmarks/engine_overhead.py [--model DIR] [--rounds 10] [--steps 8]
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="checkpoint folder (default: bundled model)")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=255)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=8, help="decode steps per round")
+    ap.add_argument("--dtype", default="float32")
+    args = ap.parse_args()
+
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype))
+    vocab = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    total_steps = args.rounds * args.steps + 4
+    params = SamplingParams(max_tokens=total_steps + 8, temperature=0, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(str(i), torch.randint(3, vocab, (args.prompt_len,),
+                                                 generator=gen).tolist(), params)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) \
+            or engine.scheduler.waiting:
+        engine.step()  # prefill (in chunks) until every sequence decodes
+    engine.step()
+
+    batch = engine.scheduler.schedule()  # a decode batch, used only to build bare inputs
+    assert len(batch) == args.batch and set(batch.num_new_tokens) == {1}
+    bare_inputs = engine.runner.prepare(batch)
+    engine.scheduler.postprocess(batch, [0] * len(batch))  # keep the engine's state consistent
+
+    engine_ms, bare_ms = [], []
+    with torch.inference_mode():
+        for _ in range(args.rounds):
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                engine.step()
+            engine_ms.append((time.perf_counter() - t0) / args.steps * 1e3)
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                engine.runner.forward(bare_inputs).argmax(-1)
+            bare_ms.append((time.perf_counter() - t0) / args.steps * 1e3)
+
+    cfg = engine.model_config
+    e, b = statistics.median(engine_ms), statistics.median(bare_ms)
+    print(f"model: {engine.model_dir.name} ({cfg.num_hidden_layers} layers, hidden "
+          f"{cfg.hidden_size}, {args.dtype}); batch {args.batch} x {args.prompt_len}-token "
+          f"prompts; torch threads {torch.get_num_threads()}; {platform.processor() or 'cpu'}")
+    print(f"engine decode step : {e:8.3f} ms (median of {args.rounds} rounds x {args.steps})")
+    print(f"bare model forward : {b:8.3f} ms")
+    print(f"ratio engine/bare  : {e / b:8.3f}  (goal < 1.10)")
+
+
+if __name__ == "__main__":
+    main()

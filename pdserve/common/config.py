@@ -1,0 +1,32 @@
+"""Frozen configuration of a node process, built once by the CLI and passed down."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.engine.config import EngineConfig
+
+NODE_ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    role: str
+    engine: EngineConfig
+    router: str = "tcp://127.0.0.1:5556"
+    node_id: str | None = None               # None: "<role>-<host>-<pid>"
+    kv_bind: str = "tcp://127.0.0.1:*"        # decode nodes: where prefill nodes send KV
+    advertise_host: str | None = None         # host in the KV address told to the router
+    heartbeat_interval_s: float = 1.0         # until the router's Welcome says otherwise
+    welcome_timeout_s: float = 60.0           # how long to wait for the router at start
+    kv_checksums: bool = True                 # crc32 on every KV frame
+    kv_layers_per_chunk: int = 4              # layers per KV message (overlap vs. overhead)
+
+    def __post_init__(self):
+        if self.role not in NODE_ROLES:
+            raise ValueError(f"role must be one of {NODE_ROLES}, got {self.role!r}")
+        if not self.router.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"router address {self.router!r} must look like tcp://HOST:PORT")
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
+        if self.kv_layers_per_chunk < 1:
+            raise ValueError(f"kv_layers_per_chunk must be >= 1, got {self.kv_layers_per_chunk}")

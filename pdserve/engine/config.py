@@ -1,0 +1,34 @@
+"""The engine's frozen configuration, checked where a user sets it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None             # checkpoint folder; None = the bundled default model
+    dtype: str = "float32"               # float32 | bfloat16 | float16 | auto
+    device: str = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int | None = None     # None: sized from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 0.5
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048   # token budget of one step; longer prompts are chunked
+    max_model_len: int | None = None     # None: the model's own limit
+    threads: int | None = None           # torch CPU threads; None: torch's default
+
+    def __post_init__(self):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

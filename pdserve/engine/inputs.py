@@ -1,0 +1,74 @@
+"""Turns a scheduled batch into the flat tensors of one forward, vectorised.
+
+Per-sequence work is a slice copy; nothing loops over tokens in Python. This
+is where per-token overhead hides in serving engines, so it is kept to a few
+numpy operations whatever the mix of prefill chunks and decode tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pdserve.model.attention import DECODE, MIXED, PREFILL, AttentionMetadata
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    input_ids: torch.Tensor       # int64 [T]
+    positions: torch.Tensor       # int64 [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # int64 [S]: rows of the hidden states that are sampled
+    sample_rows: list[int]        # which sequences of the batch those S rows belong to
+
+
+def build_model_inputs(token_chunks: list[list[int]], start_positions: list[int],
+                       block_tables: list[list[int]], sample_mask: list[bool],
+                       block_size: int, device: torch.device | str = "cpu") -> ModelInputs:
+    """Inputs for B sequences: sequence i feeds ``token_chunks[i]`` at positions
+    ``start_positions[i]...``, its KV pages are ``block_tables[i]``, and
+    ``sample_mask[i]`` says whether its last token is sampled."""
+    num_seqs = len(token_chunks)
+    q_lens = np.fromiter((len(c) for c in token_chunks), dtype=np.int64, count=num_seqs)
+    starts = np.asarray(start_positions, dtype=np.int64)
+    seq_lens = starts + q_lens
+    cu = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=cu[1:])
+    total = int(cu[-1])
+
+    if total == num_seqs:  # one token each: skip the concatenation
+        input_ids = np.fromiter((c[0] for c in token_chunks), dtype=np.int64, count=num_seqs)
+    else:
+        input_ids = np.concatenate([np.asarray(c, dtype=np.int64) for c in token_chunks])
+    seq_of_token = np.repeat(np.arange(num_seqs), q_lens)                 # [T]
+    positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1] - starts, q_lens)
+
+    max_blocks = max((len(b) for b in block_tables), default=0) or 1
+    tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)             # [B, max_blocks]
+    for i, blocks in enumerate(block_tables):
+        tables[i, :len(blocks)] = blocks
+    slots = tables[seq_of_token, positions // block_size].astype(np.int64) * block_size \
+        + positions % block_size                                          # [T]
+
+    if total == num_seqs and bool(starts.all()):
+        kind = DECODE
+    elif not starts.any():
+        kind = PREFILL
+    else:
+        kind = MIXED
+    sample_rows = [i for i, s in enumerate(sample_mask) if s]
+    logits_indices = cu[1:][sample_rows] - 1
+
+    def t(a, dtype):
+        return torch.from_numpy(a).to(device=device, dtype=dtype)
+
+    meta = AttentionMetadata(
+        kind=kind,
+        cu_seqlens_q=t(cu, torch.int32),
+        seq_lens=t(seq_lens, torch.int32),
+        slot_mapping=t(slots, torch.int64),
+        block_tables=t(tables, torch.int32),
+    )
+    return ModelInputs(t(input_ids, torch.int64), t(positions, torch.int64), meta,
+                       t(logits_indices, torch.int64), sample_rows)

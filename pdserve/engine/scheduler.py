@@ -1,0 +1,140 @@
+"""Continuous-batching scheduler with chunked prefill (pure Python, no torch).
+
+Each step: running sequences first (decode tokens and the next chunk of
+prompts being prefilled), oldest first; then waiting sequences are admitted
+while the token budget, the sequence limit and free blocks allow. When a
+running sequence needs a block and none is free, the newest running sequence
+is preempted: its blocks are freed and it is recomputed later.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.engine.block_allocator import BlockAllocator
+from pdserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def samples(self, i: int) -> bool:
+        """Whether sequence i's chunk reaches its last token, so a token is sampled."""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int):
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    # -- membership ---------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Admits a sequence whose KV is already in its blocks (arrived from a prefill node)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def detach(self, seq: Sequence) -> list[int]:
+        """Takes a running sequence out of scheduling but keeps its blocks, which the
+        caller now owns (a prefill node holds them until its KV is acknowledged)."""
+        self.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        blocks, seq.block_table = seq.block_table, []
+        return blocks
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Ends a sequence wherever it is and returns its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    # -- one step --------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._reserve(seq, n, batch):
+                continue
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            need = self.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
+            if not self.allocator.can_allocate(need):
+                break
+            seq.block_table.extend(self.allocator.allocate(need))
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
+        """Gets the blocks seq needs for n more tokens, preempting newer sequences if needed.
+        False when seq itself had to be preempted."""
+        need = self.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
+        while not self.allocator.can_allocate(need):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        seq.block_table.extend(self.allocator.allocate(need))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[int | None]) -> None:
+        """Records a step's result: computed tokens advance, sampled tokens are appended."""
+        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, sampled):
+            seq.num_computed_tokens += n
+            if token is not None:
+                seq.token_ids.append(token)

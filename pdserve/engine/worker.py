@@ -1,0 +1,83 @@
+"""What every engine owner shares: model, KV cache, allocator and scheduler.
+
+The offline ``LLMEngine``, the prefill node and the decode node each hold one
+``Worker`` and differ only in what they do around ``step``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pdserve.common.protocol import KVLayout, ModelIdentity, NodeStats
+from pdserve.engine.block_allocator import BlockAllocator
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.model.loader import load_model, model_identity_hash, resolve_dtype
+
+
+class Worker:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        model_dir = config.model
+        if model_dir is None:
+            from pdserve.model.default_model import default_model_dir
+            model_dir = default_model_dir()
+        self.model_dir = Path(model_dir)
+        self.model = load_model(self.model_dir, config.dtype, config.device)
+        self.model_config = self.model.config
+        self.dtype = resolve_dtype(config.dtype, self.model_config)
+        limit = self.model_config.max_model_len
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        per_block = kv_bytes_per_block(self.model, config.block_size, self.dtype)
+        num_blocks = config.num_kv_blocks or max(
+            1, int(config.kv_cache_memory_gb * 2**30) // per_block)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size,
+                                  config.device, self.dtype)
+        self.allocator = BlockAllocator(num_blocks)
+        self.scheduler = Scheduler(self.allocator, config.block_size, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def identity(self) -> ModelIdentity:
+        return ModelIdentity(name=self.model_dir.name,
+                             config_hash=model_identity_hash(self.model_dir))
+
+    def kv_layout(self) -> KVLayout:
+        cfg = self.model_config
+        return KVLayout(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
+                        head_dim=cfg.head_dim, dtype=str(self.dtype).removeprefix("torch."),
+                        block_size=self.block_size)
+
+    def stats(self, queued_prompt_tokens: int = 0) -> NodeStats:
+        return NodeStats(num_free_blocks=self.allocator.num_free_blocks,
+                         num_total_blocks=self.allocator.num_blocks,
+                         num_running=self.scheduler.num_running,
+                         num_waiting=self.scheduler.num_waiting,
+                         queued_prompt_tokens=queued_prompt_tokens)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                      what: str = "prompt") -> None:
+        """Raises ValueError with the reason when a request cannot be served."""
+        if not prompt_token_ids:
+            raise ValueError(f"{what} is empty: it must have at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids
+               if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{what} has token ids outside [0, {vocab}): {bad[:5]}")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"{what} has {len(prompt_token_ids)} tokens but the model's context "
+                             f"is {self.max_model_len} tokens, leaving no room for output")
+        params.validate()
+        longest = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
+        if self.scheduler.blocks_for(longest) > self.allocator.num_blocks:
+            raise ValueError(f"{what} needs up to {longest} tokens of KV cache but the cache "
+                             f"holds {self.allocator.num_blocks * self.block_size}")

@@ -1,0 +1,133 @@
+"""The Llama-family decoder (Llama 2/3, Qwen2, Mistral) over flat, packed tokens.
+
+Module and parameter names mirror Hugging Face's so that a checkpoint's
+state dict loads without renaming. Tokens of all sequences in a step are
+packed into one flat batch ``[T]``; the attention metadata says where each
+sequence starts and where its KV lives.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from pdserve import kernels
+from pdserve.model.attention import AttentionMetadata, PagedAttention
+from pdserve.model.config import ModelConfig
+from pdserve.model.rope import cos_sin_cache
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return kernels.rms_norm(x, self.weight, self.eps, residual=residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        # Qwen2 puts biases on q/k/v only; Llama's attention_bias covers o_proj too.
+        o_bias = bias and cfg.model_type != "qwen2"
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=o_bias)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, x, positions, cos_sin, meta: AttentionMetadata, kv_cache: KVCache | None):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)     # [T, H, D]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        q, k = kernels.apply_rotary(q, k, positions, cos_sin)
+        out = self.attn(q, k, v, meta, kv_cache)                      # [T, H, D]
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=b)
+        self.up_proj = nn.Linear(h, i, bias=b)
+        self.down_proj = nn.Linear(i, h, bias=b)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, residual, positions, cos_sin, meta, kv_cache):
+        # The residual add is fused into the norms: same adds, same order as HF.
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, cos_sin, meta, kv_cache)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.cos_sin: torch.Tensor | None = None  # [max_pos, D] float32, set by init_rope
+
+    def init_rope(self, device: torch.device | str) -> None:
+        cfg = self.config
+        self.cos_sin = cos_sin_cache(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, device)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, kv_caches: list[KVCache] | None,
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """input_ids, positions [T] → final hidden states [T, hidden].
+
+        ``on_layer(i)`` runs once layer i's K/V are in the cache: a prefill node
+        starts shipping them while the later layers compute."""
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
+        for i, layer in enumerate(self.model.layers):
+            cache = kv_caches[i] if kv_caches is not None else None
+            x, residual = layer(x, residual, positions, self.cos_sin, meta, cache)
+            if on_layer is not None:
+                on_layer(i)
+        x, _ = self.model.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] → logits [N, vocab] in float32 (sampling precision)."""
+        return self.lm_head(hidden).float()

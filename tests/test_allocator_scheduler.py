@@ -1,0 +1,99 @@
+"""Pure-Python units: block allocator and scheduler (no model, no torch)."""
+import pytest
+
+from pdserve.engine.block_allocator import BlockAllocator, BlockAllocatorError
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import Sequence, SequenceStatus
+
+
+def test_allocator_allocates_frees_and_refuses_double_free():
+    alloc = BlockAllocator(4)
+    a = alloc.allocate(3)
+    assert len(set(a)) == 3 and alloc.num_free_blocks == 1
+    assert not alloc.can_allocate(2)
+    with pytest.raises(BlockAllocatorError, match="cannot allocate 2 KV blocks: 1 of 4 free"):
+        alloc.allocate(2)
+    alloc.free(a[:1])
+    with pytest.raises(BlockAllocatorError, match="freed twice"):
+        alloc.free(a[:1])
+    with pytest.raises(BlockAllocatorError, match="never allocated"):
+        alloc.free([99])
+    alloc.free(a[1:])
+    assert alloc.num_free_blocks == 4 and alloc.usage() == 0
+
+
+def seq(i, n, max_tokens=4):
+    return Sequence(str(i), list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens))
+
+
+def run_to_end(sched, steps=1000):
+    """Drives the scheduler with a fake sampler that emits token 7, finishing at max_tokens."""
+    seen = []
+    for _ in range(steps):
+        if not sched.has_unfinished():
+            return seen
+        batch = sched.schedule()
+        assert sum(batch.num_new_tokens) <= sched.max_num_batched_tokens
+        assert len(sched.running) <= sched.max_num_seqs
+        sampled = [7 if batch.samples(i) else None for i in range(len(batch))]
+        seen.append(list(zip([s.seq_id for s in batch.seqs], batch.num_new_tokens)))
+        sched.postprocess(batch, sampled)
+        for s in list(batch.seqs):
+            assert len(s.block_table) * sched.block_size >= s.num_computed_tokens
+            if s.num_output_tokens >= s.params.max_tokens:
+                sched.finish(s, "length")
+    raise AssertionError("scheduler did not finish")
+
+
+def test_chunked_prefill_respects_budget_and_returns_all_blocks():
+    alloc = BlockAllocator(64)
+    sched = Scheduler(alloc, block_size=4, max_num_seqs=8, max_num_batched_tokens=10)
+    seqs = [seq(i, n) for i, n in enumerate([25, 3, 9, 1])]
+    for s in seqs:
+        sched.add(s)
+    steps = run_to_end(sched)
+    # the 25-token prompt is cut into chunks of at most 10
+    first = [n for step in steps for sid, n in step if sid == "0"]
+    assert first[:3] == [10, 10, 5]
+    assert all(s.status is SequenceStatus.FINISHED and s.num_output_tokens == 4 for s in seqs)
+    assert alloc.num_free_blocks == 64
+
+
+def test_preemption_when_blocks_run_out_recomputes_and_finishes():
+    alloc = BlockAllocator(6)  # 24 token slots for three sequences that want 3*(8+8)
+    sched = Scheduler(alloc, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    seqs = [seq(i, 8, max_tokens=8) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    run_to_end(sched)
+    assert all(s.num_output_tokens == 8 for s in seqs)
+    assert alloc.num_free_blocks == 6
+
+
+def test_waiting_sequence_waits_for_blocks_and_max_num_seqs():
+    alloc = BlockAllocator(3)
+    sched = Scheduler(alloc, block_size=4, max_num_seqs=1, max_num_batched_tokens=64)
+    a, b = seq("a", 4), seq("b", 4)
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert [s.seq_id for s in batch.seqs] == ["a"]
+    assert b.status is SequenceStatus.WAITING
+
+
+def test_finish_of_waiting_sequence_and_add_running():
+    alloc = BlockAllocator(8)
+    sched = Scheduler(alloc, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    w = seq("w", 5)
+    sched.add(w)
+    sched.finish(w, "abort")
+    assert not sched.has_unfinished() and w.finish_reason == "abort"
+    # A sequence arriving with its KV already placed joins the running batch as a decode.
+    r = seq("r", 5)
+    r.block_table = alloc.allocate(2)
+    r.num_computed_tokens = 5
+    r.token_ids.append(9)
+    sched.add_running(r)
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [1] and batch.samples(0)

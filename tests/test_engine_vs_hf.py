@@ -1,0 +1,75 @@
+"""The engine's greedy output equals transformers' generate(), token for token."""
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+NEW_TOKENS = 32
+# Lengths straddle the 16-token block: 1 token, exact multiples, one past a boundary.
+PROMPT_LENGTHS = [1, 5, 15, 16, 17, 31, 33, 48, 70]
+
+
+def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+def hf_greedy(model_dir, prompts, new_tokens=NEW_TOKENS):
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # no early stop: compare raw argmax chains
+    model.generation_config.pad_token_id = 0
+    outs = []
+    for ids in prompts:
+        with torch.no_grad():
+            seq = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
+                                 dtype=torch.long), max_new_tokens=new_tokens, do_sample=False)
+        outs.append(seq[0, len(ids):].tolist())
+    return outs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_greedy_batch_matches_transformers(tiny_model, arch):
+    model_dir = tiny_model(arch)
+    # A small token budget makes the 70-token prompt prefill in several chunks and
+    # mixes prefill chunks with decode tokens in one step.
+    llm = LLM(model=model_dir, max_num_batched_tokens=32)
+    prompts = make_prompts(llm.engine.model_config.vocab_size)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    ours = [o.token_ids for o in llm.generate(prompts, params)]
+    assert ours == hf_greedy(model_dir, prompts)
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_blocks
+
+
+def test_text_prompts_and_chunked_prefill_match_transformers(tiny_model):
+    model_dir = tiny_model("llama")
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    texts = ["The quick brown fox", "Serving systems batch requests " * 8, "é ü ß 日本"]
+    hf_ids = [tok(t).input_ids for t in texts]
+    llm = LLM(model=model_dir, max_num_batched_tokens=16)
+    outs = llm.generate(texts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0,
+                                              ignore_eos=True))
+    assert [o.prompt_token_ids for o in outs] == hf_ids
+    assert [o.token_ids for o in outs] == hf_greedy(model_dir, hf_ids)
+    for out in outs:
+        # An incomplete UTF-8 character at the very end is held back, not shown as U+FFFD.
+        hf_text = tok.decode(out.token_ids, skip_special_tokens=True)
+        assert out.text == hf_text.rstrip("\ufffd")
+        assert out.finish_reason == "length"
+
+
+def test_stop_token_ends_after_the_token(tiny_model):
+    """A stop token id ends the sequence right after it, with finish_reason 'stop'."""
+    model_dir = tiny_model("qwen2")
+    llm = LLM(model=model_dir)
+    prompts = make_prompts(llm.engine.model_config.vocab_size, seed=3)[:4]
+    free = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8,
+                                                                      temperature=0,
+                                                                      ignore_eos=True))]
+    stop_tok = free[0][3]
+    outs = llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0,
+                                                    stop_token_ids=[stop_tok]))
+    first = free[0].index(stop_tok)
+    assert outs[0].token_ids == free[0][:first + 1]
+    assert outs[0].finish_reason == "stop"
