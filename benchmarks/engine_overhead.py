@@ -29,9 +29,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--steps", type=int, default=8, help="decode steps per round")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
 
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype))
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, threads=args.threads))
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     total_steps = args.rounds * args.steps + 4

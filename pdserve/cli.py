@@ -138,7 +138,7 @@ def _run_node(role: str, kw: dict) -> None:
 @main.command("prefill")
 @node_options
 @click.option("--kv-checksums/--no-kv-checksums", "kv_checksums", default=True,
-              show_default=True, help="crc32 on every KV frame sent.")
+              show_default=True, help="A 64-bit checksum on every KV frame sent.")
 @click.option("--kv-layers-per-chunk", type=click.IntRange(min=1), default=4, show_default=True,
               help="Layers per KV message: smaller overlaps transfer with compute more.")
 def prefill_cmd(**kw) -> None:

@@ -2,7 +2,7 @@
 anything malformed ends in a ProtocolError that says what was wrong."""
 import ctypes
 import random
-import zlib
+import xxhash
 
 import msgpack
 import pytest
@@ -34,7 +34,7 @@ def kv_chunk(dtype="bfloat16", num_tokens=7, checksums=False, **kw):
             else:
                 t = torch.randint(0, 100, shape).to(torch_dtype)
             tensors[f"{kv}{layer}"] = t  # [num_blocks, block_size, kv_heads, head_dim]
-    sums = [P.crc32_of(t) for t in tensors.values()] if checksums else []
+    sums = [P.checksum_of(t) for t in tensors.values()] if checksums else []
     fields = dict(req_id="r1", model=MODEL, kv_layout=lay, layer_start=0,
                   layer_end=lay.num_layers, num_tokens=num_tokens, checksums=sums, last=True,
                   first_token=42, tensors=tensors)
@@ -116,7 +116,7 @@ def test_tensor_round_trip_every_dtype(dtype):
     assert list(got.tensors) == list(msg.tensors)
     for name, t in msg.tensors.items():
         assert torch.equal(got.tensors[name], t)
-    assert [P.crc32_of(t) for t in got.tensors.values()] == got.checksums
+    assert [P.checksum_of(t) for t in got.tensors.values()] == got.checksums
 
 
 def test_encode_takes_views_and_decode_is_zero_copy():
@@ -159,9 +159,10 @@ def test_int_accepted_for_float_and_converted():
     assert type(got.heartbeat_interval_s) is float
 
 
-def test_crc32_of_tensor_and_frame_agree():
+def test_checksum_of_tensor_and_frame_agree():
     t = torch.arange(10, dtype=torch.int64)
-    assert P.crc32_of(t) == zlib.crc32(t.numpy().tobytes()) == P.crc32_of(t.numpy().tobytes())
+    assert P.checksum_of(t) == xxhash.xxh3_64_intdigest(t.numpy().tobytes()) \
+        == P.checksum_of(t.numpy().tobytes())
 
 
 def test_protocol_error_answers_as_error_message():

@@ -18,7 +18,7 @@ class NodeConfig:
     advertise_host: str | None = None         # host in the KV address told to the router
     heartbeat_interval_s: float = 1.0         # until the router's Welcome says otherwise
     welcome_timeout_s: float = 60.0           # how long to wait for the router at start
-    kv_checksums: bool = True                 # crc32 on every KV frame
+    kv_checksums: bool = True                 # a checksum on every KV frame
     kv_layers_per_chunk: int = 4              # layers per KV message (overlap vs. overhead)
 
     def __post_init__(self):

@@ -1,0 +1,228 @@
+"""The I/O side of a node: one thread owns every socket of the node.
+
+The compute loop never touches a socket and never waits on one: it reads
+decoded messages from ``inbox`` and hands messages to send to ``send_*``,
+which queue them and wake this thread through a pipe. Heartbeats are sent
+from here on their own clock, so they keep flowing while a long forward runs
+(torch releases the GIL).
+
+Channels (the first item of each inbox entry):
+- ``control``: the DEALER to the router's control socket.
+- ``kv_in``:   the ROUTER a decode node binds for KV; entries carry the peer.
+- ``kv_out``:  DEALERs a prefill node opens to decode nodes' KV sockets;
+               entries carry the decode node's KV address as the peer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import socket as pysocket
+import threading
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from pdserve.common import protocol as P
+from pdserve.common.transport import (SendError, endpoint_of, make_socket, recv_message,
+                                      recv_routed, send_message, send_routed)
+
+log = logging.getLogger(__name__)
+
+CONTROL, KV_IN, KV_OUT = "control", "kv_in", "kv_out"
+# What each channel may carry to a node; anything else is answered with an Error.
+CONTROL_IN = (P.Welcome, P.Heartbeat, P.PrefillBatch, P.Reserve, P.Abort, P.Drain, P.Error)
+KV_IN_TYPES = (P.KVChunk,)
+KV_OUT_TYPES = (P.KVAck, P.Error)
+
+
+@dataclass(frozen=True)
+class InboxItem:
+    channel: str
+    peer: bytes | str | None
+    msg: P.Message
+
+
+def advertised(endpoint: str, host: str | None) -> str:
+    """The address other machines use for a bound endpoint (``tcp://0.0.0.0:5600`` is
+    no address to connect to)."""
+    if not endpoint.startswith("tcp://"):
+        return endpoint
+    bound_host, port = endpoint[len("tcp://"):].rsplit(":", 1)
+    if host is None:
+        host = pysocket.gethostname() if bound_host in ("0.0.0.0", "*", "[::]") else bound_host
+    return f"tcp://{host}:{port}"
+
+
+class NodeIO(threading.Thread):
+    def __init__(self, router: str, hello: P.Hello, *, kv_bind: str | None = None,
+                 advertise_host: str | None = None, heartbeat_interval_s: float = 1.0,
+                 welcome_timeout_s: float = 30.0):
+        super().__init__(name=f"io-{hello.node_id}", daemon=True)
+        self.router = router
+        self.hello = hello
+        self.kv_bind = kv_bind
+        self.advertise_host = advertise_host
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.welcome_timeout_s = welcome_timeout_s
+        self.inbox: queue.Queue[InboxItem] = queue.Queue()
+        self.stats: P.NodeStats = hello.capacity   # replaced (atomically) by the compute loop
+        self.welcome: P.Welcome | None = None
+        self.welcomed = threading.Event()
+        self.ready = threading.Event()             # sockets bound, kv_address known
+        self.failure: BaseException | None = None
+        self._outbox: queue.Queue[tuple[str, object, P.Message]] = queue.Queue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._stop = threading.Event()
+        self.last_router_message = time.monotonic()
+
+    # -- called from the compute thread ------------------------------------------------
+    def send_control(self, msg: P.Message) -> None:
+        self._put(CONTROL, None, msg)
+
+    def send_kv_reply(self, peer: bytes, msg: P.Message) -> None:
+        self._put(KV_IN, peer, msg)
+
+    def send_kv(self, address: str, msg: P.Message) -> None:
+        self._put(KV_OUT, address, msg)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake()
+
+    def _put(self, channel: str, peer, msg: P.Message) -> None:
+        self._outbox.put((channel, peer, msg))
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass  # the pipe is full: the thread is awake already
+
+    # -- the thread ----------------------------------------------------------------------
+    def run(self) -> None:
+        ctx = zmq.Context()
+        socks: list[zmq.Socket] = []
+        try:
+            control = make_socket(ctx, zmq.DEALER, connect=self.router,
+                                  identity=self.hello.node_id, linger_ms=1000)
+            socks.append(control)
+            kv_in = None
+            if self.kv_bind:
+                kv_in = make_socket(ctx, zmq.ROUTER, bind=self.kv_bind)
+                socks.append(kv_in)
+                address = advertised(endpoint_of(kv_in), self.advertise_host)
+                self.hello = dataclasses.replace(self.hello, kv_address=address)
+            self.ready.set()
+            kv_out: dict[str, zmq.Socket] = {}
+            poller = zmq.Poller()
+            poller.register(control, zmq.POLLIN)
+            if kv_in is not None:
+                poller.register(kv_in, zmq.POLLIN)
+            poller.register(self._wake_r, zmq.POLLIN)
+            send_message(control, self.hello)
+            next_beat = time.monotonic() + self.heartbeat_interval_s
+            while not self._stop.is_set():
+                timeout_ms = max(0, int((next_beat - time.monotonic()) * 1000))
+                events = dict(poller.poll(min(timeout_ms, 500)))
+                if self._wake_r in events:
+                    os.read(self._wake_r, 4096)
+                if control in events:
+                    self._drain(control, CONTROL, CONTROL_IN)
+                if kv_in is not None and kv_in in events:
+                    self._drain(kv_in, KV_IN, KV_IN_TYPES, routed=True)
+                for address, sock in kv_out.items():
+                    if sock in events:
+                        self._drain(sock, KV_OUT, KV_OUT_TYPES, peer=address)
+                self._flush(control, kv_in, kv_out, ctx, poller, socks)
+                if time.monotonic() >= next_beat:
+                    self._heartbeat(control)
+                    next_beat = time.monotonic() + self.heartbeat_interval_s
+            # Tell the router we are going, if it is still there.
+            try:
+                send_message(control, P.Bye(node_id=self.hello.node_id, reason="shutdown"),
+                             flags=zmq.NOBLOCK)
+            except SendError:
+                pass
+        except BaseException as exc:  # surfaced to the compute loop, which stops the node
+            log.exception("node I/O thread failed")
+            self.failure = exc
+            self.ready.set()
+            self.welcomed.set()
+        finally:
+            for s in socks:
+                s.close()
+            ctx.term()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def _heartbeat(self, control: zmq.Socket) -> None:
+        try:
+            send_message(control, P.Heartbeat(node_id=self.hello.node_id, stats=self.stats),
+                         flags=zmq.NOBLOCK)
+        except SendError as exc:
+            log.warning("heartbeat to router not sent: %s", exc)
+
+    def _drain(self, sock, channel, expected, routed=False, peer=None) -> None:
+        while True:
+            try:
+                if routed:
+                    peer, msg = recv_routed(sock, expected, flags=zmq.NOBLOCK)
+                else:
+                    msg = recv_message(sock, expected, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except P.ProtocolError as err:
+                log.warning("bad message on %s from %r: %s", channel, err.peer or peer, err)
+                self._answer_error(sock, channel, err)
+                continue
+            if channel == CONTROL:
+                self.last_router_message = time.monotonic()
+                if isinstance(msg, P.Welcome):
+                    self.welcome = msg
+                    self.welcomed.set()
+                    continue
+                if isinstance(msg, P.Heartbeat):
+                    continue
+            self.inbox.put(InboxItem(channel, peer, msg))
+
+    def _answer_error(self, sock, channel, err: P.ProtocolError) -> None:
+        try:
+            if channel == KV_IN and err.peer is not None:
+                send_routed(sock, err.peer, err.to_message())
+            elif channel != KV_IN:
+                send_message(sock, err.to_message(), flags=zmq.NOBLOCK)
+        except SendError:
+            pass
+
+    def _flush(self, control, kv_in, kv_out, ctx, poller, socks) -> None:
+        while True:
+            try:
+                channel, peer, msg = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if channel == CONTROL:
+                    send_message(control, msg, flags=zmq.NOBLOCK)
+                elif channel == KV_IN:
+                    send_routed(kv_in, peer, msg)
+                else:
+                    sock = kv_out.get(peer)
+                    if sock is None:
+                        sock = make_socket(ctx, zmq.DEALER, connect=peer,
+                                           identity=self.hello.node_id)
+                        kv_out[peer] = sock
+                        socks.append(sock)
+                        poller.register(sock, zmq.POLLIN)
+                    send_message(sock, msg, flags=zmq.NOBLOCK)
+            except SendError as exc:
+                # Never silent: the compute loop learns the send failed and ends the request.
+                log.warning("send on %s to %r failed: %s", channel, peer, exc)
+                req_id = getattr(msg, "req_id", None)
+                self.inbox.put(InboxItem(channel, peer, P.Error(
+                    req_id=req_id, code=P.TIMEOUT if exc.reason == "full" else P.INTERNAL,
+                    message=f"send to {peer or 'router'} failed: {exc}")))

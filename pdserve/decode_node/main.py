@@ -1,0 +1,159 @@
+"""Decode node: reserves blocks, receives KV into its pages, decodes in continuous batches.
+
+A request's way here::
+
+    Reserve --> blocks allocated (or refused with the reason), lease started
+      --> KVChunk... checked (model, layout, checksum) and scattered into those blocks
+      --> last chunk: first token appended, sequence joins the running batch, KVAck
+      --> one TokenBatch per step to the router --> finished/aborted: blocks freed
+    A lease that runs out before the KV has arrived frees the blocks and tells the router.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.common import protocol as P
+from pdserve.common.config import NodeConfig
+from pdserve.common.node_io import InboxItem
+from pdserve.engine.kv_transfer import (InboundTransfer, KVReceiver, KVTransferError,
+                                        TransferState)
+from pdserve.engine.node import Node
+from pdserve.engine.output import RequestOutputState
+from pdserve.engine.sampling_params import from_spec
+from pdserve.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeJob:
+    seq: Sequence
+    out: RequestOutputState
+    transfer: InboundTransfer
+    lease_s: float
+    lease_deadline: float
+
+
+class DecodeNode(Node):
+    role = "decode"
+
+    def __init__(self, config: NodeConfig):
+        super().__init__(config)
+        self.receiver = KVReceiver(self.identity, self.layout, self.worker.runner.kv_caches)
+        self.jobs: dict[str, DecodeJob] = {}
+
+    def handle(self, item: InboxItem) -> None:
+        msg = item.msg
+        if isinstance(msg, P.Reserve):
+            self.io.send_control(self._reserve(msg))
+        elif isinstance(msg, P.KVChunk):
+            self._place(item.peer, msg)
+        elif isinstance(msg, P.Abort):
+            for req_id in msg.req_ids:
+                self._drop(req_id, "abort")
+        elif isinstance(msg, P.Error):
+            log.warning("error from %s: %s %s", item.channel, msg.code, msg.message)
+        elif isinstance(msg, P.Drain):
+            log.info("asked to drain: %s", msg.reason)
+
+    def _reserve(self, msg: P.Reserve) -> P.ReserveReply:
+        def refuse(reason: str) -> P.ReserveReply:
+            log.info("reservation for %s refused: %s", msg.req_id, reason)
+            return P.ReserveReply(req_id=msg.req_id, ok=False, reason=reason, num_blocks=0)
+
+        if msg.req_id in self.jobs:
+            return refuse(f"{P.BAD_MESSAGE}: request id {msg.req_id!r} is already here")
+        try:
+            params = from_spec(msg.sampling)
+            self.worker.check_request(msg.prompt_token_ids, params,
+                                      what=f"prompt of {msg.req_id}")
+        except ValueError as exc:
+            return refuse(f"{P.BAD_MESSAGE}: {exc}")
+        alloc = self.worker.allocator
+        need = self.worker.scheduler.blocks_for(len(msg.prompt_token_ids))
+        if not alloc.can_allocate(need):
+            return refuse(f"{P.NO_CAPACITY}: needs {need} KV blocks, {alloc.num_free_blocks} "
+                          f"of {alloc.num_blocks} free")
+        seq = Sequence(msg.req_id, msg.prompt_token_ids, params)
+        seq.block_table = alloc.allocate(need)
+        transfer = InboundTransfer(msg.req_id, torch.tensor(seq.block_table, dtype=torch.int64),
+                                   len(msg.prompt_token_ids))
+        out = RequestOutputState(None, msg.prompt_token_ids, params,
+                                 self.worker.model_config.eos_token_ids, self.worker.max_model_len)
+        self.jobs[msg.req_id] = DecodeJob(seq, out, transfer, msg.lease_s,
+                                          time.monotonic() + msg.lease_s)
+        return P.ReserveReply(req_id=msg.req_id, ok=True, reason="", num_blocks=need)
+
+    def _place(self, peer: bytes, chunk: P.KVChunk) -> None:
+        job = self.jobs.get(chunk.req_id)
+        if job is None or job.transfer.state not in (TransferState.RESERVED,
+                                                     TransferState.TRANSFERRING):
+            reason = f"no reservation here for {chunk.req_id!r} (expired, aborted or never made)"
+            self.io.send_kv_reply(peer, P.KVAck(req_id=chunk.req_id, ok=False, reason=reason))
+            return
+        try:
+            self.receiver.place(chunk, job.transfer)
+        except KVTransferError as exc:
+            job.transfer.state = TransferState.FAILED
+            self._drop(chunk.req_id, "error")
+            self.io.send_kv_reply(peer, P.KVAck(req_id=chunk.req_id, ok=False,
+                                                reason=f"{exc.code}: {exc.message}"))
+            self.error_to_router(chunk.req_id, exc.code, exc.message)
+            return
+        if job.transfer.state is TransferState.DONE:
+            seq = job.seq
+            seq.num_computed_tokens = seq.num_prompt_tokens
+            seq.token_ids.append(chunk.first_token)
+            job.out.add([chunk.first_token])  # counted toward max_tokens; the router has it
+            self.worker.scheduler.add_running(seq)
+            self.io.send_kv_reply(peer, P.KVAck(req_id=chunk.req_id, ok=True, reason=""))
+
+    def _drop(self, req_id: str, reason: str) -> None:
+        job = self.jobs.pop(req_id, None)
+        if job is None:
+            return
+        if job.transfer.state is TransferState.DONE:
+            if not job.seq.is_finished:
+                self.worker.scheduler.finish(job.seq, reason)
+        else:  # still reserved: the blocks were never handed to the scheduler
+            self.worker.allocator.free(job.seq.block_table)
+            job.seq.block_table = []
+
+    def step(self) -> None:
+        worker = self.worker
+        batch = worker.scheduler.schedule()
+        if not batch.seqs:
+            return
+        sampled = worker.runner.execute(batch)
+        worker.scheduler.postprocess(batch, sampled)
+        items = []
+        for seq, token in zip(batch.seqs, sampled):
+            if token is None:
+                continue  # a preempted sequence being recomputed
+            job = self.jobs[seq.seq_id]
+            reason = job.out.add([token]).finish_reason
+            items.append(P.TokenItem(req_id=seq.seq_id, token_ids=[token], finish_reason=reason))
+            if reason is not None:
+                worker.scheduler.finish(seq, reason)
+                del self.jobs[seq.seq_id]
+        if items:
+            self.io.send_control(P.TokenBatch(items=items))
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        late = [j for j in self.jobs.values()
+                if j.transfer.state is not TransferState.DONE and now > j.lease_deadline]
+        for job in late:
+            req_id = job.seq.seq_id
+            self._drop(req_id, "error")
+            self.error_to_router(req_id, P.LEASE_EXPIRED, (
+                f"reservation of {len(job.transfer.block_ids)} KV blocks expired after "
+                f"{job.lease_s:g} s without the KV arriving"))
+
+
+def run_decode(config: NodeConfig) -> int:
+    return DecodeNode(config).run()

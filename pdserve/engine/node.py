@@ -1,0 +1,129 @@
+"""The loop every node runs, in a few numbered steps; roles fill in the steps.
+
+    1. start the I/O thread, say Hello, wait for the router's Welcome
+    2. loop: take what the I/O thread received (block only when idle),
+       expire leases and deadlines, run one step if there is work,
+       publish stats for the next heartbeat
+    3. on SIGTERM/SIGINT or an I/O failure: stop the I/O thread (it says Bye),
+       free the device
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import socket
+import threading
+
+from pdserve.common import protocol as P
+from pdserve.common.config import NodeConfig
+from pdserve.common.node_io import InboxItem, NodeIO
+from pdserve.engine.worker import Worker
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05  # longest block on the inbox when idle: bounds lease-expiry lag
+
+
+class Node:
+    role = ""
+
+    def __init__(self, config: NodeConfig):
+        self.config = config
+        self.node_id = config.node_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
+        self.worker = Worker(config.engine)
+        self.identity = self.worker.identity()
+        self.layout = self.worker.kv_layout()
+        hello = P.Hello(node_id=self.node_id, role=self.role,
+                        protocol_version=P.PROTOCOL_VERSION, model=self.identity,
+                        kv_layout=self.layout, capacity=self.worker.stats(), pid=os.getpid())
+        self.io = NodeIO(config.router, hello,
+                         kv_bind=config.kv_bind if self.role == "decode" else None,
+                         advertise_host=config.advertise_host,
+                         heartbeat_interval_s=config.heartbeat_interval_s)
+        self._stop = threading.Event()
+
+    # -- for the roles ---------------------------------------------------------------------
+    def handle(self, item: InboxItem) -> None:
+        raise NotImplementedError
+
+    def has_work(self) -> bool:
+        return self.worker.scheduler.has_unfinished()
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def expire(self) -> None:
+        """Ends whatever waited past its deadline; called every turn of the loop."""
+
+    def stats(self) -> P.NodeStats:
+        return self.worker.stats()
+
+    def error_to_router(self, req_id: str | None, code: str, message: str) -> None:
+        log.warning("request %s failed (%s): %s", req_id, code, message)
+        self.io.send_control(P.Error(req_id=req_id, code=code, message=message))
+
+    # -- the loop ----------------------------------------------------------------------------
+    def stop(self, *_args) -> None:
+        self._stop.set()
+
+    def run(self) -> int:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self.stop)
+            signal.signal(signal.SIGINT, self.stop)
+        self.io.start()
+        try:
+            if not self._wait_welcome():
+                return 1
+            log.info("%s node %s registered with router %s (kv %s)", self.role, self.node_id,
+                     self.config.router, self.io.hello.kv_address)
+            while not self._stop.is_set():
+                if self.io.failure is not None:
+                    raise RuntimeError("node I/O thread failed") from self.io.failure
+                self._take_inbox(block=not self.has_work())
+                self.expire()
+                if self.has_work():
+                    self.step()
+                self.io.stats = self.stats()
+            return 0
+        finally:
+            self.io.stop()
+            self.io.join(timeout=5)
+
+    def _wait_welcome(self) -> bool:
+        timeout = self.config.welcome_timeout_s
+        while not self.io.welcomed.wait(0.1):
+            timeout -= 0.1
+            if self._stop.is_set():
+                return False
+            if timeout <= 0:
+                log.error("router at %s did not answer Hello within %.0f s",
+                          self.config.router, self.config.welcome_timeout_s)
+                return False
+        if self.io.failure is not None:
+            log.error("node I/O failed before registering: %s", self.io.failure)
+            return False
+        welcome = self.io.welcome
+        if not welcome.accepted:
+            log.error("router refused this node: %s", welcome.reason)
+            return False
+        self.io.heartbeat_interval_s = welcome.heartbeat_interval_s
+        return True
+
+    def _take_inbox(self, block: bool) -> None:
+        try:
+            item = self.io.inbox.get(timeout=IDLE_WAIT_S) if block \
+                else self.io.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            try:
+                self.handle(item)
+            except Exception:  # one bad message must not stop the node
+                log.exception("handling %s from %s failed", type(item.msg).__name__,
+                              item.channel)
+            try:
+                item = self.io.inbox.get_nowait()
+            except queue.Empty:
+                return

@@ -1,0 +1,159 @@
+"""Prefill node: batch prefill, first token to the router at once, KV to the decode node.
+
+A request's way here::
+
+    PrefillBatch --> scheduler.waiting --> (chunked) prefill steps
+      --> last chunk's forward: layer groups' KV sent as each group finishes
+      --> first token sampled: FirstTokens to router, last KV chunk (with the token)
+      --> TRANSFERRING until the decode node's KVAck (or the deadline) --> blocks freed
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.common import protocol as P
+from pdserve.common.config import NodeConfig
+from pdserve.common.node_io import KV_OUT, InboxItem
+from pdserve.engine.kv_transfer import kv_chunk, layer_groups
+from pdserve.engine.node import Node
+from pdserve.engine.output import RequestOutputState
+from pdserve.engine.sampling_params import from_spec
+from pdserve.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillJob:
+    req: P.PrefillRequest
+    seq: Sequence
+    blocks: list[int] | None = None      # set once prefilled: owned here until acknowledged
+    deadline: float = 0.0                # for the decode node's acknowledgement
+
+
+class PrefillNode(Node):
+    role = "prefill"
+
+    def __init__(self, config: NodeConfig):
+        super().__init__(config)
+        self.jobs: dict[str, PrefillJob] = {}
+        self.groups = layer_groups(self.layout.num_layers, config.kv_layers_per_chunk)
+
+    def handle(self, item: InboxItem) -> None:
+        msg = item.msg
+        if isinstance(msg, P.PrefillBatch):
+            for req in msg.requests:
+                self._admit(req)
+        elif isinstance(msg, P.Abort):
+            for req_id in msg.req_ids:
+                self._drop(req_id)
+        elif isinstance(msg, P.KVAck):
+            job = self.jobs.get(msg.req_id)
+            if job is not None and job.blocks is not None:
+                self._drop(msg.req_id)
+                if not msg.ok:  # the decode node told the router why
+                    log.warning("decode node refused KV of %s: %s", msg.req_id, msg.reason)
+        elif isinstance(msg, P.Error):
+            if item.channel == KV_OUT and msg.req_id in self.jobs:
+                self._drop(msg.req_id)
+                self.error_to_router(msg.req_id, msg.code,
+                                     f"KV transfer to {item.peer} failed: {msg.message}")
+            else:
+                log.warning("error from %s: %s %s", item.channel, msg.code, msg.message)
+        elif isinstance(msg, P.Drain):
+            log.info("asked to drain: %s", msg.reason)
+
+    def _admit(self, req: P.PrefillRequest) -> None:
+        if req.req_id in self.jobs:
+            self.error_to_router(req.req_id, P.BAD_MESSAGE,
+                                 f"request id {req.req_id!r} is already in flight here")
+            return
+        try:
+            params = from_spec(req.sampling)
+            self.worker.check_request(req.prompt_token_ids, params, what=f"prompt of {req.req_id}")
+        except ValueError as exc:
+            self.error_to_router(req.req_id, P.BAD_MESSAGE, str(exc))
+            return
+        seq = Sequence(req.req_id, req.prompt_token_ids, params)
+        self.jobs[req.req_id] = PrefillJob(req, seq)
+        self.worker.scheduler.add(seq)
+
+    def _drop(self, req_id: str) -> None:
+        job = self.jobs.pop(req_id, None)
+        if job is None:
+            return
+        if job.blocks is not None:
+            self.worker.allocator.free(job.blocks)
+        elif not job.seq.is_finished:
+            self.worker.scheduler.finish(job.seq, "abort")
+
+    def stats(self) -> P.NodeStats:
+        sched = self.worker.scheduler
+        queued = sum(s.num_tokens - s.num_computed_tokens
+                     for s in (*sched.waiting, *sched.running))
+        return self.worker.stats(queued_prompt_tokens=queued)
+
+    def step(self) -> None:
+        worker = self.worker
+        batch = worker.scheduler.schedule()
+        if not batch.seqs:
+            return
+        # Sequences whose prompt completes in this step: their KV ships as layers finish.
+        done = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
+        block_ids = {s.seq_id: torch.tensor(s.block_table, dtype=torch.int64) for s in done}
+        group_ends = {end - 1: (start, end) for start, end in self.groups[:-1]}
+
+        def on_layer(layer: int) -> None:
+            if layer in group_ends:
+                start, end = group_ends[layer]
+                for seq in done:
+                    self._send_kv(seq, block_ids[seq.seq_id], start, end, last=False)
+
+        sampled = worker.runner.execute(batch, on_layer if done else None)
+        worker.scheduler.postprocess(batch, sampled)
+
+        firsts, shipping = [], []
+        for seq, token in zip(batch.seqs, sampled):
+            if token is None:
+                continue
+            job = self.jobs[seq.seq_id]
+            state = RequestOutputState(None, seq.prompt_token_ids, seq.params,
+                                       worker.model_config.eos_token_ids, worker.max_model_len)
+            reason = state.add([token]).finish_reason
+            firsts.append(P.FirstToken(req_id=seq.seq_id, token_id=token, finish_reason=reason))
+            job.blocks = worker.scheduler.detach(seq)
+            job.deadline = time.monotonic() + job.req.timeout_s
+            if reason is None:
+                shipping.append((seq, token))
+            else:
+                self._drop(seq.seq_id)  # finished at its first token: no decode needed
+        if firsts:
+            self.io.send_control(P.FirstTokens(items=firsts))  # time to first token
+        start, end = self.groups[-1]
+        for seq, token in shipping:
+            self._send_kv(seq, block_ids[seq.seq_id], start, end, last=True, first_token=token)
+
+    def _send_kv(self, seq: Sequence, block_ids: torch.Tensor, start: int, end: int, *,
+                 last: bool, first_token: int | None = None) -> None:
+        job = self.jobs[seq.seq_id]
+        chunk = kv_chunk(seq.seq_id, self.identity, self.layout, self.worker.runner.kv_caches,
+                         block_ids, seq.num_prompt_tokens, start, end,
+                         checksums=self.config.kv_checksums, last=last, first_token=first_token)
+        self.io.send_kv(job.req.kv_address, chunk)
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        late = [j for j in self.jobs.values() if j.blocks is not None and now > j.deadline]
+        for job in late:
+            self._drop(job.req.req_id)
+            self.error_to_router(job.req.req_id, P.TIMEOUT, (
+                f"decode node {job.req.decode_node_id} at {job.req.kv_address} did not "
+                f"acknowledge the KV within {job.req.timeout_s:g} s"))
+
+
+def run_prefill(config: NodeConfig) -> int:
+    return PrefillNode(config).run()

@@ -1,0 +1,203 @@
+"""Prefill and decode nodes as real processes, started through the CLI, driven over
+real ZeroMQ sockets on 127.0.0.1 by a stand-in for the router's side."""
+import time
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.common import protocol as P
+from pdserve.engine.sampling_params import to_spec
+from tests.node_driver import RouterDriver, start_node, stop_nodes
+
+PROMPT_LENGTHS = [1, 7, 16, 17, 40, 90]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory):
+    """2 prefill + 2 decode nodes on the tiny llama."""
+    model = tiny_model("llama")
+    logs = tmp_path_factory.mktemp("logs")
+    driver = RouterDriver()
+    procs = []
+    try:
+        for role, node_id in [("prefill", "p0"), ("prefill", "p1"), ("decode", "d0"),
+                              ("decode", "d1")]:
+            extra = ("--max-num-batched-tokens", "48") if role == "prefill" else ()
+            procs.append(start_node(role, driver.address, model, node_id, *extra,
+                                    log_path=logs / f"{node_id}.log"))
+        driver.wait_nodes("p0", "p1", "d0", "d1")
+        yield driver, model, procs
+    finally:
+        stop_nodes(procs)
+        driver.close()
+
+
+def prompts_for(vocab, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+def greedy(max_tokens=24):
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def wait_all_free(driver, *nodes):
+    driver.wait(lambda: all(driver.stats.get(n) and driver.stats[n].num_free_blocks
+                            == driver.stats[n].num_total_blocks for n in nodes),
+                timeout_s=10, what=f"all KV blocks free on {nodes}")
+
+
+def test_two_prefill_two_decode_equal_offline_llm(cluster):
+    driver, model, _ = cluster
+    llm = LLM(model=model)
+    prompts = prompts_for(llm.engine.model_config.vocab_size)
+    want = [o.token_ids for o in llm.generate(prompts, greedy())]
+    spec = to_spec(greedy())
+    reqs = {f"r{i}": (p, spec) for i, p in enumerate(prompts)}
+    prefill_of = {r: ("p0", "p1")[i % 2] for i, r in enumerate(reqs)}
+    decode_of = {r: ("d0", "d1")[(i // 2) % 2] for i, r in enumerate(reqs)}
+    got = driver.run(reqs, prefill_of, decode_of)
+    for i, r in enumerate(reqs):
+        assert got[r]["error"] is None, got[r]["error"]
+        assert got[r]["tokens"] == want[i], f"{r} ({len(prompts[i])}-token prompt)"
+        assert got[r]["finish"] == "length"
+    wait_all_free(driver, "p0", "p1", "d0", "d1")
+
+
+def test_first_token_that_finishes_needs_no_decode(cluster):
+    driver, model, _ = cluster
+    spec = to_spec(SamplingParams(max_tokens=1, temperature=0))
+    got = driver.run({"one": ([5, 6, 7], spec)}, {"one": "p0"}, {"one": "d0"})
+    assert len(got["one"]["tokens"]) == 1 and got["one"]["finish"] == "length"
+    driver.send("d0", P.Abort(req_ids=["one"], reason="finished at prefill"))
+    wait_all_free(driver, "p0", "d0")
+
+
+def test_abort_frees_blocks_on_both_sides(cluster):
+    driver, _, _ = cluster
+    spec = to_spec(SamplingParams(max_tokens=900, temperature=0, ignore_eos=True))
+    assert driver.reserve("d1", "long", list(range(3, 60)), spec).ok
+    driver.send("p1", P.PrefillBatch(requests=[P.PrefillRequest(
+        req_id="long", prompt_token_ids=list(range(3, 60)), sampling=spec, decode_node_id="d1",
+        kv_address=driver.hellos["d1"].kv_address, timeout_s=30.0)]))
+    driver.take(P.TokenBatch, lambda m: any(i.req_id == "long" for i in m.items))
+    assert driver.wait(lambda: driver.stats["d1"].num_running == 1, 5, "d1 running")
+    for node in ("p1", "d1"):
+        driver.send(node, P.Abort(req_ids=["long"], reason="client went away"))
+    wait_all_free(driver, "p1", "d1")
+    assert driver.stats["d1"].num_running == 0
+
+
+def test_reservation_lease_expires_and_frees(cluster):
+    driver, _, _ = cluster
+    spec = to_spec(greedy())
+    assert driver.reserve("d0", "orphan", list(range(3, 40)), spec, lease_s=0.3).ok
+    _, err = driver.take(P.Error, lambda m: m.req_id == "orphan", timeout_s=10)
+    assert err.code == P.LEASE_EXPIRED and "without the KV arriving" in err.message
+    wait_all_free(driver, "d0")
+
+
+def test_corrupt_kv_frame_is_caught_by_checksum(cluster):
+    """A peer sending KV whose frame does not match its checksum ends that request with an
+    error; no token is produced from the bad KV and the node keeps serving."""
+    import zmq
+
+    from pdserve.common.transport import make_socket, recv_message, send_message
+
+    driver, _, _ = cluster
+    hello = driver.hellos["d0"]
+    lay = hello.kv_layout
+    prompt = list(range(3, 20))
+    assert driver.reserve("d0", "corrupt", prompt, to_spec(greedy())).ok
+    nb = -(-len(prompt) // lay.block_size)
+    shape = (nb, lay.block_size, lay.num_kv_heads, lay.head_dim)
+    tensors = {f"{kv}{i}": torch.randn(shape) for i in range(lay.num_layers) for kv in "kv"}
+    sums = [P.checksum_of(t) for t in tensors.values()]
+    tensors["v0"][0, 0, 0, 0] += 1.0  # flipped after the checksum: corrupted in flight
+    chunk = P.KVChunk(req_id="corrupt", model=hello.model, kv_layout=lay, layer_start=0,
+                      layer_end=lay.num_layers, num_tokens=len(prompt), checksums=sums,
+                      last=True, first_token=5, tensors=tensors)
+    sock = make_socket(driver.ctx, zmq.DEALER, connect=hello.kv_address)
+    try:
+        send_message(sock, chunk)
+        assert sock.poll(10_000)
+        ack = recv_message(sock, (P.KVAck,))
+    finally:
+        sock.close(0)
+    assert not ack.ok and ack.reason.startswith("checksum_mismatch: KV frame v0")
+    _, err = driver.take(P.Error, lambda m: m.req_id == "corrupt")
+    assert err.code == P.CHECKSUM_MISMATCH
+    assert not any(isinstance(m, P.TokenBatch) and any(i.req_id == "corrupt" for i in m.items)
+                   for _, m in driver.inbox)
+    wait_all_free(driver, "d0")
+
+
+def test_full_decode_node_refuses_reservation_and_layout_mismatch_is_refused(
+        tiny_model, tmp_path):
+    model = tiny_model("llama")
+    driver = RouterDriver()
+    procs = []
+    try:
+        procs.append(start_node("decode", driver.address, model, "small-d", "--num-kv-blocks",
+                                "12", log_path=tmp_path / "d.log"))
+        procs.append(start_node("prefill", driver.address, model, "bs32-p", "--block-size",
+                                "32", log_path=tmp_path / "p.log"))
+        driver.wait_nodes("small-d", "bs32-p")
+        spec = to_spec(greedy())
+        assert driver.reserve("small-d", "a", list(range(3, 153)), spec).ok  # 10 of 12 blocks
+        reply = driver.reserve("small-d", "big", list(range(3, 100)), spec)
+        assert not reply.ok and reply.reason == "no_capacity: needs 7 KV blocks, 2 of 12 free"
+        driver.send("small-d", P.Abort(req_ids=["a"], reason="test"))
+        wait_all_free(driver, "small-d")
+        # A prefill node with another block size ships KV the decode node must refuse.
+        got = driver.run({"mm": (list(range(3, 20)), spec)}, {"mm": "bs32-p"},
+                         {"mm": "small-d"})
+        err = got["mm"]["error"]
+        assert err is not None and err.code == P.LAYOUT_MISMATCH
+        assert "block_size 32" in err.message and "block_size 16" in err.message
+        assert got["mm"]["tokens"] == [got["mm"]["tokens"][0]]  # only prefill's first token
+        wait_all_free(driver, "small-d", "bs32-p")
+    finally:
+        stop_nodes(procs)
+        driver.close()
+
+
+def test_heartbeats_flow_while_a_long_prefill_runs(tiny_model, tmp_path):
+    """The compute step never blocks the I/O thread: heartbeats keep their interval
+    while the prefill node is busy for many intervals."""
+    model = tiny_model("llama")
+    driver = RouterDriver()
+    procs = []
+    try:
+        procs.append(start_node("prefill", driver.address, model, "busy-p",
+                                "--max-num-batched-tokens", "16384", log_path=tmp_path / "p.log"))
+        procs.append(start_node("decode", driver.address, model, "busy-d",
+                                log_path=tmp_path / "d.log"))
+        driver.wait_nodes("busy-p", "busy-d")
+        spec = to_spec(SamplingParams(max_tokens=1, temperature=0))
+        gen = torch.Generator().manual_seed(1)
+        reqs = [P.PrefillRequest(req_id=f"L{i}", prompt_token_ids=torch.randint(
+                    3, 500, (1000,), generator=gen).tolist(), sampling=spec,
+                    decode_node_id="busy-d", kv_address=driver.hellos["busy-d"].kv_address,
+                    timeout_s=60.0) for i in range(160)]
+        t0 = time.monotonic()
+        driver.send("busy-p", P.PrefillBatch(requests=reqs))
+        got = set()
+
+        def all_first_tokens():
+            for _, m in driver.inbox:
+                if isinstance(m, P.FirstTokens):
+                    got.update(i.req_id for i in m.items)
+            driver.inbox.clear()
+            return len(got) == 160
+
+        driver.wait(all_first_tokens, timeout_s=300, what="160 first tokens")
+        t1 = time.monotonic()
+        beats = [t for t in driver.beats["busy-p"] if t0 <= t <= t1]
+        assert t1 - t0 > 6 * 0.2, "the prefill was too short to show anything"
+        gaps = [b - a for a, b in zip([t0, *beats], [*beats, t1])]
+        assert max(gaps) < 0.2 * 4, f"heartbeat gaps during prefill: {max(gaps):.2f} s"
+    finally:
+        stop_nodes(procs)
+        driver.close()
