@@ -52,7 +52,8 @@ def node_options(fn):
     return engine_options(fn)
 
 
-def _engine_config(kw) -> "EngineConfig":
+def _engine_config(kw):
+    """An EngineConfig from the engine flags (popped from kw)."""
     from pdserve.engine.config import EngineConfig
 
     return EngineConfig(model=kw.pop("model_dir"), dtype=kw.pop("dtype"),

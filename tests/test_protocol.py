@@ -2,11 +2,11 @@
 anything malformed ends in a ProtocolError that says what was wrong."""
 import ctypes
 import random
-import xxhash
 
 import msgpack
 import pytest
 import torch
+import xxhash
 
 from pdserve.common import protocol as P
 

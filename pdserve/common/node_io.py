@@ -26,8 +26,15 @@ from dataclasses import dataclass
 import zmq
 
 from pdserve.common import protocol as P
-from pdserve.common.transport import (SendError, endpoint_of, make_socket, recv_message,
-                                      recv_routed, send_message, send_routed)
+from pdserve.common.transport import (
+    SendError,
+    endpoint_of,
+    make_socket,
+    recv_message,
+    recv_routed,
+    send_message,
+    send_routed,
+)
 
 log = logging.getLogger(__name__)
 

@@ -19,13 +19,12 @@ import dataclasses
 import math
 import typing
 import warnings
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Sequence, Union
 
 import msgpack
-import xxhash
 import torch
+import xxhash
 
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 16 * 1024 * 1024  # a header is metadata; KV travels in frames

@@ -19,8 +19,7 @@ import torch
 from pdserve.common import protocol as P
 from pdserve.common.config import NodeConfig
 from pdserve.common.node_io import InboxItem
-from pdserve.engine.kv_transfer import (InboundTransfer, KVReceiver, KVTransferError,
-                                        TransferState)
+from pdserve.engine.kv_transfer import InboundTransfer, KVReceiver, KVTransferError, TransferState
 from pdserve.engine.node import Node
 from pdserve.engine.output import RequestOutputState
 from pdserve.engine.sampling_params import from_spec

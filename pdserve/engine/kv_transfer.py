@@ -18,8 +18,15 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve import kernels
-from pdserve.common.protocol import (CHECKSUM_MISMATCH, LAYOUT_MISMATCH, MODEL_MISMATCH,
-                                     KVChunk, KVLayout, ModelIdentity, checksum_of)
+from pdserve.common.protocol import (
+    CHECKSUM_MISMATCH,
+    LAYOUT_MISMATCH,
+    MODEL_MISMATCH,
+    KVChunk,
+    KVLayout,
+    ModelIdentity,
+    checksum_of,
+)
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 

@@ -6,6 +6,7 @@ scheduler.running → one token per ``step`` → finished, blocks freed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 from pdserve.engine.config import EngineConfig

@@ -99,6 +99,17 @@ def check_same_dtype(name: str, t: torch.Tensor, other_name: str, other: torch.T
                          f"{str(t.dtype).removeprefix('torch.')}")
 
 
+def check_paged_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      dims: dict[str, tuple[int, str]]) -> None:
+    """The K/V page tensors attention reads: [num_blocks, block_size, num_kv_heads, head_dim]
+    of q's dtype and device."""
+    cache_shape = "[num_blocks, block_size, num_kv_heads, head_dim]"
+    check_tensor("k_cache", k_cache, cache_shape, FLOAT_DTYPES, dims, q.device)
+    check_tensor("v_cache", v_cache, cache_shape, FLOAT_DTYPES, dims, q.device)
+    check_same_dtype("k_cache", k_cache, "q", q)
+    check_same_dtype("v_cache", v_cache, "q", q)
+
+
 def check_contiguous(name: str, t: torch.Tensor) -> None:
     """For tensors written in place (the caches): a copy would lose the writes."""
     if not t.is_contiguous():

@@ -21,8 +21,20 @@ from __future__ import annotations
 import torch
 
 from pdserve.kernels._dispatch import (
-    FLOAT_DTYPES, INDEX_DTYPES, check_contiguous, check_gqa, check_same_dtype, check_scale,
-    check_tensor, head_block, last_dim_contiguous, pick_backend, sdpa, tl, triton)
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_contiguous,
+    check_gqa,
+    check_paged_cache,
+    check_scale,
+    check_tensor,
+    head_block,
+    last_dim_contiguous,
+    pick_backend,
+    sdpa,
+    tl,
+    triton,
+)
 
 _LOG2E = 1.4426950408889634
 
@@ -42,11 +54,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     dims: dict[str, tuple[int, str]] = {}
     check_tensor("q", q, "[num_seqs, num_heads, head_dim]", FLOAT_DTYPES, dims)
-    cache_shape = "[num_blocks, block_size, num_kv_heads, head_dim]"
-    check_tensor("k_cache", k_cache, cache_shape, FLOAT_DTYPES, dims, q.device)
-    check_tensor("v_cache", v_cache, cache_shape, FLOAT_DTYPES, dims, q.device)
-    check_same_dtype("k_cache", k_cache, "q", q)
-    check_same_dtype("v_cache", v_cache, "q", q)
+    check_paged_cache(q, k_cache, v_cache, dims)
     check_tensor("block_tables", block_tables, "[num_seqs, max_blocks_per_seq]", INDEX_DTYPES,
                  dims, q.device)
     check_tensor("seq_lens", seq_lens, "[num_seqs]", INDEX_DTYPES, dims, q.device)

@@ -20,9 +20,23 @@ from __future__ import annotations
 import torch
 
 from pdserve.kernels._dispatch import (
-    FLOAT_DTYPES, INDEX_DTYPES, check_contiguous, check_cu_seqlens, check_cu_values, check_gqa,
-    check_same_dtype, check_scale, check_tensor, head_block, last_dim_contiguous, pick_backend,
-    sdpa, tl, triton)
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_contiguous,
+    check_cu_seqlens,
+    check_cu_values,
+    check_gqa,
+    check_paged_cache,
+    check_same_dtype,
+    check_scale,
+    check_tensor,
+    head_block,
+    last_dim_contiguous,
+    pick_backend,
+    sdpa,
+    tl,
+    triton,
+)
 
 _LOG2E = 1.4426950408889634
 
@@ -70,11 +84,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """
     dims: dict[str, tuple[int, str]] = {}
     check_tensor("q", q, "[T, num_heads, head_dim]", FLOAT_DTYPES, dims)
-    cache_shape = "[num_blocks, block_size, num_kv_heads, head_dim]"
-    check_tensor("k_cache", k_cache, cache_shape, FLOAT_DTYPES, dims, q.device)
-    check_tensor("v_cache", v_cache, cache_shape, FLOAT_DTYPES, dims, q.device)
-    check_same_dtype("k_cache", k_cache, "q", q)
-    check_same_dtype("v_cache", v_cache, "q", q)
+    check_paged_cache(q, k_cache, v_cache, dims)
     num_seqs = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
     dims["num_seqs"] = (num_seqs, "cu_seqlens_q")
     check_tensor("seq_lens", seq_lens, "[num_seqs]", INDEX_DTYPES, dims, q.device)

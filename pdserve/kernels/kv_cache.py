@@ -14,8 +14,16 @@ from __future__ import annotations
 import torch
 
 from pdserve.kernels._dispatch import (
-    FLOAT_DTYPES, INDEX_DTYPES, check_contiguous, check_same_dtype, check_tensor,
-    last_dim_contiguous, pick_backend, tl, triton)
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_contiguous,
+    check_same_dtype,
+    check_tensor,
+    last_dim_contiguous,
+    pick_backend,
+    tl,
+    triton,
+)
 
 _CACHE_SHAPE = "[num_blocks, block_size, num_kv_heads, head_dim]"
 

@@ -10,7 +10,14 @@ from __future__ import annotations
 import torch
 
 from pdserve.kernels._dispatch import (
-    FLOAT_DTYPES, check_same_dtype, check_tensor, last_dim_contiguous, pick_backend, tl, triton)
+    FLOAT_DTYPES,
+    check_same_dtype,
+    check_tensor,
+    last_dim_contiguous,
+    pick_backend,
+    tl,
+    triton,
+)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

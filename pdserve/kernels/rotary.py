@@ -13,8 +13,15 @@ from __future__ import annotations
 import torch
 
 from pdserve.kernels._dispatch import (
-    FLOAT_DTYPES, INDEX_DTYPES, check_same_dtype, check_tensor, last_dim_contiguous, pick_backend,
-    tl, triton)
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_same_dtype,
+    check_tensor,
+    last_dim_contiguous,
+    pick_backend,
+    tl,
+    triton,
+)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,

@@ -5,7 +5,12 @@ import pytest
 import torch
 
 from pdserve.kernels import (
-    gather_kv, paged_decode_attention, prefill_attention, scatter_kv, store_kv)
+    gather_kv,
+    paged_decode_attention,
+    prefill_attention,
+    scatter_kv,
+    store_kv,
+)
 
 BACKENDS = ["torch", "triton"]
 
