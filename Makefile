@@ -16,8 +16,9 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 
 install: $(VENV)/.installed
 
+# A router with one prefill and one decode node on the bundled default model; Ctrl-C stops it.
 serve: $(VENV)/.installed
-	$(VENV)/bin/pdserve generate --prompt "The cluster of prefill and decode nodes" --max-tokens 64
+	$(VENV)/bin/pdserve launch
 
 test: $(VENV)/.installed
 	$(PY) -m pytest

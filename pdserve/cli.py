@@ -10,6 +10,7 @@ ARCHES = ("llama", "qwen2", "mistral")
 PRESETS = ("tiny", "small")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+POLICIES = ("round_robin", "least_loaded")
 
 
 def engine_options(fn):
@@ -63,6 +64,60 @@ def _engine_config(kw):
                         max_num_seqs=kw.pop("max_num_seqs"),
                         max_num_batched_tokens=kw.pop("max_num_batched_tokens"),
                         threads=kw.pop("threads"))
+
+
+def router_options(fn):
+    """Flags of the router; `launch` takes them too."""
+    opts = [
+        click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False),
+                     default=None, help="Checkpoint folder [default: the bundled default model]."),
+        click.option("--served-model-name", default=None,
+                     help="The model name clients send [default: the folder's name]."),
+        click.option("--host", default="127.0.0.1", show_default=True,
+                     help="HTTP bind host; 0.0.0.0 opens it (and --control/--ingress defaults) "
+                          "to other machines."),
+        click.option("--http-port", type=click.IntRange(0, 65535), default=8000,
+                     show_default=True),
+        click.option("--control", default=None,
+                     help="Control socket nodes connect to [default: tcp://HOST:5556]."),
+        click.option("--ingress", default=None,
+                     help="Queue-producer socket, or 'none' [default: tcp://HOST:5557]."),
+        click.option("--policy", type=click.Choice(POLICIES), default="round_robin",
+                     show_default=True),
+        click.option("--heartbeat-interval", type=click.FloatRange(min=0, min_open=True),
+                     default=1.0, show_default=True, help="Seconds between heartbeats."),
+        click.option("--liveness", type=click.IntRange(min=1), default=3, show_default=True,
+                     help="Missed heartbeats before a node is dead."),
+        click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True),
+                     default=600.0, show_default=True, help="Default deadline of a request (s)."),
+        click.option("--max-pending-requests", type=click.IntRange(min=1), default=4096,
+                     show_default=True, help="Past this, new requests are refused (429)."),
+        click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info",
+                     show_default=True),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def _router_config(kw):
+    """A RouterConfig from the router flags (popped from kw)."""
+    from pdserve.router.config import RouterConfig
+
+    host = kw.pop("host")
+    bind_host = "*" if host in ("0.0.0.0", "*") else host
+    ingress = kw.pop("ingress") or f"tcp://{bind_host}:5557"
+    try:
+        return RouterConfig(
+            model=kw.pop("model_dir"), served_model_name=kw.pop("served_model_name"),
+            host=host, http_port=kw.pop("http_port"),
+            control=kw.pop("control") or f"tcp://{bind_host}:5556",
+            ingress=None if ingress == "none" else ingress, policy=kw.pop("policy"),
+            heartbeat_interval_s=kw.pop("heartbeat_interval"), liveness=kw.pop("liveness"),
+            request_timeout_s=kw.pop("request_timeout"),
+            max_pending_requests=kw.pop("max_pending_requests"))
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -157,6 +212,52 @@ def prefill_cmd(**kw) -> None:
 def decode_cmd(**kw) -> None:
     """Run a decode node: receive KV into paged cache, decode in continuous batches."""
     _run_node("decode", kw)
+
+
+@main.command("router")
+@router_options
+def router_cmd(**kw) -> None:
+    """Run the router: OpenAI HTTP API, queue ingress, dispatch to prefill/decode nodes."""
+    from pdserve.common.logs import setup_logging
+    from pdserve.router.main import run_router
+
+    log_level = kw.pop("log_level")
+    config = _router_config(kw)
+    setup_logging(log_level, "router")
+    try:
+        sys.exit(run_router(config))
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@main.command("launch")
+@router_options
+@click.option("--prefill", "num_prefill", type=click.IntRange(min=1), default=1,
+              show_default=True, help="Prefill nodes to start.")
+@click.option("--decode", "num_decode", type=click.IntRange(min=1), default=1,
+              show_default=True, help="Decode nodes to start.")
+@click.option("--node-arg", "node_args", multiple=True,
+              help="An extra flag for every node, e.g. --node-arg=--num-kv-blocks=512.")
+@click.option("--dtype", type=click.Choice(DTYPES), default=None, help="Nodes' dtype.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="torch threads per node [default: cores / nodes].")
+def launch_cmd(num_prefill, num_decode, node_args, dtype, threads, **kw) -> None:
+    """Start a router and its prefill and decode nodes on this machine."""
+    from pdserve.launch import LaunchConfig, run_launch
+
+    log_level = kw.pop("log_level")
+    router = _router_config(kw)
+    args = list(node_args)
+    if dtype:
+        args += ["--dtype", dtype]
+    if threads:
+        args += ["--threads", str(threads)]
+    if router.model is None:  # build the default model once, before the children race for it
+        from pdserve.model.default_model import default_model_dir
+        default_model_dir()
+    sys.exit(run_launch(LaunchConfig(router=router, num_prefill=num_prefill,
+                                     num_decode=num_decode, node_args=tuple(args),
+                                     log_level=log_level)))
 
 
 if __name__ == "__main__":

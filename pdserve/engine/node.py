@@ -76,8 +76,9 @@ class Node:
         try:
             if not self._wait_welcome():
                 return 1
-            log.info("%s node %s registered with router %s (kv %s)", self.role, self.node_id,
-                     self.config.router, self.io.hello.kv_address)
+            log.info("%s node %s registered with router %s%s", self.role, self.node_id,
+                     self.config.router,
+                     f", KV socket {self.io.hello.kv_address}" if self.io.hello.kv_address else "")
             while not self._stop.is_set():
                 if self.io.failure is not None:
                     raise RuntimeError("node I/O thread failed") from self.io.failure

@@ -1,0 +1,136 @@
+"""``pdserve launch``: a router and its nodes as child processes on this machine.
+
+    1. start the router, then N prefill and M decode nodes pointed at it
+    2. wait until the router's /health says every role is live; print the endpoints
+    3. watch the children; on Ctrl-C/SIGTERM (or the router dying) stop every child:
+       terminate, a timed wait, then kill
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from pdserve.router.config import RouterConfig
+
+STOP_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    router: RouterConfig
+    num_prefill: int = 1
+    num_decode: int = 1
+    node_args: tuple[str, ...] = ()       # engine flags passed to every node
+    log_level: str = "info"
+    ready_timeout_s: float = 600.0
+
+
+def connect_address(bind: str) -> str:
+    """Where a process on this machine reaches a socket bound at ``bind``."""
+    for wildcard in ("tcp://0.0.0.0:", "tcp://*:"):
+        if bind.startswith(wildcard):
+            return "tcp://127.0.0.1:" + bind[len(wildcard):]
+    return bind
+
+
+def _router_cmd(cfg: LaunchConfig) -> list[str]:
+    r = cfg.router
+    cmd = [sys.executable, "-m", "pdserve.cli", "router", "--host", r.host, "--http-port",
+           str(r.http_port), "--control", r.control, "--ingress", r.ingress or "none",
+           "--policy", r.policy, "--heartbeat-interval", str(r.heartbeat_interval_s),
+           "--liveness", str(r.liveness), "--request-timeout", str(r.request_timeout_s),
+           "--max-pending-requests", str(r.max_pending_requests), "--log-level", cfg.log_level]
+    if r.model:
+        cmd += ["--model", r.model]
+    if r.served_model_name:
+        cmd += ["--served-model-name", r.served_model_name]
+    return cmd
+
+
+def _node_cmd(cfg: LaunchConfig, role: str, index: int) -> list[str]:
+    cmd = [sys.executable, "-m", "pdserve.cli", role, "--router",
+           connect_address(cfg.router.control), "--node-id", f"{role}-{index}",
+           "--heartbeat-interval", str(cfg.router.heartbeat_interval_s),
+           "--log-level", cfg.log_level, *cfg.node_args]
+    if cfg.router.model and "--model" not in cfg.node_args:
+        cmd += ["--model", cfg.router.model]
+    if "--threads" not in cfg.node_args:
+        share = max(1, (os.cpu_count() or 1) // (cfg.num_prefill + cfg.num_decode))
+        cmd += ["--threads", str(share)]
+    return cmd
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _stop(children: dict[str, subprocess.Popen]) -> None:
+    for proc in children.values():
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for name, proc in children.items():
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"pdserve launch: {name} did not stop in {STOP_TIMEOUT_S:g} s: killed",
+                  file=sys.stderr)
+            proc.kill()
+            proc.wait()
+
+
+def run_launch(cfg: LaunchConfig) -> int:
+    stop_requested = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop_requested.append(True))
+    children: dict[str, subprocess.Popen] = {}
+    host = "127.0.0.1" if cfg.router.host in ("0.0.0.0", "*", "::") else cfg.router.host
+    http = f"http://{host}:{cfg.router.http_port}"
+    try:
+        children["router"] = subprocess.Popen(_router_cmd(cfg))
+        for role, count in (("prefill", cfg.num_prefill), ("decode", cfg.num_decode)):
+            for i in range(count):
+                children[f"{role}-{i}"] = subprocess.Popen(_node_cmd(cfg, role, i))
+        deadline = time.monotonic() + cfg.ready_timeout_s
+        while not _healthy(f"{http}/health"):
+            dead = [n for n, p in children.items() if p.poll() is not None]
+            if dead or stop_requested:
+                why = f"{', '.join(dead)} exited during start-up" if dead else "stopped"
+                print(f"pdserve launch: {why}", file=sys.stderr)
+                return 1
+            if time.monotonic() > deadline:
+                print(f"pdserve launch: not healthy after {cfg.ready_timeout_s:g} s",
+                      file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        ingress = connect_address(cfg.router.ingress) if cfg.router.ingress else "off"
+        print("pdserve is ready:\n"
+              f"  OpenAI API     {http}/v1   (health: {http}/health)\n"
+              f"  queue ingress  {ingress}\n"
+              f"  control        {connect_address(cfg.router.control)}   "
+              f"({cfg.num_prefill} prefill, {cfg.num_decode} decode nodes)\n"
+              "Ctrl-C stops everything.", flush=True)
+        reported = set()
+        while not stop_requested:
+            if children["router"].poll() is not None:
+                print("pdserve launch: the router exited; stopping", file=sys.stderr)
+                return 1
+            for name, proc in children.items():
+                if proc.poll() is not None and name not in reported:
+                    reported.add(name)
+                    print(f"pdserve launch: {name} exited with {proc.returncode}",
+                          file=sys.stderr)
+            time.sleep(0.2)
+        return 0
+    finally:
+        _stop(children)

@@ -1,0 +1,370 @@
+"""The router's core: node registry, dispatcher and per-request streams, in one asyncio loop.
+
+    core = RouterCore(config)            # reads config.json + tokenizer of config.model
+    core.check(req)                      # RequestError(BAD_REQUEST, message, param)
+    stream = core.submit(req)            # never waits on a socket
+    async for event in stream: ...       # StreamEvent; the last one is terminal
+    stream.cancel()                      # the client went away: abort on the nodes
+
+A request's way::
+
+    submit --> RESERVING (Reserve to a decode node; refused: the next node, or wait)
+      --> PREFILLING (joins its prefill node's batch; one PrefillBatch per node per
+          loop turn) --> first token from the prefill node --> DECODING (TokenBatch
+          per decode step) --> finished: done event; or error / cancel / deadline:
+          Abort to the nodes, terminal event.
+
+Text, stop strings and usage are the router's: nodes only see token ids.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from pdserve.common import protocol as P
+from pdserve.common.transport import (SendError, async_recv_routed, make_socket,
+                                      send_routed)
+from pdserve.engine.output import RequestOutputState
+from pdserve.engine.sampling_params import to_spec
+from pdserve.model.config import ModelConfig
+from pdserve.model.loader import model_identity_hash
+from pdserve.model.tokenizer import Tokenizer
+from pdserve.router import streams as S
+from pdserve.router.config import RouterConfig
+from pdserve.router.policies import make_policy
+from pdserve.router.registry import DRAINING, NodeInfo, Registry
+
+log = logging.getLogger(__name__)
+
+RESERVING, PREFILLING, DECODING = "reserving", "prefilling", "decoding"
+CONTROL_IN = (P.Hello, P.Heartbeat, P.FirstTokens, P.ReserveReply, P.TokenBatch, P.Error,
+              P.Drain, P.Bye)
+RETRY_RESERVE_S = 0.05     # how soon a request no decode node had room for tries again
+TICK_S = 0.05              # deadlines, heartbeats and dead nodes are checked this often
+
+
+@dataclass
+class Flight:
+    req_id: str
+    prompt: list[int]
+    spec: P.SamplingSpec
+    out: RequestOutputState
+    stream: S.RequestStream
+    deadline: float
+    state: str = RESERVING
+    prefill_node: str | None = None
+    decode_node: str | None = None
+    refused_by: set[str] = field(default_factory=set)
+    retry_at: float = 0.0
+    early_tokens: list[P.TokenItem] = field(default_factory=list)  # decode before prefill's
+
+
+class RouterCore:
+    def __init__(self, config: RouterConfig):
+        from pdserve.model.default_model import default_model_dir
+
+        self.config = config
+        model_dir = Path(config.model) if config.model else default_model_dir()
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.tokenizer = Tokenizer(model_dir)
+        self.model_name = config.served_model_name or model_dir.name
+        self.max_model_len = self.model_config.max_model_len
+        identity = P.ModelIdentity(name=model_dir.name,
+                                   config_hash=model_identity_hash(model_dir))
+        cfg = self.model_config
+        self.registry = Registry(identity, cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                 cfg.head_dim, config.heartbeat_interval_s, config.liveness)
+        self.policy = make_policy(config.policy)
+        self.flights: dict[str, Flight] = {}
+        self._ids = itertools.count()
+        self._batches: dict[str, list[P.PrefillRequest]] = {}
+        self._flush_scheduled = False
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock = None
+        self._tasks: list[asyncio.Task] = []
+
+    # -- front-end API ------------------------------------------------------------------------
+    def check(self, req: S.GenerationRequest) -> None:
+        ids, vocab = req.prompt_token_ids, self.model_config.vocab_size
+        if not ids:
+            raise S.RequestError(S.BAD_REQUEST, "the prompt is empty: it needs at least one "
+                                 "token", "prompt")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise S.RequestError(S.BAD_REQUEST, f"prompt token ids must be integers in "
+                                 f"[0, {vocab})", "prompt")
+        if len(ids) >= self.max_model_len:
+            raise S.RequestError(S.BAD_REQUEST, (
+                f"the prompt has {len(ids)} tokens but the model's context is "
+                f"{self.max_model_len} tokens, leaving no room for output"), "prompt")
+        try:
+            req.params.validate()
+        except ValueError as exc:
+            raise S.RequestError(S.BAD_REQUEST, str(exc),
+                                 str(exc).split("=", 1)[0]) from None
+
+    def submit(self, req: S.GenerationRequest) -> S.RequestStream:
+        self.check(req)
+        if len(self.flights) >= self.config.max_pending_requests:
+            raise S.RequestError(S.OVERLOADED, (
+                f"{len(self.flights)} requests in flight, the limit is "
+                f"{self.config.max_pending_requests}: retry later"))
+        ok, reason = self.health()
+        if not ok:
+            raise S.RequestError(S.NO_NODES, reason)
+        req_id = req.request_id or f"req-{next(self._ids)}"
+        if req_id in self.flights:
+            raise S.RequestError(S.BAD_REQUEST, f"request id {req_id!r} is already in flight")
+        stream = S.RequestStream(req_id, list(req.prompt_token_ids))
+        stream._cancel = self.cancel
+        out = RequestOutputState(self.tokenizer, req.prompt_token_ids, req.params,
+                                 self.model_config.eos_token_ids, self.max_model_len)
+        timeout = req.timeout_s or self.config.request_timeout_s
+        flight = Flight(req_id, list(req.prompt_token_ids), to_spec(req.params), out, stream,
+                        time.monotonic() + timeout)
+        self.flights[req_id] = flight
+        self._reserve(flight)
+        return stream
+
+    def cancel(self, req_id: str) -> None:
+        flight = self.flights.get(req_id)
+        if flight is not None:
+            self._finish(flight, S.StreamEvent([], "", finish_reason="abort"), abort=True)
+
+    def health(self) -> tuple[bool, str]:
+        return self.registry.health()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._sock = make_socket(self._ctx, zmq.ROUTER, bind=self.config.control,
+                                 max_msg_size=64 * 2**20)
+        self._tasks = [asyncio.create_task(self._receive_loop()),
+                       asyncio.create_task(self._tick_loop())]
+        log.info("router control socket on %s, model %s", self.config.control, self.model_name)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for flight in list(self.flights.values()):
+            self._fail(flight, S.NO_NODES, "the router is shutting down")
+        if self._sock is not None:
+            self._sock.close(0)
+            self._ctx.term()
+
+    # -- dispatch ------------------------------------------------------------------------------
+    def _send(self, node_id: str, msg: P.Message) -> bool:
+        try:
+            send_routed(self._sock, node_id.encode(), msg)
+            return True
+        except SendError as exc:
+            log.warning("send of %s to node %s failed: %s", type(msg).__name__, node_id, exc)
+            return False
+
+    def _reserve(self, flight: Flight) -> None:
+        candidates = [n for n in self.registry.live("decode")
+                      if n.node_id not in flight.refused_by]
+        if not candidates:
+            flight.refused_by.clear()   # every node said no: try them all again shortly
+            flight.retry_at = time.monotonic() + RETRY_RESERVE_S
+            return
+        node = self.policy.pick("decode", candidates, len(flight.prompt))
+        flight.decode_node, flight.state, flight.retry_at = node.node_id, RESERVING, 0.0
+        node.requests.add(flight.req_id)
+        if not self._send(node.node_id, P.Reserve(
+                req_id=flight.req_id, prompt_token_ids=flight.prompt, sampling=flight.spec,
+                prefill_node_id="", lease_s=self.config.reserve_lease_s)):
+            self._refused(flight, node.node_id, "unreachable")
+
+    def _refused(self, flight: Flight, node_id: str, reason: str) -> None:
+        node = self.registry.nodes.get(node_id)
+        if node is not None:
+            node.requests.discard(flight.req_id)
+        flight.refused_by.add(node_id)
+        flight.decode_node = None
+        log.debug("decode node %s refused %s: %s", node_id, flight.req_id, reason)
+        self._reserve(flight)
+
+    def _to_prefill(self, flight: Flight) -> None:
+        nodes = self.registry.live("prefill")
+        decode = self.registry.nodes.get(flight.decode_node)
+        if not nodes or decode is None:
+            self._fail(flight, S.NO_NODES, "no live prefill node to take the request")
+            return
+        node = self.policy.pick("prefill", nodes, len(flight.prompt))
+        flight.prefill_node, flight.state = node.node_id, PREFILLING
+        node.requests.add(flight.req_id)
+        node.queued_prompt_tokens += len(flight.prompt)
+        self._batches.setdefault(node.node_id, []).append(P.PrefillRequest(
+            req_id=flight.req_id, prompt_token_ids=flight.prompt, sampling=flight.spec,
+            decode_node_id=decode.node_id, kv_address=decode.hello.kv_address,
+            timeout_s=max(1.0, flight.deadline - time.monotonic())))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Everything bound for one prefill node in this loop turn leaves as one message."""
+        self._flush_scheduled = False
+        batches, self._batches = self._batches, {}
+        for node_id, requests in batches.items():
+            if not self._send(node_id, P.PrefillBatch(requests=requests)):
+                for r in requests:
+                    if r.req_id in self.flights:
+                        self._fail(self.flights[r.req_id], S.NODE_ERROR,
+                                   f"prefill node {node_id} could not be reached")
+
+    # -- what nodes send -----------------------------------------------------------------------
+    async def _receive_loop(self) -> None:
+        while True:
+            try:
+                peer, msg = await async_recv_routed(self._sock, CONTROL_IN)
+            except P.ProtocolError as err:
+                log.warning("bad message from node %r: %s", err.peer, err)
+                if err.peer is not None:
+                    self._send(err.peer.decode(errors="replace"), err.to_message())
+                continue
+            try:
+                self._handle(peer.decode(errors="replace"), msg)
+            except Exception:  # one bad message must not stop the router
+                log.exception("handling %s from %r failed", type(msg).__name__, peer)
+
+    def _handle(self, node_id: str, msg: P.Message) -> None:
+        if isinstance(msg, P.Hello):
+            if node_id in self.registry.nodes:  # restarted: its old work is gone with it
+                self._node_gone(self.registry.remove(node_id), f"node {node_id} restarted")
+            ok, reason = self.registry.admit(msg)
+            (log.info if ok else log.warning)("%s node %s %s%s", msg.role, node_id,
+                                              "joined" if ok else "refused: ", reason)
+            self._send(node_id, P.Welcome(accepted=ok, reason=reason,
+                                          heartbeat_interval_s=self.config.heartbeat_interval_s,
+                                          liveness=self.config.liveness))
+            return
+        node = self.registry.seen(node_id, getattr(msg, "stats", None))
+        if node is None:
+            if not isinstance(msg, (P.Heartbeat, P.Bye)):
+                log.warning("%s from unregistered node %s ignored", type(msg).__name__, node_id)
+            return
+        if isinstance(msg, P.ReserveReply):
+            flight = self.flights.get(msg.req_id)
+            if flight is None or flight.decode_node != node_id or flight.state != RESERVING:
+                if msg.ok:  # nobody wants it any more: give the blocks back
+                    self._send(node_id, P.Abort(req_ids=[msg.req_id], reason="not needed"))
+                return
+            if msg.ok:
+                self._to_prefill(flight)
+            else:
+                self._refused(flight, node_id, msg.reason)
+        elif isinstance(msg, P.FirstTokens):
+            for item in msg.items:
+                flight = self.flights.get(item.req_id)
+                if flight is None:
+                    continue
+                node.queued_prompt_tokens -= len(flight.prompt)
+                node.requests.discard(item.req_id)
+                flight.state = DECODING
+                self._deliver(flight, [item.token_id], item.finish_reason)
+                for early in flight.early_tokens:
+                    if item.req_id in self.flights:
+                        self._deliver(flight, early.token_ids, early.finish_reason)
+        elif isinstance(msg, P.TokenBatch):
+            for item in msg.items:
+                flight = self.flights.get(item.req_id)
+                if flight is None:
+                    continue
+                if flight.state != DECODING:
+                    flight.early_tokens.append(item)
+                else:
+                    self._deliver(flight, item.token_ids, item.finish_reason)
+        elif isinstance(msg, P.Error):
+            flight = self.flights.get(msg.req_id) if msg.req_id else None
+            if flight is None:
+                log.warning("error from node %s: %s %s", node_id, msg.code, msg.message)
+            else:
+                code = S.TIMEOUT if msg.code in (P.TIMEOUT, P.LEASE_EXPIRED) else S.NODE_ERROR
+                self._fail(flight, code, f"node {node_id}: {msg.message} ({msg.code})")
+        elif isinstance(msg, P.Drain):
+            node.state = DRAINING
+            log.info("node %s is draining: %s", node_id, msg.reason)
+        elif isinstance(msg, P.Bye):
+            self._node_gone(self.registry.remove(node_id), f"node {node_id} left: {msg.reason}")
+
+    def _deliver(self, flight: Flight, token_ids: list[int], node_reason: str | None) -> None:
+        try:
+            self._deliver_unguarded(flight, token_ids, node_reason)
+        except Exception as exc:  # this request fails; the rest of the batch goes on
+            log.exception("serving request %s failed", flight.req_id)
+            self._fail(flight, S.INTERNAL, f"internal error while serving the request: "
+                       f"{type(exc).__name__}: {exc}")
+
+    def _deliver_unguarded(self, flight: Flight, token_ids: list[int],
+                           node_reason: str | None) -> None:
+        delta = flight.out.add(token_ids, node_reason)
+        event = S.StreamEvent(delta.token_ids, delta.text, finish_reason=delta.finish_reason,
+                              prompt_tokens=len(flight.prompt),
+                              completion_tokens=len(flight.out.token_ids))
+        if delta.finish_reason is None:
+            if delta.token_ids or delta.text:
+                flight.stream.push(event)
+            return
+        # Finished by the router (a stop string) or at the first token: nodes still hold it.
+        self._finish(flight, event, abort=node_reason is None or flight.state != DECODING
+                     or len(flight.out.token_ids) == 1)
+
+    def _finish(self, flight: Flight, event: S.StreamEvent, abort: bool) -> None:
+        self.flights.pop(flight.req_id, None)
+        for node_id in (flight.prefill_node, flight.decode_node):
+            node = self.registry.nodes.get(node_id) if node_id else None
+            if node is None:
+                continue
+            if flight.req_id in node.requests and node.role == "prefill":
+                node.queued_prompt_tokens -= len(flight.prompt)
+            node.requests.discard(flight.req_id)
+            if abort:
+                self._send(node_id, P.Abort(req_ids=[flight.req_id], reason="finished or "
+                                            "cancelled at the router"))
+        flight.stream.push(event)
+
+    def _fail(self, flight: Flight, code: str, message: str) -> None:
+        log.warning("request %s failed (%s): %s", flight.req_id, code, message)
+        self._finish(flight, S.StreamEvent([], "", error=S.RequestError(code, message),
+                                           prompt_tokens=len(flight.prompt),
+                                           completion_tokens=len(flight.out.token_ids)),
+                     abort=True)
+
+    def _node_gone(self, node: NodeInfo | None, why: str) -> None:
+        """Fails the requests placed on a node that left or died (failover: issue 8)."""
+        if node is None:
+            return
+        log.warning("%s", why)
+        for req_id in list(node.requests):
+            flight = self.flights.get(req_id)
+            if flight is not None:
+                self._fail(flight, S.NODE_ERROR, f"{why}; the request was on it")
+
+    # -- the clock -------------------------------------------------------------------------------
+    async def _tick_loop(self) -> None:
+        next_beat = 0.0
+        while True:
+            await asyncio.sleep(TICK_S)
+            now = time.monotonic()
+            for node in self.registry.expire(now):
+                self._node_gone(node, f"node {node.node_id} missed {self.config.liveness} "
+                                "heartbeats")
+            if now >= next_beat:
+                next_beat = now + self.config.heartbeat_interval_s
+                for node_id in list(self.registry.nodes):
+                    self._send(node_id, P.Heartbeat(node_id="router", stats=None))
+            for flight in list(self.flights.values()):
+                if now > flight.deadline:
+                    self._fail(flight, S.TIMEOUT, f"the request passed its deadline while "
+                               f"{flight.state}")
+                elif flight.retry_at and now >= flight.retry_at:
+                    self._reserve(flight)

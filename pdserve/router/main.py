@@ -1,0 +1,61 @@
+"""The router process: control socket, HTTP API and queue ingress on one asyncio loop.
+
+    1. load the model's config and tokenizer, bind the control socket
+    2. serve HTTP (uvicorn) and the ingress until SIGTERM/SIGINT
+    3. stop: fail what is still in flight with a reason, close every socket
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import uvicorn
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.core import RouterCore
+
+log = logging.getLogger(__name__)
+
+
+async def serve(config: RouterConfig) -> None:
+    from pdserve.router.http_api import build_app
+
+    core = RouterCore(config)
+    await core.start()
+    server = uvicorn.Server(uvicorn.Config(build_app(core), host=config.host,
+                                           port=config.http_port, log_level="warning",
+                                           lifespan="off", access_log=False))
+    server.install_signal_handlers = lambda: None  # ours below stop everything together
+    ingress = None
+    tasks = [asyncio.create_task(server.serve())]
+    if config.ingress:
+        from pdserve.router.ingress import Ingress
+
+        ingress = Ingress(core, config.ingress)
+        tasks.append(asyncio.create_task(ingress.run()))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("router ready: http://%s:%d (OpenAI API), control %s, ingress %s",
+             config.host, config.http_port, config.control, config.ingress or "off")
+    stopper = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    try:
+        for t in done:
+            if t is not stopper and t.exception() is not None:
+                raise t.exception()
+    finally:
+        server.should_exit = True
+        for t in tasks[1:]:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if ingress is not None:
+            ingress.close()
+        await core.stop()
+
+
+def run_router(config: RouterConfig) -> int:
+    asyncio.run(serve(config))
+    return 0

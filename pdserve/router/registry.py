@@ -1,0 +1,93 @@
+"""Which nodes are in the cluster, whether they fit together, and whether they are alive.
+
+Pure Python (no sockets): the router's control loop feeds it hellos, heartbeats
+and the clock, and acts on what it answers.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pdserve.common import protocol as P
+
+LIVE, DRAINING = "live", "draining"
+
+
+@dataclass
+class NodeInfo:
+    node_id: str
+    role: str
+    hello: P.Hello
+    stats: P.NodeStats
+    last_seen: float
+    state: str = LIVE
+    requests: set[str] = field(default_factory=set)   # requests the router has placed here
+    queued_prompt_tokens: int = 0                      # router's own count, ahead of stats
+
+
+class Registry:
+    def __init__(self, model: P.ModelIdentity, num_layers: int, num_kv_heads: int,
+                 head_dim: int, heartbeat_interval_s: float, liveness: int):
+        self.model = model
+        self.shape = (num_layers, num_kv_heads, head_dim)
+        self.timeout_s = heartbeat_interval_s * liveness
+        self.nodes: dict[str, NodeInfo] = {}
+        # dtype and block size are the nodes' choice, but every node must make the same one
+        # (KV moves between them page for page): the first node admitted sets them.
+        self.cluster_kv: tuple[str, int] | None = None
+
+    def admit(self, hello: P.Hello, now: float | None = None) -> tuple[bool, str]:
+        """Checks a node's Hello; on success the node is registered (or re-registered)."""
+        if hello.protocol_version != P.PROTOCOL_VERSION:
+            return False, (f"protocol version {hello.protocol_version} is not this router's "
+                           f"{P.PROTOCOL_VERSION}")
+        if hello.role not in ("prefill", "decode"):
+            return False, f"role {hello.role!r} is not served by this router (prefill, decode)"
+        if hello.model.config_hash != self.model.config_hash:
+            return False, (f"model {hello.model.name!r} ({hello.model.config_hash}) differs from "
+                           f"the router's {self.model.name!r} ({self.model.config_hash})")
+        lay = hello.kv_layout
+        shape = (lay.num_layers, lay.num_kv_heads, lay.head_dim)
+        if shape != self.shape:
+            return False, f"KV shape {shape} (layers, kv heads, head dim) is not the model's {self.shape}"
+        if hello.role == "decode" and not hello.kv_address:
+            return False, "a decode node must announce its kv_address"
+        others = [n for n in self.nodes.values() if n.node_id != hello.node_id]
+        if self.cluster_kv is not None and others and (lay.dtype, lay.block_size) != self.cluster_kv:
+            return False, (f"KV dtype {lay.dtype} / block_size {lay.block_size} differs from the "
+                           f"cluster's {self.cluster_kv[0]} / {self.cluster_kv[1]}: KV could not "
+                           "move between this node and the others")
+        self.cluster_kv = (lay.dtype, lay.block_size)
+        now = time.monotonic() if now is None else now
+        self.nodes[hello.node_id] = NodeInfo(hello.node_id, hello.role, hello, hello.capacity,
+                                             now)
+        return True, ""
+
+    def seen(self, node_id: str, stats: P.NodeStats | None = None,
+             now: float | None = None) -> NodeInfo | None:
+        node = self.nodes.get(node_id)
+        if node is not None:
+            node.last_seen = time.monotonic() if now is None else now
+            if stats is not None:
+                node.stats = stats
+        return node
+
+    def remove(self, node_id: str) -> NodeInfo | None:
+        return self.nodes.pop(node_id, None)
+
+    def expire(self, now: float | None = None) -> list[NodeInfo]:
+        """Removes and returns the nodes silent for longer than liveness intervals."""
+        now = time.monotonic() if now is None else now
+        dead = [n for n in self.nodes.values() if now - n.last_seen > self.timeout_s]
+        for n in dead:
+            del self.nodes[n.node_id]
+        return dead
+
+    def live(self, role: str) -> list[NodeInfo]:
+        return [n for n in self.nodes.values() if n.role == role and n.state == LIVE]
+
+    def health(self) -> tuple[bool, str]:
+        p, d = len(self.live("prefill")), len(self.live("decode"))
+        if p and d:
+            return True, f"{p} prefill and {d} decode nodes live"
+        return False, f"{p} prefill and {d} decode nodes live; at least one of each is needed"

@@ -1,0 +1,206 @@
+"""The router core in this process, real prefill/decode node processes on 127.0.0.1.
+
+Covers dispatch and stream independence without HTTP in the way: the four
+decoupled cases, cancellation, stop strings, nodes joining and leaving.
+"""
+import asyncio
+import time
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.router import streams as S
+from pdserve.router.config import RouterConfig
+from pdserve.router.core import RouterCore
+from tests.cluster import free_port
+from tests.node_driver import start_node, stop_nodes
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def offline(model):
+    return LLM(model=model)
+
+
+class Harness:
+    """Runs the core on a private event loop; nodes are child processes."""
+
+    def __init__(self, model, log_dir):
+        self.loop = asyncio.new_event_loop()
+        self.control = f"tcp://127.0.0.1:{free_port()}"
+        self.core = RouterCore(RouterConfig(model=str(model), control=self.control,
+                                            ingress=None, heartbeat_interval_s=0.2,
+                                            policy="least_loaded"))
+        self.loop.run_until_complete(self.core.start())
+        self.model, self.log_dir, self.procs = model, log_dir, {}
+
+    def start(self, role, node_id, *extra):
+        self.procs[node_id] = start_node(role, self.control, self.model, node_id, *extra,
+                                         log_path=self.log_dir / f"{node_id}.log")
+
+    def wait(self, cond, timeout_s=60.0):
+        async def poll():
+            deadline = time.monotonic() + timeout_s
+            while not cond():
+                if time.monotonic() > deadline:
+                    raise TimeoutError("condition not met")
+                await asyncio.sleep(0.05)
+        self.loop.run_until_complete(poll())
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    def close(self):
+        stop_nodes(list(self.procs.values()))
+        self.loop.run_until_complete(self.core.stop())
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def harness(model, tmp_path_factory):
+    h = Harness(model, tmp_path_factory.mktemp("router-logs"))
+    try:
+        for role, nid in [("prefill", "p0"), ("decode", "d0"), ("decode", "d1")]:
+            h.start(role, nid)
+        h.wait(lambda: len(h.core.registry.nodes) == 3)
+        yield h
+    finally:
+        h.close()
+
+
+async def collect(stream):
+    tokens, text, last = [], "", None
+    async for ev in stream:
+        tokens += ev.token_ids
+        text += ev.text
+        last = ev
+    return tokens, text, last
+
+
+def greedy(n, **kw):
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)
+
+
+def prompts(n, seed=0, lengths=(3, 9, 17, 33, 5, 60, 12, 24)):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 1000, (lengths[i % len(lengths)],), generator=gen).tolist()
+            for i in range(n)]
+
+
+def test_batch_of_requests_equals_offline(harness, offline):
+    ps = prompts(8)
+    want = [o.token_ids for o in offline.generate(ps, greedy(20))]
+
+    async def go():
+        streams = [harness.core.submit(S.GenerationRequest(p, greedy(20))) for p in ps]
+        return await asyncio.gather(*(collect(s) for s in streams))
+    got = harness.run(go())
+    assert [g[0] for g in got] == want
+    assert all(g[2].finish_reason == "length" and g[2].completion_tokens == 20 for g in got)
+    assert not harness.core.flights
+
+
+def test_short_request_after_long_one_finishes_first(harness):
+    async def go():
+        order = []
+
+        async def run(name, n):
+            await collect(harness.core.submit(S.GenerationRequest([5, 6, 7], greedy(n))))
+            order.append(name)
+        long = asyncio.create_task(run("long", 200))
+        await asyncio.sleep(0.05)
+        await asyncio.gather(long, run("short", 3))
+        return order
+    assert harness.run(go()) == ["short", "long"]
+
+
+def test_cancel_frees_blocks_and_leaves_others_alone(harness, offline):
+    want = offline.generate([[9, 8, 7]], greedy(30))[0].token_ids
+
+    async def go():
+        victim = harness.core.submit(S.GenerationRequest([4, 5, 6], greedy(500)))
+        other = harness.core.submit(S.GenerationRequest([9, 8, 7], greedy(30)))
+        async for ev in victim:
+            if ev.token_ids:
+                victim.cancel()
+        last = ev
+        return last, await collect(other)
+    last, (tokens, _, end) = harness.run(go())
+    assert last.finish_reason == "abort"
+    assert tokens == want and end.finish_reason == "length"
+    harness.wait(lambda: all(n.stats.num_free_blocks == n.stats.num_total_blocks
+                             for n in harness.core.registry.nodes.values()), 10)
+
+
+def test_stop_string_is_cut_at_the_router(harness, offline):
+    base = offline.generate([[11, 12, 13]], greedy(24))[0]
+    stop = base.text[4:7]
+
+    async def go():
+        return await collect(harness.core.submit(
+            S.GenerationRequest([11, 12, 13], greedy(24, stop=[stop]))))
+    tokens, text, last = harness.run(go())
+    assert text == base.text[:base.text.index(stop)] and last.finish_reason == "stop"
+
+
+def test_bad_requests_are_refused_at_submit(harness):
+    for req, msg in [(S.GenerationRequest([], greedy(3)), "prompt is empty"),
+                     (S.GenerationRequest([1] * 5000, greedy(3)), "5000 tokens"),
+                     (S.GenerationRequest([10**7], greedy(3)), "integers in")]:
+        with pytest.raises(S.RequestError, match=msg) as info:
+            harness.core.submit(req)
+        assert info.value.code == S.BAD_REQUEST
+
+
+def test_node_joins_and_leaves(harness, offline):
+    harness.start("prefill", "p-late")
+    harness.wait(lambda: "p-late" in harness.core.registry.nodes)
+    ps = prompts(4, seed=5)
+    want = [o.token_ids for o in offline.generate(ps, greedy(8))]
+
+    async def go():
+        streams = [harness.core.submit(S.GenerationRequest(p, greedy(8))) for p in ps]
+        return await asyncio.gather(*(collect(s) for s in streams))
+    assert [g[0] for g in harness.run(go())] == want
+    harness.procs["p-late"].terminate()
+    harness.wait(lambda: "p-late" not in harness.core.registry.nodes, 10)
+    assert harness.core.health()[0]
+    assert [g[0] for g in harness.run(go())] == want
+
+
+def test_exception_in_one_request_fails_only_that_request(harness, offline, caplog):
+    """A fault while serving one request (injected into the router's detokenizer for
+    prompts starting with a marker token) is logged with its traceback and becomes that
+    request's error; the requests beside it in the same batches finish normally."""
+    tok = harness.core.tokenizer
+    real_decode = tok.decode
+    poisoned = []
+
+    def decode(ids, skip_special_tokens=True):
+        if ids and ids[0] == 777:
+            poisoned.append(ids)
+            raise RuntimeError("injected detokenizer fault")
+        return real_decode(ids, skip_special_tokens)
+
+    ps = prompts(4, seed=9)
+    want = [o.token_ids for o in offline.generate(ps, greedy(10))]
+    tok.decode = decode
+    try:
+        async def go():
+            bad = harness.core.submit(S.GenerationRequest([777, 5, 6], greedy(10)))
+            good = [harness.core.submit(S.GenerationRequest(p, greedy(10))) for p in ps]
+            return await collect(bad), await asyncio.gather(*(collect(s) for s in good))
+        with caplog.at_level("ERROR"):
+            (_, _, bad_last), good = harness.run(go())
+    finally:
+        tok.decode = real_decode
+    assert poisoned, "the fault was never reached"
+    assert bad_last.error is not None and bad_last.error.code == S.INTERNAL
+    assert "injected detokenizer fault" in bad_last.error.message
+    assert "Traceback" in caplog.text or any(r.exc_info for r in caplog.records)
+    assert [g[0] for g in good] == want
