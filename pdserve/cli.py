@@ -32,6 +32,9 @@ def engine_options(fn):
                      "prefilled in chunks."),
         click.option("--threads", type=click.IntRange(min=1), default=None,
                      help="torch CPU threads [default: torch's choice]."),
+        click.option("--compute", type=click.Choice(("model", "none")), default="model",
+                     show_default=True, help="'none' is a BENCHMARK mode: skip the forward "
+                     "and emit a fixed token, to measure everything around the model."),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -63,7 +66,7 @@ def _engine_config(kw):
                         kv_cache_memory_gb=kw.pop("kv_cache_memory_gb"),
                         max_num_seqs=kw.pop("max_num_seqs"),
                         max_num_batched_tokens=kw.pop("max_num_batched_tokens"),
-                        threads=kw.pop("threads"))
+                        threads=kw.pop("threads"), compute=kw.pop("compute"))
 
 
 def router_options(fn):
@@ -214,6 +217,14 @@ def decode_cmd(**kw) -> None:
     _run_node("decode", kw)
 
 
+@main.command("colocated")
+@node_options
+def colocated_cmd(**kw) -> None:
+    """Run a colocated node: prefill and decode with one engine (the baseline to disaggregation,
+    and the single-GPU setup)."""
+    _run_node("colocated", kw)
+
+
 @main.command("router")
 @router_options
 def router_cmd(**kw) -> None:
@@ -238,10 +249,17 @@ def router_cmd(**kw) -> None:
               show_default=True, help="Decode nodes to start.")
 @click.option("--node-arg", "node_args", multiple=True,
               help="An extra flag for every node, e.g. --node-arg=--num-kv-blocks=512.")
+@click.option("--colocated", is_flag=True,
+              help="Start one colocated node (prefill + decode in one engine) instead of "
+                   "separate prefill and decode nodes.")
 @click.option("--dtype", type=click.Choice(DTYPES), default=None, help="Nodes' dtype.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="torch threads per node [default: cores / nodes].")
-def launch_cmd(num_prefill, num_decode, node_args, dtype, threads, **kw) -> None:
+@click.option("--compute", type=click.Choice(("model", "none")), default="model",
+              show_default=True, help="'none': BENCHMARK mode, nodes skip the forward and "
+              "emit a fixed token.")
+def launch_cmd(num_prefill, num_decode, node_args, colocated, dtype, threads, compute,
+               **kw) -> None:
     """Start a router and its prefill and decode nodes on this machine."""
     from pdserve.launch import LaunchConfig, run_launch
 
@@ -252,11 +270,14 @@ def launch_cmd(num_prefill, num_decode, node_args, dtype, threads, **kw) -> None
         args += ["--dtype", dtype]
     if threads:
         args += ["--threads", str(threads)]
+    if compute != "model":
+        args += ["--compute", compute]
     if router.model is None:  # build the default model once, before the children race for it
         from pdserve.model.default_model import default_model_dir
         default_model_dir()
     sys.exit(run_launch(LaunchConfig(router=router, num_prefill=num_prefill,
-                                     num_decode=num_decode, node_args=tuple(args),
+                                     num_decode=num_decode, colocated=colocated,
+                                     compute=compute, node_args=tuple(args),
                                      log_level=log_level)))
 
 

@@ -26,6 +26,8 @@ class LaunchConfig:
     router: RouterConfig
     num_prefill: int = 1
     num_decode: int = 1
+    colocated: bool = False               # one colocated node instead of prefill + decode
+    compute: str = "model"                # "none": benchmark mode (fixed tokens)
     node_args: tuple[str, ...] = ()       # engine flags passed to every node
     log_level: str = "info"
     ready_timeout_s: float = 600.0
@@ -61,9 +63,16 @@ def _node_cmd(cfg: LaunchConfig, role: str, index: int) -> list[str]:
     if cfg.router.model and "--model" not in cfg.node_args:
         cmd += ["--model", cfg.router.model]
     if "--threads" not in cfg.node_args:
-        share = max(1, (os.cpu_count() or 1) // (cfg.num_prefill + cfg.num_decode))
+        share = max(1, (os.cpu_count() or 1) // len(_roles(cfg)))
         cmd += ["--threads", str(share)]
     return cmd
+
+
+def _roles(cfg: LaunchConfig) -> list[tuple[str, int]]:
+    if cfg.colocated:
+        return [("colocated", 0)]
+    return [("prefill", i) for i in range(cfg.num_prefill)] + \
+        [("decode", i) for i in range(cfg.num_decode)]
 
 
 def _healthy(url: str) -> bool:
@@ -98,9 +107,8 @@ def run_launch(cfg: LaunchConfig) -> int:
     http = f"http://{host}:{cfg.router.http_port}"
     try:
         children["router"] = subprocess.Popen(_router_cmd(cfg))
-        for role, count in (("prefill", cfg.num_prefill), ("decode", cfg.num_decode)):
-            for i in range(count):
-                children[f"{role}-{i}"] = subprocess.Popen(_node_cmd(cfg, role, i))
+        for role, i in _roles(cfg):
+            children[f"{role}-{i}"] = subprocess.Popen(_node_cmd(cfg, role, i))
         deadline = time.monotonic() + cfg.ready_timeout_s
         while not _healthy(f"{http}/health"):
             dead = [n for n, p in children.items() if p.poll() is not None]
@@ -114,12 +122,15 @@ def run_launch(cfg: LaunchConfig) -> int:
                 return 1
             time.sleep(0.2)
         ingress = connect_address(cfg.router.ingress) if cfg.router.ingress else "off"
+        nodes = "1 colocated node" if cfg.colocated else \
+            f"{cfg.num_prefill} prefill, {cfg.num_decode} decode nodes"
+        mode = "COMPUTE NONE: benchmark mode, nodes emit a fixed token, not model output\n" \
+            if cfg.compute == "none" else ""
         print("pdserve is ready:\n"
               f"  OpenAI API     {http}/v1   (health: {http}/health)\n"
               f"  queue ingress  {ingress}\n"
-              f"  control        {connect_address(cfg.router.control)}   "
-              f"({cfg.num_prefill} prefill, {cfg.num_decode} decode nodes)\n"
-              "Ctrl-C stops everything.", flush=True)
+              f"  control        {connect_address(cfg.router.control)}   ({nodes})\n"
+              f"{mode}Ctrl-C stops everything.", flush=True)
         reported = set()
         while not stop_requested:
             if children["router"].poll() is not None:

@@ -204,3 +204,30 @@ def test_exception_in_one_request_fails_only_that_request(harness, offline, capl
     assert "injected detokenizer fault" in bad_last.error.message
     assert "Traceback" in caplog.text or any(r.exc_info for r in caplog.records)
     assert [g[0] for g in good] == want
+
+
+def test_colocated_node_equals_offline_and_compute_none_is_labelled(model, offline,
+                                                                     tmp_path):
+    h = Harness(model, tmp_path)
+    try:
+        h.start("colocated", "c0", "--max-num-batched-tokens", "32")
+        h.wait(lambda: h.core.health()[0])
+        ps = prompts(6, seed=2)
+        want = [o.token_ids for o in offline.generate(ps, greedy(12))]
+
+        async def go():
+            streams = [h.core.submit(S.GenerationRequest(p, greedy(12))) for p in ps]
+            return await asyncio.gather(*(collect(s) for s in streams))
+        got = h.run(go())
+        assert [g[0] for g in got] == want
+        assert all(g[2].finish_reason == "length" for g in got)
+        # A benchmark node that skips the forward says so, and emits one fixed token.
+        h.start("colocated", "c-none", "--compute", "none")
+        h.wait(lambda: "c-none" in h.core.registry.nodes)
+        assert "COMPUTE NONE" in h.core.health()[1]
+        h.procs["c0"].terminate()
+        h.wait(lambda: "c0" not in h.core.registry.nodes, 10)
+        tokens = [g[0] for g in h.run(go())]
+        assert all(len(set(t)) == 1 and len(t) == 12 for t in tokens)
+    finally:
+        h.close()

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.config import EngineConfig
 
-NODE_ROLES = ("prefill", "decode")
+NODE_ROLES = ("prefill", "decode", "colocated")
 
 
 @dataclass(frozen=True)

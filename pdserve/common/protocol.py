@@ -178,6 +178,7 @@ class Hello(Message):
     capacity: NodeStats
     kv_address: Optional[str] = None  # decode nodes: where prefill nodes connect
     pid: int
+    compute: str = "model"  # "none": a benchmark node that skips the forward (fixed tokens)
 
     def _validate(self) -> None:
         if self.role not in ROLES:

@@ -22,7 +22,6 @@ from pdserve.common.node_io import InboxItem
 from pdserve.engine.kv_transfer import InboundTransfer, KVReceiver, KVTransferError, TransferState
 from pdserve.engine.node import Node
 from pdserve.engine.output import RequestOutputState
-from pdserve.engine.sampling_params import from_spec
 from pdserve.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -32,9 +31,14 @@ log = logging.getLogger(__name__)
 class DecodeJob:
     seq: Sequence
     out: RequestOutputState
-    transfer: InboundTransfer
-    lease_s: float
-    lease_deadline: float
+    transfer: InboundTransfer | None     # None: prefilled here (a colocated node)
+    lease_s: float = 0.0
+    lease_deadline: float = 0.0
+
+    @property
+    def placed(self) -> bool:
+        """The sequence is the scheduler's (KV arrived, or prefilled locally)."""
+        return self.transfer is None or self.transfer.state is TransferState.DONE
 
 
 class DecodeNode(Node):
@@ -67,9 +71,7 @@ class DecodeNode(Node):
         if msg.req_id in self.jobs:
             return refuse(f"{P.BAD_MESSAGE}: request id {msg.req_id!r} is already here")
         try:
-            params = from_spec(msg.sampling)
-            self.worker.check_request(msg.prompt_token_ids, params,
-                                      what=f"prompt of {msg.req_id}")
+            params = self.request_params(msg.req_id, msg.prompt_token_ids, msg.sampling)
         except ValueError as exc:
             return refuse(f"{P.BAD_MESSAGE}: {exc}")
         alloc = self.worker.allocator
@@ -89,8 +91,8 @@ class DecodeNode(Node):
 
     def _place(self, peer: bytes, chunk: P.KVChunk) -> None:
         job = self.jobs.get(chunk.req_id)
-        if job is None or job.transfer.state not in (TransferState.RESERVED,
-                                                     TransferState.TRANSFERRING):
+        if job is None or job.transfer is None or job.transfer.state not in (
+                TransferState.RESERVED, TransferState.TRANSFERRING):
             reason = f"no reservation here for {chunk.req_id!r} (expired, aborted or never made)"
             self.io.send_kv_reply(peer, P.KVAck(req_id=chunk.req_id, ok=False, reason=reason))
             return
@@ -115,7 +117,7 @@ class DecodeNode(Node):
         job = self.jobs.pop(req_id, None)
         if job is None:
             return
-        if job.transfer.state is TransferState.DONE:
+        if job.placed:
             if not job.seq.is_finished:
                 self.worker.scheduler.finish(job.seq, reason)
         else:  # still reserved: the blocks were never handed to the scheduler
@@ -129,23 +131,29 @@ class DecodeNode(Node):
             return
         sampled = worker.runner.execute(batch)
         worker.scheduler.postprocess(batch, sampled)
-        items = []
+        firsts, items = [], []
         for seq, token in zip(batch.seqs, sampled):
             if token is None:
-                continue  # a preempted sequence being recomputed
+                continue  # a prompt chunk, or a preempted sequence being recomputed
             job = self.jobs[seq.seq_id]
             reason = job.out.add([token]).finish_reason
-            items.append(P.TokenItem(req_id=seq.seq_id, token_ids=[token], finish_reason=reason))
+            if len(job.out.token_ids) == 1:  # prefilled here: this is its first token
+                firsts.append(P.FirstToken(req_id=seq.seq_id, token_id=token,
+                                           finish_reason=reason))
+            else:
+                items.append(P.TokenItem(req_id=seq.seq_id, token_ids=[token],
+                                         finish_reason=reason))
             if reason is not None:
                 worker.scheduler.finish(seq, reason)
                 del self.jobs[seq.seq_id]
+        if firsts:
+            self.io.send_control(P.FirstTokens(items=firsts))
         if items:
             self.io.send_control(P.TokenBatch(items=items))
 
     def expire(self) -> None:
         now = time.monotonic()
-        late = [j for j in self.jobs.values()
-                if j.transfer.state is not TransferState.DONE and now > j.lease_deadline]
+        late = [j for j in self.jobs.values() if not j.placed and now > j.lease_deadline]
         for job in late:
             req_id = job.seq.seq_id
             self._drop(req_id, "error")
@@ -154,5 +162,28 @@ class DecodeNode(Node):
                 f"{job.lease_s:g} s without the KV arriving"))
 
 
+class ColocatedNode(DecodeNode):
+    """Prefills and decodes with one engine, behind the same router: the baseline that
+    disaggregation is measured against, and what a user with one GPU runs. It takes
+    PrefillBatch messages (no reservation, no KV transfer) and reports first tokens and
+    later tokens exactly as a prefill + decode pair would."""
+    role = "colocated"
+
+    def handle(self, item: InboxItem) -> None:
+        if not isinstance(item.msg, P.PrefillBatch):
+            super().handle(item)
+            return
+        for req in item.msg.requests:
+            seq = self.admit(req, known=req.req_id in self.jobs)
+            if seq is None:
+                continue
+            out = RequestOutputState(None, req.prompt_token_ids, seq.params,
+                                     self.worker.model_config.eos_token_ids,
+                                     self.worker.max_model_len)
+            self.jobs[req.req_id] = DecodeJob(seq, out, transfer=None)
+            self.worker.scheduler.add(seq)
+
+
 def run_decode(config: NodeConfig) -> int:
-    return DecodeNode(config).run()
+    node = ColocatedNode(config) if config.role == "colocated" else DecodeNode(config)
+    return node.run()

@@ -16,6 +16,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048   # token budget of one step; longer prompts are chunked
     max_model_len: int | None = None     # None: the model's own limit
     threads: int | None = None           # torch CPU threads; None: torch's default
+    compute: str = "model"               # "none": skip the forward, emit a fixed token
+                                         # (benchmarks of everything around the model)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -28,6 +30,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.compute not in ("model", "none"):
+            raise ValueError(f"compute must be 'model' or 'none', got {self.compute!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.max_model_len is not None and self.max_model_len < 2:

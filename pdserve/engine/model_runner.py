@@ -22,9 +22,13 @@ def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dt
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 device: torch.device | str, dtype: torch.dtype):
+                 device: torch.device | str, dtype: torch.dtype, compute: str = "model"):
         cfg = model.config
         self.model = model
+        self.compute = compute
+        # compute="none": the token every sampled sequence gets, never an EOS
+        self.fixed_token = next(t for t in range(10, cfg.vocab_size)
+                                if t not in cfg.eos_token_ids)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = torch.device(device)
@@ -60,6 +64,8 @@ class ModelRunner:
                 on_layer: Callable[[int], None] | None = None) -> list[int | None]:
         """Runs the batch; returns the sampled token of each sequence (None for a
         prefill chunk that does not reach the end of its prompt yet)."""
+        if self.compute == "none":
+            return [self.fixed_token if batch.samples(i) else None for i in range(len(batch))]
         inputs = self.prepare(batch)
         logits = self.forward(inputs, on_layer)
         out: list[int | None] = [None] * len(batch)

@@ -19,6 +19,8 @@ import threading
 from pdserve.common import protocol as P
 from pdserve.common.config import NodeConfig
 from pdserve.common.node_io import InboxItem, NodeIO
+from pdserve.engine.sampling_params import SamplingParams, from_spec
+from pdserve.engine.sequence import Sequence
 from pdserve.engine.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -37,12 +39,16 @@ class Node:
         self.layout = self.worker.kv_layout()
         hello = P.Hello(node_id=self.node_id, role=self.role,
                         protocol_version=P.PROTOCOL_VERSION, model=self.identity,
-                        kv_layout=self.layout, capacity=self.worker.stats(), pid=os.getpid())
+                        kv_layout=self.layout, capacity=self.worker.stats(), pid=os.getpid(),
+                        compute=config.engine.compute)
         self.io = NodeIO(config.router, hello,
                          kv_bind=config.kv_bind if self.role == "decode" else None,
                          advertise_host=config.advertise_host,
                          heartbeat_interval_s=config.heartbeat_interval_s)
         self._stop = threading.Event()
+        if config.engine.compute == "none":
+            log.warning("COMPUTE NONE: benchmark mode, the forward is skipped and every token "
+                        "is %d; outputs are not the model's", self.worker.runner.fixed_token)
 
     # -- for the roles ---------------------------------------------------------------------
     def handle(self, item: InboxItem) -> None:
@@ -59,6 +65,26 @@ class Node:
 
     def stats(self) -> P.NodeStats:
         return self.worker.stats()
+
+    def request_params(self, req_id: str, prompt: list[int],
+                       spec: P.SamplingSpec) -> SamplingParams:
+        """The request's sampling parameters; ValueError saying why it cannot be served."""
+        params = from_spec(spec)
+        self.worker.check_request(prompt, params, what=f"prompt of {req_id}")
+        return params
+
+    def admit(self, req: P.PrefillRequest, known: bool) -> Sequence | None:
+        """A sequence for a request to prefill here, or None after telling the router why not."""
+        if known:
+            self.error_to_router(req.req_id, P.BAD_MESSAGE,
+                                 f"request id {req.req_id!r} is already in flight here")
+            return None
+        try:
+            params = self.request_params(req.req_id, req.prompt_token_ids, req.sampling)
+        except ValueError as exc:
+            self.error_to_router(req.req_id, P.BAD_MESSAGE, str(exc))
+            return None
+        return Sequence(req.req_id, req.prompt_token_ids, params)
 
     def error_to_router(self, req_id: str | None, code: str, message: str) -> None:
         log.warning("request %s failed (%s): %s", req_id, code, message)

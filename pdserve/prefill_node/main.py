@@ -21,7 +21,6 @@ from pdserve.common.node_io import KV_OUT, InboxItem
 from pdserve.engine.kv_transfer import kv_chunk, layer_groups
 from pdserve.engine.node import Node
 from pdserve.engine.output import RequestOutputState
-from pdserve.engine.sampling_params import from_spec
 from pdserve.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -68,19 +67,10 @@ class PrefillNode(Node):
             log.info("asked to drain: %s", msg.reason)
 
     def _admit(self, req: P.PrefillRequest) -> None:
-        if req.req_id in self.jobs:
-            self.error_to_router(req.req_id, P.BAD_MESSAGE,
-                                 f"request id {req.req_id!r} is already in flight here")
-            return
-        try:
-            params = from_spec(req.sampling)
-            self.worker.check_request(req.prompt_token_ids, params, what=f"prompt of {req.req_id}")
-        except ValueError as exc:
-            self.error_to_router(req.req_id, P.BAD_MESSAGE, str(exc))
-            return
-        seq = Sequence(req.req_id, req.prompt_token_ids, params)
-        self.jobs[req.req_id] = PrefillJob(req, seq)
-        self.worker.scheduler.add(seq)
+        seq = self.admit(req, known=req.req_id in self.jobs)
+        if seq is not None:
+            self.jobs[req.req_id] = PrefillJob(req, seq)
+            self.worker.scheduler.add(seq)
 
     def _drop(self, req_id: str) -> None:
         job = self.jobs.pop(req_id, None)

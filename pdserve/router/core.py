@@ -29,8 +29,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve.common import protocol as P
-from pdserve.common.transport import (SendError, async_recv_routed, make_socket,
-                                      send_routed)
+from pdserve.common.transport import SendError, async_recv_routed, make_socket, send_routed
 from pdserve.engine.output import RequestOutputState
 from pdserve.engine.sampling_params import to_spec
 from pdserve.model.config import ModelConfig
@@ -169,6 +168,12 @@ class RouterCore:
             return False
 
     def _reserve(self, flight: Flight) -> None:
+        colocated = self.registry.live("colocated")
+        if colocated:  # one engine does both: no reservation, no KV transfer
+            node = self.policy.pick("prefill", colocated, len(flight.prompt))
+            flight.decode_node = node.node_id
+            self._to_prefill(flight, node)
+            return
         candidates = [n for n in self.registry.live("decode")
                       if n.node_id not in flight.refused_by]
         if not candidates:
@@ -192,19 +197,19 @@ class RouterCore:
         log.debug("decode node %s refused %s: %s", node_id, flight.req_id, reason)
         self._reserve(flight)
 
-    def _to_prefill(self, flight: Flight) -> None:
+    def _to_prefill(self, flight: Flight, node: NodeInfo | None = None) -> None:
         nodes = self.registry.live("prefill")
         decode = self.registry.nodes.get(flight.decode_node)
-        if not nodes or decode is None:
+        if node is None and (not nodes or decode is None):
             self._fail(flight, S.NO_NODES, "no live prefill node to take the request")
             return
-        node = self.policy.pick("prefill", nodes, len(flight.prompt))
+        node = node or self.policy.pick("prefill", nodes, len(flight.prompt))
         flight.prefill_node, flight.state = node.node_id, PREFILLING
         node.requests.add(flight.req_id)
         node.queued_prompt_tokens += len(flight.prompt)
         self._batches.setdefault(node.node_id, []).append(P.PrefillRequest(
             req_id=flight.req_id, prompt_token_ids=flight.prompt, sampling=flight.spec,
-            decode_node_id=decode.node_id, kv_address=decode.hello.kv_address,
+            decode_node_id=decode.node_id, kv_address=decode.hello.kv_address or "",
             timeout_s=max(1.0, flight.deadline - time.monotonic())))
         if not self._flush_scheduled:
             self._flush_scheduled = True
@@ -320,12 +325,12 @@ class RouterCore:
 
     def _finish(self, flight: Flight, event: S.StreamEvent, abort: bool) -> None:
         self.flights.pop(flight.req_id, None)
-        for node_id in (flight.prefill_node, flight.decode_node):
-            node = self.registry.nodes.get(node_id) if node_id else None
+        for node_id in {flight.prefill_node, flight.decode_node} - {None}:
+            node = self.registry.nodes.get(node_id)
             if node is None:
                 continue
-            if flight.req_id in node.requests and node.role == "prefill":
-                node.queued_prompt_tokens -= len(flight.prompt)
+            if node_id == flight.prefill_node and flight.state == PREFILLING:
+                node.queued_prompt_tokens -= len(flight.prompt)  # no first token came
             node.requests.discard(flight.req_id)
             if abort:
                 self._send(node_id, P.Abort(req_ids=[flight.req_id], reason="finished or "

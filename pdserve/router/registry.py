@@ -41,19 +41,22 @@ class Registry:
         if hello.protocol_version != P.PROTOCOL_VERSION:
             return False, (f"protocol version {hello.protocol_version} is not this router's "
                            f"{P.PROTOCOL_VERSION}")
-        if hello.role not in ("prefill", "decode"):
-            return False, f"role {hello.role!r} is not served by this router (prefill, decode)"
+        if hello.role not in ("prefill", "decode", "colocated"):
+            return False, (f"role {hello.role!r} is not served by this router (prefill, decode, "
+                           "colocated)")
         if hello.model.config_hash != self.model.config_hash:
             return False, (f"model {hello.model.name!r} ({hello.model.config_hash}) differs from "
                            f"the router's {self.model.name!r} ({self.model.config_hash})")
         lay = hello.kv_layout
         shape = (lay.num_layers, lay.num_kv_heads, lay.head_dim)
         if shape != self.shape:
-            return False, f"KV shape {shape} (layers, kv heads, head dim) is not the model's {self.shape}"
+            return False, (f"KV shape {shape} (layers, kv heads, head dim) is not the model's "
+                           f"{self.shape}")
         if hello.role == "decode" and not hello.kv_address:
             return False, "a decode node must announce its kv_address"
         others = [n for n in self.nodes.values() if n.node_id != hello.node_id]
-        if self.cluster_kv is not None and others and (lay.dtype, lay.block_size) != self.cluster_kv:
+        kv = (lay.dtype, lay.block_size)
+        if self.cluster_kv is not None and others and kv != self.cluster_kv:
             return False, (f"KV dtype {lay.dtype} / block_size {lay.block_size} differs from the "
                            f"cluster's {self.cluster_kv[0]} / {self.cluster_kv[1]}: KV could not "
                            "move between this node and the others")
@@ -87,7 +90,11 @@ class Registry:
         return [n for n in self.nodes.values() if n.role == role and n.state == LIVE]
 
     def health(self) -> tuple[bool, str]:
-        p, d = len(self.live("prefill")), len(self.live("decode"))
-        if p and d:
-            return True, f"{p} prefill and {d} decode nodes live"
-        return False, f"{p} prefill and {d} decode nodes live; at least one of each is needed"
+        p, d, c = len(self.live("prefill")), len(self.live("decode")), len(self.live("colocated"))
+        colocated = f", {c} colocated" if c else ""
+        if any(n.hello.compute != "model" for n in self.nodes.values()):
+            colocated += " (COMPUTE NONE benchmark nodes: outputs are fixed tokens)"
+        if (p and d) or c:
+            return True, f"{p} prefill and {d} decode nodes live{colocated}"
+        return False, (f"{p} prefill and {d} decode nodes live{colocated}; needed: at least one "
+                       "of each, or a colocated node")
