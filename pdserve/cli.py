@@ -48,6 +48,15 @@ def node_options(fn):
         click.option("--node-id", default=None, help="[default: ROLE-HOST-PID]"),
         click.option("--heartbeat-interval", type=click.FloatRange(min=0, min_open=True),
                      default=1.0, show_default=True, help="Seconds, until the router says."),
+        click.option("--metrics-port", type=click.IntRange(0, 65535), default=0,
+                     show_default=True, help="Serve Prometheus /metrics on this port; 0: off."),
+        click.option("--metrics-host", default="127.0.0.1", show_default=True,
+                     help="Bind host of /metrics; 0.0.0.0 lets other machines scrape it."),
+        click.option("--curve-dir", type=click.Path(exists=True, file_okay=False), default=None,
+                     help="CurveZMQ key folder (pdserve keys generate): encrypt and "
+                          "authenticate the control and KV sockets [default: off]."),
+        click.option("--curve-key", default="node", show_default=True,
+                     help="This node's keypair in --curve-dir (NAME.key_secret)."),
         click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info",
                      show_default=True),
     ]
@@ -81,6 +90,9 @@ def router_options(fn):
                           "to other machines."),
         click.option("--http-port", type=click.IntRange(0, 65535), default=8000,
                      show_default=True),
+        click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
+                     help="Also serve Prometheus /metrics on this port [default: only on "
+                          "the HTTP port, at /metrics]."),
         click.option("--control", default=None,
                      help="Control socket nodes connect to [default: tcp://HOST:5556]."),
         click.option("--ingress", default=None,
@@ -95,6 +107,12 @@ def router_options(fn):
                      default=600.0, show_default=True, help="Default deadline of a request (s)."),
         click.option("--max-pending-requests", type=click.IntRange(min=1), default=4096,
                      show_default=True, help="Past this, new requests are refused (429)."),
+        click.option("--curve-dir", type=click.Path(exists=True, file_okay=False), default=None,
+                     help="CurveZMQ key folder (pdserve keys generate): encrypt and "
+                          "authenticate the control, ingress and KV sockets [default: off]."),
+        click.option("--api-key", envvar="PDSERVE_API_KEY", default=None,
+                     help="Require 'Authorization: Bearer KEY' on /v1/* [env: "
+                          "PDSERVE_API_KEY; prefer it: flags show in ps]."),
         click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info",
                      show_default=True),
     ]
@@ -113,12 +131,13 @@ def _router_config(kw):
     try:
         return RouterConfig(
             model=kw.pop("model_dir"), served_model_name=kw.pop("served_model_name"),
-            host=host, http_port=kw.pop("http_port"),
+            host=host, http_port=kw.pop("http_port"), metrics_port=kw.pop("metrics_port"),
             control=kw.pop("control") or f"tcp://{bind_host}:5556",
             ingress=None if ingress == "none" else ingress, policy=kw.pop("policy"),
             heartbeat_interval_s=kw.pop("heartbeat_interval"), liveness=kw.pop("liveness"),
             request_timeout_s=kw.pop("request_timeout"),
-            max_pending_requests=kw.pop("max_pending_requests"))
+            max_pending_requests=kw.pop("max_pending_requests"),
+            curve_dir=kw.pop("curve_dir"), api_key=kw.pop("api_key") or None)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
 
@@ -180,6 +199,8 @@ def _run_node(role: str, kw: dict) -> None:
         config = NodeConfig(role=role, engine=_engine_config(kw), router=kw.pop("router"),
                             node_id=kw.pop("node_id"),
                             heartbeat_interval_s=kw.pop("heartbeat_interval"), **kw)
+        from pdserve.common.security import node_curves
+        node_curves(config.curve_dir, role, config.curve_key)  # bad keys: now, not after loading
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     setup_logging(log_level, config.node_id or role)
@@ -280,6 +301,18 @@ def launch_cmd(num_prefill, num_decode, node_args, colocated, dtype, threads, co
                                      compute=compute, node_args=tuple(args),
                                      log_level=log_level)))
 
+
+def _register_plugins() -> None:
+    """Commands that live beside the code they drive."""
+    from pdserve.client import submit_cmd
+
+    main.add_command(submit_cmd, "submit")
+    from pdserve.common.security import keys_group
+
+    main.add_command(keys_group, "keys")
+
+
+_register_plugins()
 
 if __name__ == "__main__":
     sys.exit(main())

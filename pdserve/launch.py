@@ -2,6 +2,7 @@
 
     1. start the router, then N prefill and M decode nodes pointed at it
     2. wait until the router's /health says every role is live; print the endpoints
+       (each node gets a free port for its Prometheus /metrics unless --node-arg sets one)
     3. watch the children; on Ctrl-C/SIGTERM (or the router dying) stop every child:
        terminate, a timed wait, then kill
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -52,7 +54,16 @@ def _router_cmd(cfg: LaunchConfig) -> list[str]:
         cmd += ["--model", r.model]
     if r.served_model_name:
         cmd += ["--served-model-name", r.served_model_name]
+    if r.metrics_port:
+        cmd += ["--metrics-port", str(r.metrics_port)]
+    if r.curve_dir:
+        cmd += ["--curve-dir", r.curve_dir]
     return cmd
+
+
+def _router_env(cfg: LaunchConfig) -> dict | None:
+    """The API key goes to the router in its environment: argv is visible to every user."""
+    return {**os.environ, "PDSERVE_API_KEY": cfg.router.api_key} if cfg.router.api_key else None
 
 
 def _node_cmd(cfg: LaunchConfig, role: str, index: int) -> list[str]:
@@ -62,10 +73,33 @@ def _node_cmd(cfg: LaunchConfig, role: str, index: int) -> list[str]:
            "--log-level", cfg.log_level, *cfg.node_args]
     if cfg.router.model and "--model" not in cfg.node_args:
         cmd += ["--model", cfg.router.model]
+    if cfg.router.curve_dir and not any(a.startswith("--curve-dir") for a in cfg.node_args):
+        cmd += ["--curve-dir", cfg.router.curve_dir]
     if "--threads" not in cfg.node_args:
         share = max(1, (os.cpu_count() or 1) // len(_roles(cfg)))
         cmd += ["--threads", str(share)]
+    if not any(a.startswith("--metrics-port") for a in cfg.node_args):
+        cmd += ["--metrics-port", str(_free_port())]
+        if cfg.router.host in ("0.0.0.0", "*", "::"):
+            cmd += ["--metrics-host", "0.0.0.0"]
     return cmd
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _metrics_url(cmd: list[str], host: str) -> str:
+    """Where the process started with ``cmd`` serves /metrics (its last --metrics-port)."""
+    port = None
+    for i, arg in enumerate(cmd):
+        if arg == "--metrics-port" and i + 1 < len(cmd):
+            port = cmd[i + 1]
+        elif arg.startswith("--metrics-port="):
+            port = arg.split("=", 1)[1]
+    return f"http://{host}:{port}/metrics" if port not in (None, "0") else "off"
 
 
 def _roles(cfg: LaunchConfig) -> list[tuple[str, int]]:
@@ -105,10 +139,14 @@ def run_launch(cfg: LaunchConfig) -> int:
     children: dict[str, subprocess.Popen] = {}
     host = "127.0.0.1" if cfg.router.host in ("0.0.0.0", "*", "::") else cfg.router.host
     http = f"http://{host}:{cfg.router.http_port}"
+    metrics = {"router": _metrics_url(_router_cmd(cfg), host)
+               if cfg.router.metrics_port else f"{http}/metrics"}
     try:
-        children["router"] = subprocess.Popen(_router_cmd(cfg))
+        children["router"] = subprocess.Popen(_router_cmd(cfg), env=_router_env(cfg))
         for role, i in _roles(cfg):
-            children[f"{role}-{i}"] = subprocess.Popen(_node_cmd(cfg, role, i))
+            cmd = _node_cmd(cfg, role, i)
+            children[f"{role}-{i}"] = subprocess.Popen(cmd)
+            metrics[f"{role}-{i}"] = _metrics_url(cmd, host)
         deadline = time.monotonic() + cfg.ready_timeout_s
         while not _healthy(f"{http}/health"):
             dead = [n for n, p in children.items() if p.poll() is not None]
@@ -130,6 +168,8 @@ def run_launch(cfg: LaunchConfig) -> int:
               f"  OpenAI API     {http}/v1   (health: {http}/health)\n"
               f"  queue ingress  {ingress}\n"
               f"  control        {connect_address(cfg.router.control)}   ({nodes})\n"
+              + "".join(f"  {'metrics' if i == 0 else '':<14} {url}   ({name})\n"
+                        for i, (name, url) in enumerate(metrics.items())) +
               f"{mode}Ctrl-C stops everything.", flush=True)
         reported = set()
         while not stop_requested:

@@ -6,20 +6,26 @@ real nodes through the CLI; it only lacks the router's policies and HTTP.
 from __future__ import annotations
 
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 
 import zmq
 
 from pdserve.common import protocol as P
-from pdserve.common.transport import endpoint_of, make_socket, recv_routed, send_routed
+from pdserve.common.transport import SendError, endpoint_of, make_socket, recv_routed, send_routed
 
 HEARTBEAT_S = 0.2
 
 
 class RouterDriver:
+    """Owns a ROUTER socket in a thread of its own that is always answering, as a router
+    is: it welcomes nodes, heartbeats them, and files what they send in ``inbox``. The test
+    thread sends through ``send`` and reads ``inbox`` under ``lock`` (``wait`` does)."""
+
     def __init__(self, accept=lambda hello: (True, "")):
         self.ctx = zmq.Context()
         self.sock = make_socket(self.ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*")
@@ -30,45 +36,72 @@ class RouterDriver:
         self.beats: dict[str, list[float]] = defaultdict(list)
         self.byes: list[P.Bye] = []
         self.inbox: list[tuple[str, P.Message]] = []
+        self.lock = threading.RLock()
+        self._outbox: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
 
     def close(self):
+        self._stop.set()
+        self._thread.join(timeout=5)
         self.sock.close(0)
         self.ctx.term()
 
-    def pump(self, timeout_s: float = 0.05) -> None:
-        if not self.sock.poll(int(timeout_s * 1000)):
-            return
+    def _loop(self) -> None:
+        next_beat = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + HEARTBEAT_S
+                for node in list(self.hellos):
+                    self._outbox.put((node, P.Heartbeat(node_id="router", stats=None)))
+            while True:
+                try:
+                    node, msg = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+                try:
+                    send_routed(self.sock, node.encode(), msg)
+                except SendError:
+                    pass  # a node that is gone; tests look at what arrives
+            if self.sock.poll(10):
+                self._receive()
+
+    def _receive(self) -> None:
         while True:
             try:
                 peer, msg = recv_routed(self.sock, flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
             node = peer.decode()
-            if isinstance(msg, P.Hello):
-                ok, reason = self.accept(msg)
-                if ok:
-                    self.hellos[node] = msg
-                send_routed(self.sock, peer, P.Welcome(accepted=ok, reason=reason,
-                                                       heartbeat_interval_s=HEARTBEAT_S,
-                                                       liveness=3))
-            elif isinstance(msg, P.Heartbeat):
-                self.beats[node].append(time.monotonic())
-                self.stats[node] = msg.stats
-            elif isinstance(msg, P.Bye):
-                self.byes.append(msg)
-            else:
-                self.inbox.append((node, msg))
+            with self.lock:
+                if isinstance(msg, P.Hello):
+                    ok, reason = self.accept(msg)
+                    if ok:
+                        self.hellos[node] = msg
+                    self._outbox.put((node, P.Welcome(accepted=ok, reason=reason,
+                                                      heartbeat_interval_s=HEARTBEAT_S,
+                                                      liveness=3)))
+                elif isinstance(msg, P.Heartbeat):
+                    self.beats[node].append(time.monotonic())
+                    self.stats[node] = msg.stats
+                elif isinstance(msg, P.Bye):
+                    self.byes.append(msg)
+                else:
+                    self.inbox.append((node, msg))
 
     def send(self, node: str, msg: P.Message) -> None:
-        send_routed(self.sock, node.encode(), msg)
+        self._outbox.put((node, msg))
 
     def wait(self, cond, timeout_s: float = 60.0, what: str = "condition"):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            self.pump()
-            result = cond()
+            with self.lock:
+                result = cond()
             if result:
                 return result
+            time.sleep(0.01)
         raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
 
     def wait_nodes(self, *node_ids: str, timeout_s: float = 120.0) -> None:

@@ -4,6 +4,7 @@ Covers dispatch and stream independence without HTTP in the way: the four
 decoupled cases, cancellation, stop strings, nodes joining and leaving.
 """
 import asyncio
+import threading
 import time
 
 import pytest
@@ -28,15 +29,18 @@ def offline(model):
 
 
 class Harness:
-    """Runs the core on a private event loop; nodes are child processes."""
+    """Runs the core on an event loop in a thread of its own, as the router process runs
+    it: always turning, heartbeating its nodes. Nodes are child processes."""
 
     def __init__(self, model, log_dir):
         self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
         self.control = f"tcp://127.0.0.1:{free_port()}"
         self.core = RouterCore(RouterConfig(model=str(model), control=self.control,
                                             ingress=None, heartbeat_interval_s=0.2,
                                             policy="least_loaded"))
-        self.loop.run_until_complete(self.core.start())
+        self.run(self.core.start())
         self.model, self.log_dir, self.procs = model, log_dir, {}
 
     def start(self, role, node_id, *extra):
@@ -44,20 +48,23 @@ class Harness:
                                          log_path=self.log_dir / f"{node_id}.log")
 
     def wait(self, cond, timeout_s=60.0):
+        """Polls cond on the core's loop (the core is not thread-safe)."""
         async def poll():
             deadline = time.monotonic() + timeout_s
             while not cond():
                 if time.monotonic() > deadline:
                     raise TimeoutError("condition not met")
                 await asyncio.sleep(0.05)
-        self.loop.run_until_complete(poll())
+        self.run(poll())
 
     def run(self, coro):
-        return self.loop.run_until_complete(coro)
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def close(self):
         stop_nodes(list(self.procs.values()))
-        self.loop.run_until_complete(self.core.stop())
+        self.run(self.core.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
         self.loop.close()
 
 
@@ -229,5 +236,135 @@ def test_colocated_node_equals_offline_and_compute_none_is_labelled(model, offli
         h.wait(lambda: "c0" not in h.core.registry.nodes, 10)
         tokens = [g[0] for g in h.run(go())]
         assert all(len(set(t)) == 1 and len(t) == 12 for t in tokens)
+    finally:
+        h.close()
+
+
+def _kill(proc):
+    import signal
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def test_decode_node_killed_mid_stream_loses_no_token(model, offline, tmp_path):
+    """SIGKILL a decode node while it streams: every request finishes, and the greedy
+    outputs equal a run without the failure (each token seen exactly once)."""
+    h = Harness(model, tmp_path)
+    try:
+        for role, nid in [("prefill", "fp"), ("decode", "fd0"), ("decode", "fd1")]:
+            h.start(role, nid)
+        h.wait(lambda: len(h.core.registry.nodes) == 3)
+        ps = prompts(6, seed=11)
+        want = [o.token_ids for o in offline.generate(ps, greedy(60))]
+
+        async def go():
+            streams = [h.core.submit(S.GenerationRequest(p, greedy(60))) for p in ps]
+            tasks = [asyncio.create_task(collect(s)) for s in streams]
+            # Wait until tokens flow, then kill one decode node.
+            while min(len(f.out.token_ids) for f in h.core.requests.values()) < 3:
+                await asyncio.sleep(0.005)
+            victims = h.core.registry.nodes["fd0"].requests
+            assert victims, "nothing was running on the node about to die"
+            _kill(h.procs["fd0"])
+            return await asyncio.gather(*tasks)
+        got = h.run(go())
+        assert [g[0] for g in got] == want
+        assert all(g[2].finish_reason == "length" for g in got)
+        assert "fd0" not in h.core.registry.nodes
+    finally:
+        h.close()
+
+
+def test_prefill_node_killed_with_a_batch_in_flight(model, offline, tmp_path):
+    h = Harness(model, tmp_path)
+    try:
+        for role, nid in [("prefill", "kp0"), ("prefill", "kp1"), ("decode", "kd")]:
+            h.start(role, nid)
+        h.wait(lambda: len(h.core.registry.nodes) == 3)
+        ps = prompts(12, seed=12, lengths=(700, 650, 600))
+        want = [o.token_ids for o in offline.generate(ps, greedy(4))]
+
+        async def go():
+            streams = [h.core.submit(S.GenerationRequest(p, greedy(4))) for p in ps]
+            tasks = [asyncio.create_task(collect(s)) for s in streams]
+            while not h.core.registry.nodes["kp0"].requests:
+                await asyncio.sleep(0.005)
+            _kill(h.procs["kp0"])
+            return await asyncio.gather(*tasks)
+        got = h.run(go())
+        assert [g[0] for g in got] == want
+    finally:
+        h.close()
+
+
+def test_no_node_before_the_deadline_is_a_timeout_error(model, tmp_path):
+    h = Harness(model, tmp_path)
+    try:
+        h.start("decode", "lonely-d")
+        h.start("prefill", "lonely-p")
+        h.wait(lambda: h.core.health()[0])
+        _kill(h.procs["lonely-p"])
+        h.wait(lambda: "lonely-p" not in h.core.registry.nodes, 10)
+        h.start("prefill", "lonely-p2")   # joins, then dies before taking anything
+        h.wait(lambda: "lonely-p2" in h.core.registry.nodes)
+        _kill(h.procs["lonely-p2"])
+
+        async def go():
+            return await collect(h.core.submit(
+                S.GenerationRequest([5, 6, 7], greedy(4), timeout_s=2.0)))
+        _, _, last = h.run(go())
+        assert last.error is not None and last.error.code == S.TIMEOUT
+        assert "deadline" in last.error.message
+    finally:
+        h.close()
+
+
+def test_sigterm_drains_a_node_then_it_exits_cleanly(model, offline, tmp_path):
+    """SIGTERM on a decode node: it takes no new work, its running requests finish
+    (token-exact), new requests go elsewhere, and it exits 0."""
+    h = Harness(model, tmp_path)
+    try:
+        for role, nid in [("prefill", "dp"), ("decode", "dd0"), ("decode", "dd1")]:
+            h.start(role, nid)
+        h.wait(lambda: len(h.core.registry.nodes) == 3)
+        ps = prompts(4, seed=21)
+        want = [o.token_ids for o in offline.generate(ps, greedy(80))]
+
+        async def go():
+            first = [h.core.submit(S.GenerationRequest(p, greedy(80))) for p in ps]
+            tasks = [asyncio.create_task(collect(s)) for s in first]
+            while min(len(f.out.token_ids) for f in h.core.requests.values()) < 2:
+                await asyncio.sleep(0.005)
+            assert h.core.registry.nodes["dd0"].requests
+            h.procs["dd0"].terminate()  # SIGTERM
+            while h.core.registry.nodes["dd0"].state != "draining":
+                await asyncio.sleep(0.005)
+            late = h.core.submit(S.GenerationRequest(ps[0], greedy(80)))
+            assert h.core.requests[late.request_id].decode_node == "dd1"
+            return await asyncio.gather(*tasks, collect(late))
+        got = h.run(go())
+        assert [g[0] for g in got] == want + want[:1]
+        assert h.procs["dd0"].wait(timeout=30) == 0
+    finally:
+        h.close()
+
+
+def test_restarted_router_gets_its_nodes_back(model, offline, tmp_path):
+    h = Harness(model, tmp_path)
+    try:
+        h.start("prefill", "rp")
+        h.start("decode", "rd")
+        h.wait(lambda: h.core.health()[0])
+        h.run(h.core.stop())
+        time.sleep(1.0)  # the router is away for longer than the nodes' liveness window
+        h.core = RouterCore(h.core.config)   # a new router process would do the same
+        h.run(h.core.start())
+        h.wait(lambda: h.core.health()[0], timeout_s=20)
+        want = offline.generate([[3, 4, 5]], greedy(6))[0].token_ids
+
+        async def go():
+            return await collect(h.core.submit(S.GenerationRequest([3, 4, 5], greedy(6))))
+        assert h.run(go())[0] == want
+        assert all(p.poll() is None for p in h.procs.values()), "nodes were restarted"
     finally:
         h.close()

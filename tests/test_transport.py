@@ -162,14 +162,19 @@ def test_make_socket_options_and_errors(make):
 def test_curve_round_trip(make):
     server_public, server_secret = zmq.curve_keypair()
     client_public, client_secret = zmq.curve_keypair()
-    router = make(zmq.ROUTER, bind=LOCAL, curve=T.CurveConfig.server(server_secret, server_public))
+    router = make(zmq.ROUTER, bind=LOCAL, curve=T.CurveConfig.server(
+        server_secret, server_public, allowed_client_keys=[client_public]))
     dealer = make(zmq.DEALER, connect=T.endpoint_of(router), identity="c",
                   curve=T.CurveConfig.client(client_secret, client_public, server_public))
     T.send_message(dealer, P.Heartbeat(node_id="c"))
     assert poll_in(router)
     assert T.recv_routed(router) == (b"c", P.Heartbeat(node_id="c"))
-    with pytest.raises(NotImplementedError):
-        T.start_zap_authenticator(None, T.CurveConfig.server(server_secret, server_public))
+    # The allow-list is enforced (ZAP): a key not on it gets nothing through.
+    other_public, other_secret = zmq.curve_keypair()
+    stranger = make(zmq.DEALER, connect=T.endpoint_of(router), identity="s",
+                    curve=T.CurveConfig.client(other_secret, other_public, server_public))
+    T.send_message(stranger, P.Heartbeat(node_id="s"))
+    assert not poll_in(router, 500)
 
 
 def test_asyncio_twins():

@@ -26,6 +26,12 @@ from dataclasses import dataclass
 import zmq
 
 from pdserve.common import protocol as P
+from pdserve.common.security import (
+    CONTROL_MAX_MSG_BYTES,
+    KV_ACK_MAX_MSG_BYTES,
+    NodeCurves,
+    kv_max_msg_size,
+)
 from pdserve.common.transport import (
     SendError,
     endpoint_of,
@@ -66,8 +72,9 @@ def advertised(endpoint: str, host: str | None) -> str:
 class NodeIO(threading.Thread):
     def __init__(self, router: str, hello: P.Hello, *, kv_bind: str | None = None,
                  advertise_host: str | None = None, heartbeat_interval_s: float = 1.0,
-                 welcome_timeout_s: float = 30.0):
+                 welcome_timeout_s: float = 30.0, curve: NodeCurves | None = None):
         super().__init__(name=f"io-{hello.node_id}", daemon=True)
+        self.curve = curve  # CURVE keys of every socket below; None: plain
         self.router = router
         self.hello = hello
         self.kv_bind = kv_bind
@@ -83,7 +90,7 @@ class NodeIO(threading.Thread):
         self._outbox: queue.Queue[tuple[str, object, P.Message]] = queue.Queue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
         self.last_router_message = time.monotonic()
 
     # -- called from the compute thread ------------------------------------------------
@@ -97,7 +104,7 @@ class NodeIO(threading.Thread):
         self._put(KV_OUT, address, msg)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
         self._wake()
 
     def _put(self, channel: str, peer, msg: P.Message) -> None:
@@ -116,11 +123,16 @@ class NodeIO(threading.Thread):
         socks: list[zmq.Socket] = []
         try:
             control = make_socket(ctx, zmq.DEALER, connect=self.router,
-                                  identity=self.hello.node_id, linger_ms=1000)
+                                  identity=self.hello.node_id, linger_ms=1000,
+                                  max_msg_size=CONTROL_MAX_MSG_BYTES,
+                                  curve=self.curve.control if self.curve else None)
             socks.append(control)
             kv_in = None
             if self.kv_bind:
-                kv_in = make_socket(ctx, zmq.ROUTER, bind=self.kv_bind)
+                limit = kv_max_msg_size(self.hello.kv_layout,
+                                        self.hello.capacity.num_total_blocks)
+                kv_in = make_socket(ctx, zmq.ROUTER, bind=self.kv_bind, max_msg_size=limit,
+                                    curve=self.curve.kv_server if self.curve else None)
                 socks.append(kv_in)
                 address = advertised(endpoint_of(kv_in), self.advertise_host)
                 self.hello = dataclasses.replace(self.hello, kv_address=address)
@@ -133,7 +145,7 @@ class NodeIO(threading.Thread):
             poller.register(self._wake_r, zmq.POLLIN)
             send_message(control, self.hello)
             next_beat = time.monotonic() + self.heartbeat_interval_s
-            while not self._stop.is_set():
+            while not self._stopping.is_set():
                 timeout_ms = max(0, int((next_beat - time.monotonic()) * 1000))
                 events = dict(poller.poll(min(timeout_ms, 500)))
                 if self._wake_r in events:
@@ -149,6 +161,7 @@ class NodeIO(threading.Thread):
                 if time.monotonic() >= next_beat:
                     self._heartbeat(control)
                     next_beat = time.monotonic() + self.heartbeat_interval_s
+                    self._check_router(control)
             # Tell the router we are going, if it is still there.
             try:
                 send_message(control, P.Bye(node_id=self.hello.node_id, reason="shutdown"),
@@ -166,6 +179,20 @@ class NodeIO(threading.Thread):
             ctx.term()
             os.close(self._wake_r)
             os.close(self._wake_w)
+
+    def _check_router(self, control: zmq.Socket) -> None:
+        """A router silent for ``liveness`` intervals is gone (or restarted): say Hello again,
+        once per such window, so a restarted router gets this node back by itself."""
+        if self.welcome is None:
+            return
+        silent = time.monotonic() - self.last_router_message
+        if silent > self.welcome.liveness * self.heartbeat_interval_s:
+            log.warning("router %s silent for %.1f s; saying hello again", self.router, silent)
+            self.last_router_message = time.monotonic()
+            try:
+                send_message(control, self.hello, flags=zmq.NOBLOCK)
+            except SendError as exc:
+                log.warning("hello to router not sent: %s", exc)
 
     def _heartbeat(self, control: zmq.Socket) -> None:
         try:
@@ -190,9 +217,13 @@ class NodeIO(threading.Thread):
             if channel == CONTROL:
                 self.last_router_message = time.monotonic()
                 if isinstance(msg, P.Welcome):
+                    again = self.welcome is not None
                     self.welcome = msg
                     self.welcomed.set()
-                    continue
+                    if not again:
+                        continue
+                    # Registered anew (the router restarted): the compute loop must drop
+                    # the work the old router gave it, which nobody is waiting for now.
                 if isinstance(msg, P.Heartbeat):
                     continue
             self.inbox.put(InboxItem(channel, peer, msg))
@@ -221,7 +252,9 @@ class NodeIO(threading.Thread):
                     sock = kv_out.get(peer)
                     if sock is None:
                         sock = make_socket(ctx, zmq.DEALER, connect=peer,
-                                           identity=self.hello.node_id)
+                                           identity=self.hello.node_id,
+                                           max_msg_size=KV_ACK_MAX_MSG_BYTES,
+                                           curve=self.curve.kv_client if self.curve else None)
                         kv_out[peer] = sock
                         socks.append(sock)
                         poller.register(sock, zmq.POLLIN)

@@ -54,15 +54,16 @@ class SendError(Exception):
 class CurveConfig:
     """CurveZMQ keys (Z85 text or 32 raw bytes) for one socket.
 
-    Server: its own keys plus ``allowed_client_keys``. Client: its own keys plus
-    ``server_public_key``. The allow-list is enforced by a ZAP authenticator,
-    which does not exist yet: see ``start_zap_authenticator``.
+    Server: its own keys plus ``allowed_client_keys`` (an empty list refuses every
+    client), enforced on ``zap_domain`` by the context's ZAP handler: see
+    ``start_zap_authenticator``. Client: its own keys plus ``server_public_key``.
     """
 
     secret_key: bytes
     public_key: bytes
     server_public_key: Optional[bytes] = None
     allowed_client_keys: frozenset = frozenset()
+    zap_domain: bytes = ZAP_DOMAIN  # one allow-list per domain (security.py: one per socket kind)
 
     @property
     def is_server(self) -> bool:
@@ -70,8 +71,9 @@ class CurveConfig:
 
     @classmethod
     def server(cls, secret_key: bytes, public_key: bytes,
-               allowed_client_keys: Iterable[bytes] = ()) -> "CurveConfig":
-        return cls(secret_key, public_key, None, frozenset(allowed_client_keys))
+               allowed_client_keys: Iterable[bytes] = (),
+               zap_domain: bytes = ZAP_DOMAIN) -> "CurveConfig":
+        return cls(secret_key, public_key, None, frozenset(allowed_client_keys), zap_domain)
 
     @classmethod
     def client(cls, secret_key: bytes, public_key: bytes,
@@ -80,12 +82,14 @@ class CurveConfig:
 
 
 def start_zap_authenticator(ctx: zmq.Context, curve: CurveConfig):
-    """Hook for the ZAP handler that enforces ``allowed_client_keys`` on ZAP_DOMAIN.
+    """Enforces ``curve.allowed_client_keys`` on ``curve.zap_domain`` for every socket of
+    ``ctx``: starts the context's one ZAP handler (security.CurveGuard) on first use. Must run
+    before the server socket binds; make_socket calls it for every CURVE server socket."""
+    from pdserve.common.security import curve_guard
 
-    TODO(zap): not implemented yet. Until it is, a CURVE server encrypts and
-    authenticates itself but accepts any client that knows its public key.
-    """
-    raise NotImplementedError("ZAP allow-list authentication is not implemented yet")
+    guard = curve_guard(ctx)
+    guard.allow(curve.zap_domain, curve.allowed_client_keys)
+    return guard
 
 
 def _endpoints(value: Endpoints) -> list[str]:
@@ -169,13 +173,14 @@ def _apply_curve(sock: zmq.Socket, curve: CurveConfig) -> None:
     sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public_key)
     if curve.is_server:
         sock.setsockopt(zmq.CURVE_SERVER, 1)
-        sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
-        if curve.allowed_client_keys:
-            log.warning("CURVE allow-list of %d keys is not enforced yet (no ZAP "
-                        "authenticator); any client with the server key can connect",
-                        len(curve.allowed_client_keys))
+        sock.setsockopt(zmq.ZAP_DOMAIN, curve.zap_domain)
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler: refuse, never admit
+        guard = start_zap_authenticator(sock.context, curve)
     else:
         sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server_public_key)
+        from pdserve.common.security import curve_guard
+        guard = curve_guard(sock.context)
+    guard.watch(sock, curve)  # logs this socket's failed handshakes
 
 
 def endpoint_of(sock: zmq.Socket) -> str:
@@ -239,6 +244,22 @@ async def async_send_message(sock: zmq.asyncio.Socket, msg: Message, *, flags: i
     except zmq.ZMQError as e:
         raise _send_error(None, e) from None
     return tracker
+
+
+def send_routed_nowait(sock: zmq.asyncio.Socket, peer: bytes, msg: Message, *,
+                       copy_threshold: int = COPY_THRESHOLD) -> None:
+    """A NOBLOCK routed send on a zmq.asyncio socket from plain (non-async) code.
+
+    The asyncio socket reports a failed send on the Future it returns, not by raising;
+    this turns that into SendError at once, so an unknown or full peer is never a
+    silently dropped message (nor an "exception never retrieved" later)."""
+    frames, _ = _frames(msg, copy_threshold, False)
+    fut = sock.send_multipart([peer, *frames], flags=zmq.NOBLOCK, copy=False)
+    exc = fut.exception() if fut.done() else None
+    if isinstance(exc, zmq.ZMQError):
+        raise _send_error(peer, exc) from None
+    if exc is not None:
+        raise exc
 
 
 async def async_send_routed(sock: zmq.asyncio.Socket, peer: bytes, msg: Message, *,

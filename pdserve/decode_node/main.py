@@ -57,7 +57,7 @@ class DecodeNode(Node):
             self._place(item.peer, msg)
         elif isinstance(msg, P.Abort):
             for req_id in msg.req_ids:
-                self._drop(req_id, "abort")
+                self.drop(req_id, "abort")
         elif isinstance(msg, P.Error):
             log.warning("error from %s: %s %s", item.channel, msg.code, msg.message)
         elif isinstance(msg, P.Drain):
@@ -70,6 +70,8 @@ class DecodeNode(Node):
 
         if msg.req_id in self.jobs:
             return refuse(f"{P.BAD_MESSAGE}: request id {msg.req_id!r} is already here")
+        if self.draining:
+            return refuse(f"{P.NO_CAPACITY}: node {self.node_id} is draining")
         try:
             params = self.request_params(msg.req_id, msg.prompt_token_ids, msg.sampling)
         except ValueError as exc:
@@ -100,7 +102,7 @@ class DecodeNode(Node):
             self.receiver.place(chunk, job.transfer)
         except KVTransferError as exc:
             job.transfer.state = TransferState.FAILED
-            self._drop(chunk.req_id, "error")
+            self.drop(chunk.req_id, "error")
             self.io.send_kv_reply(peer, P.KVAck(req_id=chunk.req_id, ok=False,
                                                 reason=f"{exc.code}: {exc.message}"))
             self.error_to_router(chunk.req_id, exc.code, exc.message)
@@ -113,7 +115,7 @@ class DecodeNode(Node):
             self.worker.scheduler.add_running(seq)
             self.io.send_kv_reply(peer, P.KVAck(req_id=chunk.req_id, ok=True, reason=""))
 
-    def _drop(self, req_id: str, reason: str) -> None:
+    def drop(self, req_id: str, reason: str) -> None:
         job = self.jobs.pop(req_id, None)
         if job is None:
             return
@@ -129,8 +131,10 @@ class DecodeNode(Node):
         batch = worker.scheduler.schedule()
         if not batch.seqs:
             return
+        started = time.monotonic()
         sampled = worker.runner.execute(batch)
         worker.scheduler.postprocess(batch, sampled)
+        self.metrics.step(len(batch.seqs), time.monotonic() - started)
         firsts, items = [], []
         for seq, token in zip(batch.seqs, sampled):
             if token is None:
@@ -156,7 +160,7 @@ class DecodeNode(Node):
         late = [j for j in self.jobs.values() if not j.placed and now > j.lease_deadline]
         for job in late:
             req_id = job.seq.seq_id
-            self._drop(req_id, "error")
+            self.drop(req_id, "error")
             self.error_to_router(req_id, P.LEASE_EXPIRED, (
                 f"reservation of {len(job.transfer.block_ids)} KV blocks expired after "
                 f"{job.lease_s:g} s without the KV arriving"))
@@ -174,6 +178,8 @@ class ColocatedNode(DecodeNode):
             super().handle(item)
             return
         for req in item.msg.requests:
+            if self.refuse_when_draining(req.req_id):
+                continue
             seq = self.admit(req, known=req.req_id in self.jobs)
             if seq is None:
                 continue

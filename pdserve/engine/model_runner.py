@@ -73,7 +73,9 @@ class ModelRunner:
             seqs = [batch.seqs[i] for i in inputs.sample_rows]
             for seq in seqs:
                 if seq.generator is None and seq.params.seed is not None:
-                    seq.generator = make_generator(seq.params, self.device)
+                    seq.generator = make_generator(seq.params, self.device,
+                                                   self.model.config.vocab_size,
+                                                   seq.num_output_tokens)
             tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
             for row, token in zip(inputs.sample_rows, tokens):
                 out[row] = token

@@ -15,10 +15,13 @@ import queue
 import signal
 import socket
 import threading
+import time
 
 from pdserve.common import protocol as P
 from pdserve.common.config import NodeConfig
+from pdserve.common.metrics import node_metrics, start_metrics_server
 from pdserve.common.node_io import InboxItem, NodeIO
+from pdserve.common.security import node_curves
 from pdserve.engine.sampling_params import SamplingParams, from_spec
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.worker import Worker
@@ -37,6 +40,7 @@ class Node:
         self.worker = Worker(config.engine)
         self.identity = self.worker.identity()
         self.layout = self.worker.kv_layout()
+        self.metrics = node_metrics(self.role, self.identity.name, self.node_id)
         hello = P.Hello(node_id=self.node_id, role=self.role,
                         protocol_version=P.PROTOCOL_VERSION, model=self.identity,
                         kv_layout=self.layout, capacity=self.worker.stats(), pid=os.getpid(),
@@ -44,8 +48,12 @@ class Node:
         self.io = NodeIO(config.router, hello,
                          kv_bind=config.kv_bind if self.role == "decode" else None,
                          advertise_host=config.advertise_host,
-                         heartbeat_interval_s=config.heartbeat_interval_s)
+                         heartbeat_interval_s=config.heartbeat_interval_s,
+                         curve=node_curves(config.curve_dir, self.role, config.curve_key))
         self._stop = threading.Event()
+        self.draining = False
+        self.drain_deadline = 0.0
+        self.jobs: dict = {}    # the role's requests by wire id
         if config.engine.compute == "none":
             log.warning("COMPUTE NONE: benchmark mode, the forward is skipped and every token "
                         "is %d; outputs are not the model's", self.worker.runner.fixed_token)
@@ -92,12 +100,34 @@ class Node:
 
     # -- the loop ----------------------------------------------------------------------------
     def stop(self, *_args) -> None:
-        self._stop.set()
+        """First SIGTERM/SIGINT: drain (no new work; running requests finish, then exit 0).
+        A second one, or one before the router welcomed us: stop now."""
+        if self.draining or not self.io.welcomed.is_set():
+            self._stop.set()
+            return
+        self.draining = True
+        self.drain_deadline = time.monotonic() + self.config.drain_timeout_s
+        log.info("draining: no new work; %d requests to finish (at most %.0f s)",
+                 len(self.jobs), self.config.drain_timeout_s)
+        self.io.send_control(P.Drain(reason="the node is shutting down"))
+
+    def refuse_when_draining(self, req_id: str) -> bool:
+        """While draining, new work is refused with a reason the router retries elsewhere."""
+        if self.draining:
+            self.error_to_router(req_id, P.NO_CAPACITY, f"node {self.node_id} is draining")
+        return self.draining
+
+    def drop_all(self, reason: str) -> None:
+        for req_id in list(self.jobs):
+            self.drop(req_id, reason)
 
     def run(self) -> int:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self.stop)
             signal.signal(signal.SIGINT, self.stop)
+        metrics_server = start_metrics_server(self.metrics.registry, self.config.metrics_host,
+                                              self.config.metrics_port) \
+            if self.config.metrics_port else None
         self.io.start()
         try:
             if not self._wait_welcome():
@@ -106,6 +136,9 @@ class Node:
                      self.config.router,
                      f", KV socket {self.io.hello.kv_address}" if self.io.hello.kv_address else "")
             while not self._stop.is_set():
+                if self.draining and (not self.jobs or time.monotonic() > self.drain_deadline):
+                    log.info("drained: %d requests left", len(self.jobs))
+                    break
                 if self.io.failure is not None:
                     raise RuntimeError("node I/O thread failed") from self.io.failure
                 self._take_inbox(block=not self.has_work())
@@ -113,10 +146,13 @@ class Node:
                 if self.has_work():
                     self.step()
                 self.io.stats = self.stats()
+                self.metrics.node_stats(self.io.stats)
             return 0
         finally:
             self.io.stop()
             self.io.join(timeout=5)
+            if metrics_server is not None:
+                metrics_server.close()
 
     def _wait_welcome(self) -> bool:
         timeout = self.config.welcome_timeout_s
@@ -146,7 +182,12 @@ class Node:
             return
         while True:
             try:
-                self.handle(item)
+                if isinstance(item.msg, P.Welcome):  # registered anew with a restarted router
+                    log.warning("router restarted: dropping %d requests it no longer knows",
+                                len(self.jobs))
+                    self.drop_all("router restarted")
+                else:
+                    self.handle(item)
             except Exception:  # one bad message must not stop the node
                 log.exception("handling %s from %s failed", type(item.msg).__name__,
                               item.channel)

@@ -13,11 +13,19 @@ import torch
 from pdserve.engine.sampling_params import SamplingParams
 
 
-def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
+def make_generator(params: SamplingParams, device: torch.device | str, vocab_size: int = 0,
+                   num_drawn: int = 0) -> torch.Generator | None:
+    """The request's own generator, advanced past the ``num_drawn`` tokens already sampled
+    (elsewhere: a prefill node, a node that died), so a seeded request continues exactly
+    as if one engine had sampled all of it."""
     if params.seed is None or params.greedy:
         return None
     gen = torch.Generator(device=device)
     gen.manual_seed(params.seed)
+    if num_drawn:
+        skip = torch.empty(vocab_size, device=device)
+        for _ in range(num_drawn):  # each sampled token draws one row of noise in sample()
+            skip.exponential_(generator=gen)
     return gen
 
 

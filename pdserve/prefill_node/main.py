@@ -49,16 +49,18 @@ class PrefillNode(Node):
                 self._admit(req)
         elif isinstance(msg, P.Abort):
             for req_id in msg.req_ids:
-                self._drop(req_id)
+                self.drop(req_id)
         elif isinstance(msg, P.KVAck):
             job = self.jobs.get(msg.req_id)
             if job is not None and job.blocks is not None:
-                self._drop(msg.req_id)
+                self.metrics.kv_acked(msg.req_id, msg.ok)
+                self.drop(msg.req_id)
                 if not msg.ok:  # the decode node told the router why
                     log.warning("decode node refused KV of %s: %s", msg.req_id, msg.reason)
         elif isinstance(msg, P.Error):
             if item.channel == KV_OUT and msg.req_id in self.jobs:
-                self._drop(msg.req_id)
+                self.metrics.kv_failed(msg.req_id)
+                self.drop(msg.req_id)
                 self.error_to_router(msg.req_id, msg.code,
                                      f"KV transfer to {item.peer} failed: {msg.message}")
             else:
@@ -67,12 +69,15 @@ class PrefillNode(Node):
             log.info("asked to drain: %s", msg.reason)
 
     def _admit(self, req: P.PrefillRequest) -> None:
+        if self.refuse_when_draining(req.req_id):
+            return
         seq = self.admit(req, known=req.req_id in self.jobs)
         if seq is not None:
             self.jobs[req.req_id] = PrefillJob(req, seq)
             self.worker.scheduler.add(seq)
 
-    def _drop(self, req_id: str) -> None:
+    def drop(self, req_id: str, reason: str = "abort") -> None:
+        self.metrics.forget(req_id)
         job = self.jobs.pop(req_id, None)
         if job is None:
             return
@@ -92,6 +97,7 @@ class PrefillNode(Node):
         batch = worker.scheduler.schedule()
         if not batch.seqs:
             return
+        self.metrics.step([s.seq_id for s in batch.seqs])
         # Sequences whose prompt completes in this step: their KV ships as layers finish.
         done = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
         block_ids = {s.seq_id: torch.tensor(s.block_table, dtype=torch.int64) for s in done}
@@ -111,6 +117,7 @@ class PrefillNode(Node):
             if token is None:
                 continue
             job = self.jobs[seq.seq_id]
+            self.metrics.first_token(seq.seq_id)
             state = RequestOutputState(None, seq.prompt_token_ids, seq.params,
                                        worker.model_config.eos_token_ids, worker.max_model_len)
             reason = state.add([token]).finish_reason
@@ -120,7 +127,7 @@ class PrefillNode(Node):
             if reason is None:
                 shipping.append((seq, token))
             else:
-                self._drop(seq.seq_id)  # finished at its first token: no decode needed
+                self.drop(seq.seq_id)  # finished at its first token: no decode needed
         if firsts:
             self.io.send_control(P.FirstTokens(items=firsts))  # time to first token
         start, end = self.groups[-1]
@@ -134,12 +141,14 @@ class PrefillNode(Node):
                          block_ids, seq.num_prompt_tokens, start, end,
                          checksums=self.config.kv_checksums, last=last, first_token=first_token)
         self.io.send_kv(job.req.kv_address, chunk)
+        self.metrics.kv_sent(seq.seq_id, sum(t.nbytes for t in chunk.tensors.values()))
 
     def expire(self) -> None:
         now = time.monotonic()
         late = [j for j in self.jobs.values() if j.blocks is not None and now > j.deadline]
         for job in late:
-            self._drop(job.req.req_id)
+            self.metrics.kv_failed(job.req.req_id)
+            self.drop(job.req.req_id)
             self.error_to_router(job.req.req_id, P.TIMEOUT, (
                 f"decode node {job.req.decode_node_id} at {job.req.kv_address} did not "
                 f"acknowledge the KV within {job.req.timeout_s:g} s"))

@@ -15,10 +15,18 @@ A request's way::
           Abort to the nodes, terminal event.
 
 Text, stop strings and usage are the router's: nodes only see token ids.
+
+Failover: when a node dies or leaves, or a transfer fails in a way another try
+can fix, the request goes round again under a new wire id (``<id>~<attempt>``):
+its prompt plus every token already streamed go to a prefill node, and decoding
+continues on a decode node. The client's stream just continues: tokens from an
+earlier attempt's wire id are ignored, so none is seen twice or lost, and a
+greedy request's output equals a run without the failure.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -29,7 +37,9 @@ import zmq
 import zmq.asyncio
 
 from pdserve.common import protocol as P
-from pdserve.common.transport import SendError, async_recv_routed, make_socket, send_routed
+from pdserve.common.metrics import RouterMetrics
+from pdserve.common.security import CONTROL_DOMAIN, server_curve
+from pdserve.common.transport import SendError, async_recv_routed, make_socket, send_routed_nowait
 from pdserve.engine.output import RequestOutputState
 from pdserve.engine.sampling_params import to_spec
 from pdserve.model.config import ModelConfig
@@ -46,23 +56,31 @@ RESERVING, PREFILLING, DECODING = "reserving", "prefilling", "decoding"
 CONTROL_IN = (P.Hello, P.Heartbeat, P.FirstTokens, P.ReserveReply, P.TokenBatch, P.Error,
               P.Drain, P.Bye)
 RETRY_RESERVE_S = 0.05     # how soon a request no decode node had room for tries again
+MAX_ATTEMPTS = 4           # dispatches of one request before its failure is final
+# Node errors another attempt can fix (a lost or corrupted transfer, a node gone quiet).
+RETRYABLE = (P.LEASE_EXPIRED, P.TIMEOUT, P.CHECKSUM_MISMATCH, P.NO_CAPACITY)
 TICK_S = 0.05              # deadlines, heartbeats and dead nodes are checked this often
 
 
 @dataclass
 class Flight:
-    req_id: str
-    prompt: list[int]
+    req_id: str                 # the client's id
+    wire_id: str                # this attempt's id on the wire
+    prompt: list[int]           # the client's prompt
     spec: P.SamplingSpec
     out: RequestOutputState
     stream: S.RequestStream
     deadline: float
+    created: float = field(default_factory=time.monotonic)
     state: str = RESERVING
     prefill_node: str | None = None
     decode_node: str | None = None
     refused_by: set[str] = field(default_factory=set)
     retry_at: float = 0.0
     early_tokens: list[P.TokenItem] = field(default_factory=list)  # decode before prefill's
+    attempt: int = 0            # dispatches so far, for wire ids
+    failures: int = 0           # of them, the ones that failed (MAX_ATTEMPTS caps these)
+    wire_prompt: list[int] = field(default_factory=list)  # prompt + tokens of earlier attempts
 
 
 class RouterCore:
@@ -81,7 +99,11 @@ class RouterCore:
         self.registry = Registry(identity, cfg.num_hidden_layers, cfg.num_key_value_heads,
                                  cfg.head_dim, config.heartbeat_interval_s, config.liveness)
         self.policy = make_policy(config.policy)
-        self.flights: dict[str, Flight] = {}
+        self.metrics = RouterMetrics(self.model_name, error_codes=S.HTTP_STATUS)
+        self.metrics.watch(lambda: len(self.requests), lambda: [
+            (n.role, n.state) for n in list(self.registry.nodes.values())])
+        self.flights: dict[str, Flight] = {}    # by wire id
+        self.requests: dict[str, Flight] = {}   # by the client's request id
         self._ids = itertools.count()
         self._batches: dict[str, list[P.PrefillRequest]] = {}
         self._flush_scheduled = False
@@ -109,31 +131,42 @@ class RouterCore:
                                  str(exc).split("=", 1)[0]) from None
 
     def submit(self, req: S.GenerationRequest) -> S.RequestStream:
+        try:
+            return self._submit(req)
+        except S.RequestError as exc:  # refused: counted, then answered by the front-end
+            self.metrics.refused(exc.code)
+            raise
+
+    def _submit(self, req: S.GenerationRequest) -> S.RequestStream:
         self.check(req)
-        if len(self.flights) >= self.config.max_pending_requests:
+        if len(self.requests) >= self.config.max_pending_requests:
             raise S.RequestError(S.OVERLOADED, (
-                f"{len(self.flights)} requests in flight, the limit is "
+                f"{len(self.requests)} requests in flight, the limit is "
                 f"{self.config.max_pending_requests}: retry later"))
         ok, reason = self.health()
         if not ok:
             raise S.RequestError(S.NO_NODES, reason)
         req_id = req.request_id or f"req-{next(self._ids)}"
-        if req_id in self.flights:
+        if req_id in self.requests:
             raise S.RequestError(S.BAD_REQUEST, f"request id {req_id!r} is already in flight")
         stream = S.RequestStream(req_id, list(req.prompt_token_ids))
         stream._cancel = self.cancel
         out = RequestOutputState(self.tokenizer, req.prompt_token_ids, req.params,
                                  self.model_config.eos_token_ids, self.max_model_len)
         timeout = req.timeout_s or self.config.request_timeout_s
-        flight = Flight(req_id, list(req.prompt_token_ids), to_spec(req.params), out, stream,
-                        time.monotonic() + timeout)
-        self.flights[req_id] = flight
+        flight = Flight(req_id, req_id, list(req.prompt_token_ids), to_spec(req.params), out,
+                        stream, time.monotonic() + timeout,
+                        wire_prompt=list(req.prompt_token_ids))
+        self.flights[req_id] = self.requests[req_id] = flight
+        self.metrics.submitted(req_id)
         self._reserve(flight)
         return stream
 
     def cancel(self, req_id: str) -> None:
-        flight = self.flights.get(req_id)
+        flight = self.requests.get(req_id)
         if flight is not None:
+            log.info("request %s cancelled by its client after %d tokens", req_id,
+                     len(flight.out.token_ids))
             self._finish(flight, S.StreamEvent([], "", finish_reason="abort"), abort=True)
 
     def health(self) -> tuple[bool, str]:
@@ -143,7 +176,8 @@ class RouterCore:
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
         self._sock = make_socket(self._ctx, zmq.ROUTER, bind=self.config.control,
-                                 max_msg_size=64 * 2**20)
+                                 max_msg_size=64 * 2**20,
+                                 curve=server_curve(self.config.curve_dir, CONTROL_DOMAIN))
         self._tasks = [asyncio.create_task(self._receive_loop()),
                        asyncio.create_task(self._tick_loop())]
         log.info("router control socket on %s, model %s", self.config.control, self.model_name)
@@ -152,7 +186,7 @@ class RouterCore:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for flight in list(self.flights.values()):
+        for flight in list(self.requests.values()):
             self._fail(flight, S.NO_NODES, "the router is shutting down")
         if self._sock is not None:
             self._sock.close(0)
@@ -161,10 +195,17 @@ class RouterCore:
     # -- dispatch ------------------------------------------------------------------------------
     def _send(self, node_id: str, msg: P.Message) -> bool:
         try:
-            send_routed(self._sock, node_id.encode(), msg)
+            send_routed_nowait(self._sock, node_id.encode(), msg)
             return True
         except SendError as exc:
             log.warning("send of %s to node %s failed: %s", type(msg).__name__, node_id, exc)
+            if exc.reason == "unreachable":
+                # No connection with that identity: the node is gone. Nobody may pick it
+                # from now on; its other requests move once the caller has dealt with this one.
+                node = self.registry.remove(node_id)
+                if node is not None:
+                    asyncio.get_running_loop().call_soon(
+                        self._node_gone, node, f"node {node_id} is not connected any more")
             return False
 
     def _reserve(self, flight: Flight) -> None:
@@ -180,18 +221,18 @@ class RouterCore:
             flight.refused_by.clear()   # every node said no: try them all again shortly
             flight.retry_at = time.monotonic() + RETRY_RESERVE_S
             return
-        node = self.policy.pick("decode", candidates, len(flight.prompt))
+        node = self.policy.pick("decode", candidates, len(flight.wire_prompt))
         flight.decode_node, flight.state, flight.retry_at = node.node_id, RESERVING, 0.0
-        node.requests.add(flight.req_id)
+        node.requests.add(flight.wire_id)
         if not self._send(node.node_id, P.Reserve(
-                req_id=flight.req_id, prompt_token_ids=flight.prompt, sampling=flight.spec,
+                req_id=flight.wire_id, prompt_token_ids=flight.wire_prompt, sampling=flight.spec,
                 prefill_node_id="", lease_s=self.config.reserve_lease_s)):
             self._refused(flight, node.node_id, "unreachable")
 
     def _refused(self, flight: Flight, node_id: str, reason: str) -> None:
         node = self.registry.nodes.get(node_id)
         if node is not None:
-            node.requests.discard(flight.req_id)
+            node.requests.discard(flight.wire_id)
         flight.refused_by.add(node_id)
         flight.decode_node = None
         log.debug("decode node %s refused %s: %s", node_id, flight.req_id, reason)
@@ -201,14 +242,15 @@ class RouterCore:
         nodes = self.registry.live("prefill")
         decode = self.registry.nodes.get(flight.decode_node)
         if node is None and (not nodes or decode is None):
-            self._fail(flight, S.NO_NODES, "no live prefill node to take the request")
+            # Wait for a prefill node (one may join) until the deadline says otherwise.
+            self._retry(flight, "no live prefill node", delay=RETRY_RESERVE_S, count=False)
             return
-        node = node or self.policy.pick("prefill", nodes, len(flight.prompt))
+        node = node or self.policy.pick("prefill", nodes, len(flight.wire_prompt))
         flight.prefill_node, flight.state = node.node_id, PREFILLING
-        node.requests.add(flight.req_id)
-        node.queued_prompt_tokens += len(flight.prompt)
+        node.requests.add(flight.wire_id)
+        node.queued_prompt_tokens += len(flight.wire_prompt)
         self._batches.setdefault(node.node_id, []).append(P.PrefillRequest(
-            req_id=flight.req_id, prompt_token_ids=flight.prompt, sampling=flight.spec,
+            req_id=flight.wire_id, prompt_token_ids=flight.wire_prompt, sampling=flight.spec,
             decode_node_id=decode.node_id, kv_address=decode.hello.kv_address or "",
             timeout_s=max(1.0, flight.deadline - time.monotonic())))
         if not self._flush_scheduled:
@@ -220,11 +262,13 @@ class RouterCore:
         self._flush_scheduled = False
         batches, self._batches = self._batches, {}
         for node_id, requests in batches.items():
+            self.metrics.dispatched(self.flights[r.req_id].req_id for r in requests
+                                    if r.req_id in self.flights)
             if not self._send(node_id, P.PrefillBatch(requests=requests)):
                 for r in requests:
                     if r.req_id in self.flights:
-                        self._fail(self.flights[r.req_id], S.NODE_ERROR,
-                                   f"prefill node {node_id} could not be reached")
+                        self._retry(self.flights[r.req_id],
+                                    f"prefill node {node_id} could not be reached")
 
     # -- what nodes send -----------------------------------------------------------------------
     async def _receive_loop(self) -> None:
@@ -260,11 +304,15 @@ class RouterCore:
         if isinstance(msg, P.ReserveReply):
             flight = self.flights.get(msg.req_id)
             if flight is None or flight.decode_node != node_id or flight.state != RESERVING:
+                # (a reply for an earlier attempt, or for a request already gone)
                 if msg.ok:  # nobody wants it any more: give the blocks back
                     self._send(node_id, P.Abort(req_ids=[msg.req_id], reason="not needed"))
                 return
             if msg.ok:
                 self._to_prefill(flight)
+            elif msg.reason.startswith(P.BAD_MESSAGE):  # no node will take it: say why now
+                self._fail(flight, S.BAD_REQUEST, f"decode node {node_id} refused the "
+                           f"request: {msg.reason.split(': ', 1)[-1]}")
             else:
                 self._refused(flight, node_id, msg.reason)
         elif isinstance(msg, P.FirstTokens):
@@ -272,13 +320,15 @@ class RouterCore:
                 flight = self.flights.get(item.req_id)
                 if flight is None:
                     continue
-                node.queued_prompt_tokens -= len(flight.prompt)
+                node.queued_prompt_tokens -= len(flight.wire_prompt)
                 node.requests.discard(item.req_id)
                 flight.state = DECODING
-                self._deliver(flight, [item.token_id], item.finish_reason)
+                # A first token that ends the request leaves a decode reservation to release.
+                self._deliver(flight, [item.token_id], item.finish_reason, nodes_done=False)
                 for early in flight.early_tokens:
                     if item.req_id in self.flights:
                         self._deliver(flight, early.token_ids, early.finish_reason)
+                flight.early_tokens.clear()
         elif isinstance(msg, P.TokenBatch):
             for item in msg.items:
                 flight = self.flights.get(item.req_id)
@@ -292,26 +342,31 @@ class RouterCore:
             flight = self.flights.get(msg.req_id) if msg.req_id else None
             if flight is None:
                 log.warning("error from node %s: %s %s", node_id, msg.code, msg.message)
+            elif msg.code in RETRYABLE:
+                self._retry(flight, f"node {node_id}: {msg.message} ({msg.code})")
             else:
-                code = S.TIMEOUT if msg.code in (P.TIMEOUT, P.LEASE_EXPIRED) else S.NODE_ERROR
-                self._fail(flight, code, f"node {node_id}: {msg.message} ({msg.code})")
+                self._fail(flight, S.NODE_ERROR, f"node {node_id}: {msg.message} ({msg.code})")
         elif isinstance(msg, P.Drain):
             node.state = DRAINING
             log.info("node %s is draining: %s", node_id, msg.reason)
         elif isinstance(msg, P.Bye):
             self._node_gone(self.registry.remove(node_id), f"node {node_id} left: {msg.reason}")
 
-    def _deliver(self, flight: Flight, token_ids: list[int], node_reason: str | None) -> None:
+    def _deliver(self, flight: Flight, token_ids: list[int], node_reason: str | None,
+                 nodes_done: bool = True) -> None:
+        """Hands tokens to the client's stream. ``nodes_done``: when the node says the request
+        finished, whether every node has already let go of it (no Abort needed)."""
         try:
-            self._deliver_unguarded(flight, token_ids, node_reason)
+            self._deliver_unguarded(flight, token_ids, node_reason, nodes_done)
         except Exception as exc:  # this request fails; the rest of the batch goes on
             log.exception("serving request %s failed", flight.req_id)
             self._fail(flight, S.INTERNAL, f"internal error while serving the request: "
                        f"{type(exc).__name__}: {exc}")
 
     def _deliver_unguarded(self, flight: Flight, token_ids: list[int],
-                           node_reason: str | None) -> None:
+                           node_reason: str | None, nodes_done: bool) -> None:
         delta = flight.out.add(token_ids, node_reason)
+        self.metrics.delivered(flight.req_id, len(delta.token_ids), len(flight.prompt))
         event = S.StreamEvent(delta.token_ids, delta.text, finish_reason=delta.finish_reason,
                               prompt_tokens=len(flight.prompt),
                               completion_tokens=len(flight.out.token_ids))
@@ -320,22 +375,54 @@ class RouterCore:
                 flight.stream.push(event)
             return
         # Finished by the router (a stop string) or at the first token: nodes still hold it.
-        self._finish(flight, event, abort=node_reason is None or flight.state != DECODING
-                     or len(flight.out.token_ids) == 1)
+        self._finish(flight, event, abort=node_reason is None or not nodes_done)
 
     def _finish(self, flight: Flight, event: S.StreamEvent, abort: bool) -> None:
-        self.flights.pop(flight.req_id, None)
+        self.requests.pop(flight.req_id, None)
+        self.metrics.finished(flight.req_id, event.finish_reason,
+                              event.error.code if event.error else None)
+        self._release(flight, abort, "finished or cancelled at the router")
+        flight.stream.push(event)
+
+    def _release(self, flight: Flight, abort: bool, reason: str) -> None:
+        """Forgets the flight's current attempt, telling its nodes to drop it if asked."""
+        self.flights.pop(flight.wire_id, None)
         for node_id in {flight.prefill_node, flight.decode_node} - {None}:
             node = self.registry.nodes.get(node_id)
             if node is None:
                 continue
             if node_id == flight.prefill_node and flight.state == PREFILLING:
-                node.queued_prompt_tokens -= len(flight.prompt)  # no first token came
-            node.requests.discard(flight.req_id)
+                node.queued_prompt_tokens -= len(flight.wire_prompt)  # no first token came
+            node.requests.discard(flight.wire_id)
             if abort:
-                self._send(node_id, P.Abort(req_ids=[flight.req_id], reason="finished or "
-                                            "cancelled at the router"))
-        flight.stream.push(event)
+                self._send(node_id, P.Abort(req_ids=[flight.wire_id], reason=reason))
+
+    def _retry(self, flight: Flight, why: str, delay: float = 0.0, count: bool = True) -> None:
+        """Dispatches the request again: its prompt plus every token already streamed.
+        ``count``: whether this is a failure that uses up one of MAX_ATTEMPTS."""
+        flight.failures += count
+        if flight.failures >= MAX_ATTEMPTS:
+            self._fail(flight, S.NODE_ERROR, f"{why}; gave up after {MAX_ATTEMPTS} attempts")
+            return
+        if count:
+            log.warning("request %s moves to other nodes (attempt %d): %s", flight.req_id,
+                        flight.failures + 1, why)
+        self._release(flight, abort=True, reason=f"moved elsewhere: {why}")
+        done = len(flight.out.token_ids)
+        flight.attempt += 1
+        flight.wire_id = f"{flight.req_id}~{flight.attempt}"
+        flight.wire_prompt = flight.prompt + flight.out.token_ids
+        flight.spec = dataclasses.replace(
+            flight.spec, max_tokens=flight.out.params.max_tokens - done)
+        flight.prefill_node = flight.decode_node = None
+        flight.refused_by.clear()
+        flight.early_tokens.clear()
+        flight.state = RESERVING
+        self.flights[flight.wire_id] = flight
+        if delay:
+            flight.retry_at = time.monotonic() + delay
+        else:
+            self._reserve(flight)
 
     def _fail(self, flight: Flight, code: str, message: str) -> None:
         log.warning("request %s failed (%s): %s", flight.req_id, code, message)
@@ -345,14 +432,14 @@ class RouterCore:
                      abort=True)
 
     def _node_gone(self, node: NodeInfo | None, why: str) -> None:
-        """Fails the requests placed on a node that left or died (failover: issue 8)."""
+        """Moves the requests placed on a node that left or died to other nodes."""
         if node is None:
             return
         log.warning("%s", why)
-        for req_id in list(node.requests):
-            flight = self.flights.get(req_id)
+        for wire_id in list(node.requests):
+            flight = self.flights.get(wire_id)
             if flight is not None:
-                self._fail(flight, S.NODE_ERROR, f"{why}; the request was on it")
+                self._retry(flight, why)
 
     # -- the clock -------------------------------------------------------------------------------
     async def _tick_loop(self) -> None:
@@ -367,9 +454,10 @@ class RouterCore:
                 next_beat = now + self.config.heartbeat_interval_s
                 for node_id in list(self.registry.nodes):
                     self._send(node_id, P.Heartbeat(node_id="router", stats=None))
-            for flight in list(self.flights.values()):
+            for flight in list(self.requests.values()):
                 if now > flight.deadline:
-                    self._fail(flight, S.TIMEOUT, f"the request passed its deadline while "
-                               f"{flight.state}")
+                    waiting = "no node could take it" if flight.retry_at else flight.state
+                    self._fail(flight, S.TIMEOUT, f"the request passed its deadline "
+                               f"({flight.deadline - flight.created:.0f} s) while {waiting}")
                 elif flight.retry_at and now >= flight.retry_at:
                     self._reserve(flight)

@@ -12,6 +12,8 @@ import signal
 
 import uvicorn
 
+from pdserve.common.metrics import metrics_endpoint, start_metrics_server
+from pdserve.common.security import INGRESS_DOMAIN, check_router_security, server_curve
 from pdserve.router.config import RouterConfig
 from pdserve.router.core import RouterCore
 
@@ -22,8 +24,15 @@ async def serve(config: RouterConfig) -> None:
     from pdserve.router.http_api import build_app
 
     core = RouterCore(config)
+    check_router_security(config)
+    metrics_server = None
+    if config.metrics_port and config.metrics_port != config.http_port:
+        metrics_server = start_metrics_server(core.metrics.registry, config.host,
+                                              config.metrics_port)
     await core.start()
-    server = uvicorn.Server(uvicorn.Config(build_app(core), host=config.host,
+    app = build_app(core, api_key=config.api_key)
+    app.add_route("/metrics", metrics_endpoint(core.metrics.registry), methods=["GET"])
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host,
                                            port=config.http_port, log_level="warning",
                                            lifespan="off", access_log=False))
     server.install_signal_handlers = lambda: None  # ours below stop everything together
@@ -32,7 +41,8 @@ async def serve(config: RouterConfig) -> None:
     if config.ingress:
         from pdserve.router.ingress import Ingress
 
-        ingress = Ingress(core, config.ingress)
+        ingress = Ingress(core, config.ingress,
+                          curve=server_curve(config.curve_dir, INGRESS_DOMAIN))
         tasks.append(asyncio.create_task(ingress.run()))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -53,6 +63,8 @@ async def serve(config: RouterConfig) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
         if ingress is not None:
             ingress.close()
+        if metrics_server is not None:
+            metrics_server.close()
         await core.stop()
 
 

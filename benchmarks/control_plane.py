@@ -1,0 +1,200 @@
+"""Requests/s the control plane sustains, against a bare pyzmq echo on the same machine.
+
+``pdserve launch --compute none`` (1P1D; nodes skip the forward and emit a fixed
+token, so only routing, batching, KV messages and streaming are measured);
+128 requests in flight, 8 streamed tokens each, the load generator
+(pdserve.bench) in this process. The same run measures a bare pyzmq asyncio
+DEALER/ROUTER echo at the same concurrency, shaped like a client: 128
+coroutines, each sending one small msgpack request and awaiting its reply,
+one reader task routing replies by id; the server echoes from asyncio. And a
+fake ingress: a stand-in that answers each submit at once with the messages
+the ingress would send, measured through the same load generator, which
+gives the most this client can measure here. Rounds alternate echo / fake /
+ingress / HTTP so machine noise hits each alike.
+
+    python benchmarks/control_plane.py [--concurrency 128] [--tokens 8] [--rounds 2]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import statistics
+import time
+from datetime import datetime
+from pathlib import Path
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from pdserve.bench import datasets, metrics, runner
+from pdserve.bench.backends import IngressBackend, OpenAIBackend
+from pdserve.bench.cluster import free_port, launch_flags, launched, machine
+
+
+def echo_server(address: str) -> None:
+    async def serve():
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.bind(address)
+        while True:
+            await sock.send_multipart(await sock.recv_multipart())
+    asyncio.run(serve())
+
+
+def fake_ingress(address: str, tokens: int) -> None:
+    """Answers every submit at once with ``tokens`` one-token messages and a done, as the
+    ingress would: the ceiling the load generator and the wire format allow here."""
+    async def serve():
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.router_mandatory = 1  # a full pipe makes the send wait, never drop
+        sock.bind(address)
+        while True:
+            peer, data = await sock.recv_multipart()
+            rid = msgpack.unpackb(data)["id"]
+            for _ in range(tokens):
+                await sock.send_multipart([peer, msgpack.packb(
+                    {"type": "tokens", "id": rid, "token_ids": [42], "text": " x"})])
+            await sock.send_multipart([peer, msgpack.packb(
+                {"type": "done", "id": rid, "finish_reason": "length",
+                 "usage": {"prompt_tokens": 32, "completion_tokens": tokens}})])
+    asyncio.run(serve())
+
+
+async def echo_client(address: str, concurrency: int, seconds: float) -> float:
+    """Round trips/s over ``seconds``, ``concurrency`` requests in flight."""
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(address)
+    waiting: dict[int, asyncio.Future] = {}
+    done = 0
+
+    async def reader():
+        while True:
+            msg = msgpack.unpackb(await sock.recv())
+            waiting.pop(msg["id"]).set_result(msg)
+
+    async def worker(k: int, stop: float):
+        nonlocal done
+        i = k
+        while time.perf_counter() < stop:
+            fut = asyncio.get_running_loop().create_future()
+            waiting[i] = fut
+            await sock.send(msgpack.packb({"type": "submit", "id": i, "max_tokens": 8,
+                                           "prompt_token_ids": list(range(32))}))
+            await fut
+            done += 1
+            i += concurrency
+
+    task = asyncio.create_task(reader())
+    await asyncio.gather(*(worker(k, time.perf_counter() + 0.5) for k in range(concurrency)))
+    done, t0 = 0, time.perf_counter()
+    await asyncio.gather(*(worker(k, t0 + seconds) for k in range(concurrency)))
+    rate = done / (time.perf_counter() - t0)
+    task.cancel()
+    sock.close(linger=0)
+    ctx.term()
+    return rate
+
+
+async def through(backend, reqs, concurrency: int) -> tuple[float, float, int]:
+    """(requests/s, tokens/s, failed) of one run; every request must bring all its tokens."""
+    records, duration = await runner.run_requests(backend, reqs, max_concurrency=concurrency,
+                                                  progress=False)
+    m = metrics.compute_metrics(records, duration)
+    await backend.aclose()
+    if m.failed:
+        print(f"  {m.failed} failed; the first: {next(r.error for r in records if r.error)}")
+    return m.request_throughput, m.output_throughput, m.failed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=8, help="streamed tokens per request")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--ingress-requests", type=int, default=20000)
+    ap.add_argument("--http-requests", type=int, default=3000)
+    ap.add_argument("--echo-seconds", type=float, default=4.0)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per node")
+    ap.add_argument("--compute", choices=("none", "model"), default="none",
+                    help="'model': real forwards (use a tiny --model) where 'none' is missing")
+    ap.add_argument("--model", default=None, help="checkpoint folder (default: bundled model)")
+    args = ap.parse_args()
+
+    zero = args.compute == "none"
+    if zero and "--compute" not in launch_flags():
+        raise SystemExit("this pdserve launch has no --compute none yet; run with "
+                         "--compute model --model TINY_CHECKPOINT for an approximation")
+    launch = ["--prefill", "1", "--decode", "1", "--threads", str(args.threads)]
+    launch += ["--compute", "none"] if zero else []
+    launch += ["--model", args.model] if args.model else []
+    print(f"{datetime.now():%Y-%m-%d %H:%M}; {machine()}")
+    mode = "compute none: nodes skip the forward" if zero else "REAL forwards"
+    print(f"cluster: pdserve launch {' '.join(launch)} ({mode})")
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    fake = f"tcp://127.0.0.1:{free_port()}"
+    spawn = mp.get_context("spawn")
+    servers = [spawn.Process(target=echo_server, args=(addr,), daemon=True),
+               spawn.Process(target=fake_ingress, args=(fake, args.tokens), daemon=True)]
+    for server in servers:
+        server.start()
+    results = {"echo": [], "fake ingress": [], "ingress": [], "http": []}
+    try:
+        with launched(*launch) as c:
+            from pdserve.model.default_model import default_model_dir
+            model_dir = Path(args.model) if args.model else default_model_dir()
+            tok = datasets.load_tokenizer(model_dir)
+            model = model_dir.name
+            sampling = {"temperature": 0.0, "ignore_eos": True}
+
+            def reqs(n):
+                return datasets.random_requests(tok, n, args.prompt_len, args.tokens, seed=n)
+            # Warm-up: the first requests pay for imports, JIT and socket set-up.
+            asyncio.run(through(IngressBackend(c.ingress, sampling), reqs(500),
+                                args.concurrency))
+            asyncio.run(through(OpenAIBackend(c.http_url, "/v1/completions", model, sampling,
+                                              args.concurrency), reqs(200), args.concurrency))
+            for r in range(args.rounds):
+                echo = asyncio.run(echo_client(addr, args.concurrency, args.echo_seconds))
+                results["echo"].append((echo, 0.0, 0))
+                results["fake ingress"].append(asyncio.run(through(
+                    IngressBackend(fake, sampling), reqs(args.ingress_requests),
+                    args.concurrency)))
+                results["ingress"].append(asyncio.run(through(
+                    IngressBackend(c.ingress, sampling), reqs(args.ingress_requests),
+                    args.concurrency)))
+                results["http"].append(asyncio.run(through(
+                    OpenAIBackend(c.http_url, "/v1/completions", model, sampling,
+                                  args.concurrency), reqs(args.http_requests),
+                    args.concurrency)))
+                print(f"round {r + 1}: echo {echo:,.0f} rt/s; fake ingress "
+                      f"{results['fake ingress'][-1][0]:,.0f} req/s; ingress "
+                      f"{results['ingress'][-1][0]:,.0f} req/s; http "
+                      f"{results['http'][-1][0]:,.0f} req/s", flush=True)
+    finally:
+        for server in servers:
+            server.kill()
+
+    med = {k: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v),
+               sum(x[2] for x in v)) for k, v in results.items()}
+    echo = med["echo"][0]
+    print(f"concurrency {args.concurrency}, {args.tokens} streamed tokens/request, "
+          f"{args.prompt_len}-token prompts; medians of {args.rounds} rounds")
+    print(f"{'bare pyzmq asyncio echo':<24}: {echo:10,.0f} round trips/s")
+    for k in ("fake ingress", "ingress", "http"):
+        rps, tps, failed = med[k]
+        print(f"{k:<24}: {rps:10,.0f} requests/s {tps:10,.0f} tokens/s  "
+              f"ratio to echo {rps / echo:.3f}  failed {failed}")
+    print("(fake ingress: a stand-in answering each submit at once with the same messages; "
+          "the ceiling of this load generator here)")
+    met = med["ingress"][0] >= 5000 and med["ingress"][0] >= 0.4 * echo
+    print(f"goal: ingress >= 5,000 requests/s and >= 0.4 of the echo: "
+          f"{'met' if met else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Where the benchmark sends requests: the OpenAI HTTP API (SSE) or the queue ingress.
+
+Each ``send`` returns a RequestRecord stamped with ``time.perf_counter()``:
+sent, each content chunk (a non-empty text delta on HTTP, a ``tokens``
+message on the ingress), complete. A failure is a record with ``error`` set,
+never an exception: one bad request must not stop a benchmark.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from pdserve.bench.datasets import SampleRequest
+from pdserve.bench.metrics import RequestRecord
+
+NO_CHUNK = "never received a content chunk (no TTFT): counted as failed"
+
+
+def _fail(rec: RequestRecord, error: str) -> RequestRecord:
+    rec.end, rec.success, rec.error = time.perf_counter(), False, error or "failed"
+    return rec
+
+
+class OpenAIBackend:
+    """Streams /v1/completions or /v1/chat/completions with usage in the last chunk."""
+
+    def __init__(self, base_url: str, endpoint: str, model: str, sampling: dict,
+                 max_connections: int | None = None, api_key: str | None = None):
+        import httpx
+
+        self.chat = endpoint.rstrip("/").endswith("chat/completions")
+        self.url = base_url.rstrip("/") + endpoint
+        self.model = model
+        self.sampling = sampling  # temperature, top_p, top_k, ignore_eos: as given
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(
+            headers=headers, timeout=httpx.Timeout(None, connect=60.0),
+            limits=httpx.Limits(max_connections=max_connections,
+                                max_keepalive_connections=max_connections or 1024))
+
+    def payload(self, req: SampleRequest) -> dict:
+        body = {"model": self.model, "stream": True, "stream_options": {"include_usage": True},
+                **self.sampling}
+        if self.chat:
+            if not isinstance(req.prompt, str):
+                raise ValueError("chat takes text prompts, not token ids")
+            body["messages"] = [{"role": "user", "content": req.prompt}]
+            body["max_completion_tokens"] = req.output_len
+        else:
+            body["prompt"] = req.prompt
+            body["max_tokens"] = req.output_len
+        return body
+
+    async def send(self, req: SampleRequest) -> RequestRecord:
+        body = self.payload(req)
+        rec = RequestRecord(prompt_len=req.prompt_len, start=time.perf_counter())
+        text = []
+        try:
+            async with self._client.stream("POST", self.url, json=body) as resp:
+                if resp.status_code != 200:
+                    detail = (await resp.aread()).decode(errors="replace")
+                    return _fail(rec, f"HTTP {resp.status_code}: {detail[:500]}")
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    now = time.perf_counter()
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        return _fail(rec, json.dumps(chunk["error"])[:500])
+                    if chunk.get("usage"):
+                        rec.output_tokens = int(chunk["usage"].get("completion_tokens") or 0)
+                    choices = chunk.get("choices") or []
+                    if choices:
+                        c = choices[0]
+                        delta = (c.get("delta") or {}).get("content") if self.chat \
+                            else c.get("text")
+                        if delta:
+                            rec.chunk_times.append(now)
+                            text.append(delta)
+        except Exception as e:  # connection refused, reset, bad JSON...
+            return _fail(rec, f"{type(e).__name__}: {e}")
+        rec.end = time.perf_counter()
+        rec.generated_text = "".join(text)
+        rec.success = bool(rec.chunk_times)
+        rec.error = "" if rec.success else NO_CHUNK
+        return rec
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+class IngressBackend:
+    """Submits over one DEALER (pdserve.client.AsyncQueueClient); ids as prompts go out
+    as ``prompt_token_ids``, text as ``prompt``."""
+
+    def __init__(self, address: str, sampling: dict):
+        self.address = address
+        self.sampling = sampling
+        self._client = None
+
+    async def send(self, req: SampleRequest) -> RequestRecord:
+        from pdserve.client import AsyncQueueClient, Done, QueueError
+
+        if self._client is None:  # made inside the running loop, which it belongs to
+            self._client = AsyncQueueClient(self.address)
+        prompt = {"prompt": req.prompt} if isinstance(req.prompt, str) \
+            else {"prompt_token_ids": req.prompt}
+        rec = RequestRecord(prompt_len=req.prompt_len, start=time.perf_counter(),
+                            chunk_tokens=[])
+        text = []
+        try:
+            rid = await self._client.submit(**prompt, max_tokens=req.output_len,
+                                            **self.sampling)
+            async for ev in self._client.stream(rid):
+                now = time.perf_counter()
+                if isinstance(ev, Done):
+                    rec.output_tokens = int(ev.usage.get("completion_tokens") or 0)
+                elif ev.token_ids:
+                    rec.chunk_times.append(now)
+                    rec.chunk_tokens.append(len(ev.token_ids))
+                    text.append(ev.text)
+        except QueueError as e:
+            return _fail(rec, f"{e.code}: {e.message}")
+        except Exception as e:
+            return _fail(rec, f"{type(e).__name__}: {e}")
+        rec.end = time.perf_counter()
+        rec.generated_text = "".join(text)
+        rec.success = bool(rec.chunk_times)
+        rec.error = "" if rec.success else NO_CHUNK
+        return rec
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+
+async def first_model(base_url: str, api_key: str | None = None) -> str:
+    """The first model id of GET /v1/models (what --model defaults to)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        async with httpx.AsyncClient(timeout=30.0, headers=headers) as client:
+            resp = await client.get(url)
+            resp.raise_for_status()
+            data = resp.json().get("data") or []
+    except (httpx.HTTPError, ValueError) as e:
+        raise RuntimeError(f"cannot list the served models at {url} ({e}); is the server "
+                           "running there? Or pass --model") from None
+    if not data:
+        raise RuntimeError(f"{url} lists no model; pass --model")
+    return data[0]["id"]

@@ -1,0 +1,99 @@
+"""``pdserve launch`` on free loopback ports, for the benchmark scripts.
+
+The launcher runs in its own session so that everything it started can be
+stopped as one process group, even if the launcher itself is stuck.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_flags() -> str:
+    """``pdserve launch --help``: to tell whether a flag (--colocated, --compute) exists."""
+    return subprocess.run([sys.executable, "-m", "pdserve.cli", "launch", "--help"],
+                          capture_output=True, text=True, check=True).stdout
+
+
+@dataclass
+class Cluster:
+    http_url: str
+    ingress: str
+    log_path: str
+    args: tuple[str, ...]
+
+
+@contextlib.contextmanager
+def launched(*args: str, ready_timeout_s: float = 600.0):
+    """Yields a Cluster started with ``pdserve launch ARGS`` (ports are chosen here)."""
+    http, control, ingress = free_port(), free_port(), free_port()
+    log = tempfile.NamedTemporaryFile("w", prefix="pdserve-bench-", suffix=".log",
+                                      delete=False)
+    cmd = [sys.executable, "-m", "pdserve.cli", "launch", "--http-port", str(http),
+           "--control", f"tcp://127.0.0.1:{control}", "--ingress",
+           f"tcp://127.0.0.1:{ingress}", "--log-level", "warning", *args]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    log.close()
+    cluster = Cluster(f"http://127.0.0.1:{http}", f"tcp://127.0.0.1:{ingress}", log.name,
+                      tuple(args))
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"pdserve launch {' '.join(args)} exited with "
+                                   f"{proc.returncode}; its log, {log.name}:\n"
+                                   + open(log.name, errors="replace").read()[-3000:])
+            try:
+                with urllib.request.urlopen(cluster.http_url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"pdserve launch not healthy in {ready_timeout_s} s; "
+                                   f"see {log.name}")
+            time.sleep(0.2)
+        yield cluster
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever outlived the launcher's clean-up
+        proc.wait()
+
+
+def machine() -> str:
+    """A one-line description of this machine, for the printed figures."""
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    try:
+        import torch
+        tv = torch.__version__
+    except ImportError:
+        tv = "no torch"
+    load = "/".join(f"{x:.1f}" for x in os.getloadavg())
+    return (f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, torch {tv}; "
+            f"load average {load} (1/5/15 min)")

@@ -1,0 +1,382 @@
+"""CurveZMQ keys, the ZAP allow-list, size limits of untrusted input, ``pdserve keys``.
+
+Why here: a cluster opened across machines must not let anyone who can reach a
+port join as a node (it would read prompts and write tokens), submit work, or
+feed a decode node KV. docs/security.md is the operator's side of this file.
+
+Key directory (``--curve-dir DIR``, written by ``pdserve keys generate DIR``)::
+
+    router.key  router.key_secret    the router: server of the control and ingress sockets
+    node.key    node.key_secret      nodes: clients of the router; decode nodes also serve
+                                     KV with it, so prefill nodes expect it there
+    client.key  client.key_secret    queue producers (QueueClient)
+    NAME.key    NAME.key_secret      more nodes or producers (--node NAME / --client NAME)
+    allow/nodes/*.key                public keys the control and KV sockets accept
+    allow/clients/*.key              public keys the ingress accepts
+
+``*.key`` files are pyzmq certificates (public key only); ``*.key_secret`` hold
+both keys, mode 0600. Each socket kind has its own ZAP domain, so a producer's
+key never opens the control or KV sockets.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import shutil
+import struct
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import click
+import zmq
+import zmq.auth
+from zmq.auth.base import Authenticator
+from zmq.utils import z85
+
+if TYPE_CHECKING:
+    from pdserve.common.transport import CurveConfig
+
+log = logging.getLogger(__name__)
+
+ROUTER, NODE, CLIENT = "router", "node", "client"
+ALLOW_NODES, ALLOW_CLIENTS = Path("allow", "nodes"), Path("allow", "clients")
+CONTROL_DOMAIN, INGRESS_DOMAIN, KV_DOMAIN = b"pdserve/control", b"pdserve/ingress", b"pdserve/kv"
+_SOCKET_NAMES = {CONTROL_DOMAIN: "control", INGRESS_DOMAIN: "ingress", KV_DOMAIN: "KV"}
+
+# Size limits (ZMQ_MAXMSGSIZE, per frame): a bigger frame disconnects the sender.
+CONTROL_MAX_MSG_BYTES = 64 * 2**20   # control messages carry token ids, never tensors
+KV_ACK_MAX_MSG_BYTES = 2**20          # what a prefill node's KV DEALER receives: acks, errors
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4, "int64": 8, "uint8": 1}
+
+
+def kv_max_msg_size(layout, num_blocks: int) -> int:
+    """Largest frame a decode node's KV socket accepts: one layer's K (or V) of a request
+    as large as the whole cache, or a header at its protocol cap."""
+    from pdserve.common.protocol import MAX_HEADER_BYTES
+
+    frame = (num_blocks * layout.block_size * layout.num_kv_heads * layout.head_dim
+             * _DTYPE_BYTES.get(layout.dtype, 8))
+    return max(frame, MAX_HEADER_BYTES) + 4096
+
+
+# ---------------------------------------------------------------- key files
+
+def generate_keys(key_dir, nodes=(), clients=(), force: bool = False) -> list[Path]:
+    """Writes the keypairs missing from ``key_dir`` (all of them with ``force``) and the
+    public key of each node / client into its allow-list. Returns the files written."""
+    root = Path(key_dir)
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    wanted = [(ROUTER, None)] + [(n, ALLOW_NODES) for n in (NODE, *nodes)] + \
+        [(c, ALLOW_CLIENTS) for c in (CLIENT, *clients)]
+    written = []
+    for name, allow in wanted:
+        _check_name(name)
+        public = root / f"{name}.key"
+        if force or not (public.exists() and (root / f"{name}.key_secret").exists()):
+            # Made inside a private (0700) folder, so the secret is never readable by others.
+            with tempfile.TemporaryDirectory(dir=root) as tmp:
+                pub, sec = zmq.auth.create_certificates(tmp, name)
+                os.chmod(sec, 0o600)
+                os.chmod(pub, 0o644)
+                os.replace(sec, root / f"{name}.key_secret")
+                os.replace(pub, public)
+            written += [public, root / f"{name}.key_secret"]
+        if allow is not None:
+            (root / allow).mkdir(parents=True, exist_ok=True)
+            target = root / allow / f"{name}.key"
+            if force or public in written or not target.exists():
+                shutil.copyfile(public, target)
+                written.append(target)
+    return written
+
+
+def _check_name(name: str) -> None:
+    if not name or name.startswith(".") or any(c in name for c in "/\\ \t\n"):
+        raise ValueError(f"key name {name!r} must be a plain file name (no slashes or spaces)")
+
+
+def _load(path: Path, secret: bool) -> tuple[bytes, Optional[bytes]]:
+    if not path.is_file():
+        raise ValueError(f"CURVE key file {path} is missing: run `pdserve keys generate "
+                         f"{path.parent}` (see docs/security.md)")
+    try:
+        public, secret_key = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"CURVE key file {path} is not a key: {e}") from None
+    if secret and not secret_key:
+        raise ValueError(f"{path} holds no secret key")
+    if secret and os.stat(path).st_mode & 0o077:
+        log.warning("secret key %s is readable by other users: chmod 600 it", path)
+    return public, secret_key
+
+
+def load_keypair(key_dir, name: str) -> tuple[bytes, bytes]:
+    """(public, secret) of ``NAME.key_secret``, Z85."""
+    return _load(Path(key_dir) / f"{name}.key_secret", secret=True)
+
+
+def load_public(key_dir, name: str) -> bytes:
+    return _load(Path(key_dir) / f"{name}.key", secret=False)[0]
+
+
+def load_allow_list(key_dir, sub: Path) -> frozenset:
+    """The public keys of every ``*.key`` in ``key_dir/sub``; a missing folder is an error."""
+    folder = Path(key_dir) / sub
+    if not folder.is_dir():
+        raise ValueError(f"CURVE allow-list folder {folder} is missing (see docs/security.md)")
+    keys = frozenset(_load(p, secret=False)[0] for p in sorted(folder.glob("*.key")))
+    if not keys:
+        log.warning("CURVE allow-list %s is empty: every client will be refused", folder)
+    return keys
+
+
+# ---------------------------------------------------------------- CurveConfigs per role
+
+def server_curve(key_dir, domain: bytes, name: str = ROUTER) -> Optional["CurveConfig"]:
+    """The CURVE server config of one socket kind, or None when ``key_dir`` is None (off)."""
+    if key_dir is None:
+        return None
+    from pdserve.common.transport import CurveConfig
+
+    public, secret = load_keypair(key_dir, name)
+    allow = ALLOW_CLIENTS if domain == INGRESS_DOMAIN else ALLOW_NODES
+    return CurveConfig.server(secret, public, load_allow_list(key_dir, allow), zap_domain=domain)
+
+
+def client_curve(key_dir, name: str = CLIENT, server: str = ROUTER) -> Optional["CurveConfig"]:
+    """A client's own keypair ``name`` and the public key of the server ``server``."""
+    if key_dir is None:
+        return None
+    from pdserve.common.transport import CurveConfig
+
+    public, secret = load_keypair(key_dir, name)
+    return CurveConfig.client(secret, public, load_public(key_dir, server))
+
+
+@dataclass(frozen=True)
+class NodeCurves:
+    """Every CURVE config a node's sockets need; built (and checked) before they exist."""
+    control: "CurveConfig"               # DEALER to the router
+    kv_server: Optional["CurveConfig"]   # decode: the KV ROUTER
+    kv_client: Optional["CurveConfig"]   # prefill: DEALERs to decode nodes' KV sockets
+
+
+def node_curves(key_dir, role: str, name: str = NODE) -> Optional[NodeCurves]:
+    if key_dir is None:
+        return None
+    return NodeCurves(
+        control=client_curve(key_dir, name, ROUTER),
+        kv_server=server_curve(key_dir, KV_DOMAIN, NODE) if role != "prefill" else None,
+        kv_client=client_curve(key_dir, name, NODE) if role != "decode" else None)
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return address.startswith(("ipc://", "inproc://")) or host in ("127.0.0.1", "localhost", "::1")
+
+
+def check_router_security(config) -> None:
+    """Loads the router's keys (a clear ValueError now, not at the first connection) and
+    warns about whatever the config opens to other machines without protection."""
+    if config.curve_dir is not None:
+        for domain in (CONTROL_DOMAIN, INGRESS_DOMAIN):
+            server_curve(config.curve_dir, domain)
+    else:
+        for what, address in (("control", config.control), ("ingress", config.ingress)):
+            if address and not _is_loopback(address):
+                log.warning("the %s socket %s is open to other machines without CURVE: anyone "
+                            "who reaches it can %s (--curve-dir; docs/security.md)", what,
+                            address, "join as a node" if what == "control" else "submit work")
+    if not _is_loopback(f"tcp://{config.host}:0"):
+        if config.api_key is None:
+            log.warning("the HTTP API on %s takes requests from anyone who reaches it: set "
+                        "--api-key (docs/security.md)", config.host)
+        log.info("HTTP is plain text: put a TLS proxy in front of it between machines")
+
+
+# ---------------------------------------------------------------- ZAP and handshake logs
+
+def _z85(key: bytes) -> str:
+    return (key if len(key) == 40 else z85.encode(key)).decode()
+
+
+class _Throttle:
+    """One log line per key and period: a refused peer retries every 100 ms."""
+
+    def __init__(self, period_s: float = 10.0):
+        self.period_s = period_s
+        self._seen: dict = {}  # key -> (last logged, suppressed since)
+
+    def __call__(self, key) -> Optional[int]:
+        now = time.monotonic()
+        last, count = self._seen.get(key, (-1e9, 0))
+        if now - last < self.period_s:
+            self._seen[key] = (last, count + 1)
+            return None
+        self._seen[key] = (now, 0)
+        return count
+
+
+_FAILED = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail",
+           zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol", zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth"}
+_WHY = {zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        "security mechanism mismatch: one side has no CURVE keys",
+        zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+        "cryptographic error: wrong server public key or corrupt keys",
+        zmq.PROTOCOL_ERROR_ZMTP_KEY_EXCHANGE: "key exchange failed"}
+
+
+_WATCHED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                   | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_MONITOR_STOPPED)
+
+
+class CurveGuard(threading.Thread):
+    """Per context: answers ZAP requests of its CURVE servers from per-domain allow-lists
+    (pyzmq's Authenticator speaks the protocol) and logs failed CURVE handshakes of every
+    watched socket. Exits when its context is terminated."""
+
+    def __init__(self, ctx: zmq.Context):
+        super().__init__(name="pdserve-curve-guard", daemon=True)
+        self.ctx = ctx
+        self._allowed: dict[str, frozenset] = {}   # z85 keys by domain
+        self._auth: Optional[Authenticator] = None
+        self._peer = "?"
+        self._new: queue.Queue = queue.Queue()
+        self._throttle = _Throttle()
+
+    def allow(self, domain: bytes, keys) -> None:
+        """Serve ZAP for ``domain``; call before the server socket binds."""
+        z = frozenset(_z85(k).encode() for k in keys)
+        self._allowed[domain.decode()] = z
+        if self._auth is None:  # bound here, at once: a handshake must never find it missing
+            self._auth = Authenticator(self.ctx, log=logging.getLogger("zmq.auth"))
+            self._auth.start()
+            self._new.put((self._auth.zap_socket, None))
+        self._auth.configure_curve_callback(domain.decode(), self)
+
+    def watch(self, sock: zmq.Socket, curve: "CurveConfig") -> None:
+        """Log this socket's failed handshakes; call from the socket's own thread."""
+        what = f"{_SOCKET_NAMES.get(curve.zap_domain, curve.zap_domain.decode())} socket" \
+            if curve.is_server else f"client socket (public key {_z85(curve.public_key)})"
+        addr = f"inproc://pdserve-monitor-{id(self)}-{id(sock)}"
+        sock.monitor(addr, _WATCHED_EVENTS)
+        mon = zmq.Socket(self.ctx, zmq.PAIR)
+        mon.linger = 0
+        mon.connect(addr)
+        self._new.put((mon, (what, curve.is_server)))
+
+    # -- pyzmq's Authenticator calls this for every CURVE client of a domain
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        ok = client_key in self._allowed.get(domain, ())
+        name = _SOCKET_NAMES.get(domain.encode(), domain)
+        if ok:
+            log.debug("CURVE: client %s (key %s) admitted on the %s socket", self._peer,
+                      client_key.decode(), name)
+        elif (n := self._throttle(("zap", domain, client_key))) is not None:
+            log.warning("CURVE: refused client %s on the %s socket: public key %s is not on "
+                        "its allow-list%s", self._peer, name, client_key.decode(),
+                        f" ({n} more refusals)" if n else "")
+        return ok
+
+    def run(self) -> None:
+        poller, handlers = zmq.Poller(), {}
+        try:
+            while True:
+                while not self._new.empty():
+                    sock, what = self._new.get()
+                    poller.register(sock, zmq.POLLIN)
+                    handlers[sock] = what
+                for sock, _ in poller.poll(100):
+                    if handlers[sock] is None:
+                        self._zap(sock.recv_multipart())
+                    elif self._event(sock.recv_multipart(), handlers[sock]):
+                        poller.unregister(sock)
+                        del handlers[sock]
+                        sock.close()
+        except zmq.ContextTerminated:
+            pass
+        except Exception:  # never take the process down; new handshakes then fail closed
+            log.exception("CURVE guard failed")
+        finally:
+            for sock in handlers:
+                sock.close(linger=0)
+
+    def _zap(self, msg: list) -> None:
+        self._peer = msg[3].decode(errors="replace") if len(msg) > 3 else "?"
+        coro = self._auth.handle_zap_message(msg)
+        try:  # it never suspends: our callback answers at once
+            coro.send(None)
+        except StopIteration:
+            pass
+        finally:
+            coro.close()
+
+    def _event(self, frames: list, watched: tuple) -> bool:
+        """Logs a failed handshake; True when the watched socket is gone."""
+        if len(frames) != 2 or len(frames[0]) != 6:
+            return False
+        (what, is_server), (event, value) = watched, struct.unpack("=hi", frames[0])
+        if event == zmq.EVENT_MONITOR_STOPPED:
+            return True
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            if is_server:
+                return False  # the ZAP callback has logged it, naming the key
+            why = f"the server refused this key (ZAP status {value}): not on its allow-list"
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and not is_server:
+            why = "the server dropped the handshake: a wrong server public key?"
+        else:
+            why = _WHY.get(value, f"{_FAILED.get(event, event)} error {value}")
+        endpoint = frames[1].decode(errors="replace")
+        if (n := self._throttle(("hs", what, endpoint, why))) is not None:
+            log.warning("CURVE handshake failed on the %s %s: %s%s", what, endpoint, why,
+                        f" ({n} more)" if n else "")
+        return False
+
+
+_GUARDS: "weakref.WeakKeyDictionary[zmq.Context, CurveGuard]" = weakref.WeakKeyDictionary()
+_GUARDS_LOCK = threading.Lock()
+
+
+def curve_guard(ctx: zmq.Context) -> CurveGuard:
+    """The context's one guard, started on first use (libzmq takes one ZAP handler per
+    context, so this registry mirrors state libzmq already keeps per context)."""
+    with _GUARDS_LOCK:
+        guard = _GUARDS.get(ctx)
+        if guard is None or not guard.is_alive():
+            guard = _GUARDS[ctx] = CurveGuard(ctx)
+            guard.start()
+        return guard
+
+
+# ---------------------------------------------------------------- pdserve keys
+
+@click.group("keys")
+def keys_group() -> None:
+    """CurveZMQ keys for the control, ingress and KV sockets (docs/security.md)."""
+
+
+@keys_group.command("generate")
+@click.argument("key_dir", type=click.Path(file_okay=False))
+@click.option("--node", "nodes", multiple=True, metavar="NAME",
+              help="Another node keypair, added to allow/nodes (repeatable).")
+@click.option("--client", "clients", multiple=True, metavar="NAME",
+              help="Another producer keypair, added to allow/clients (repeatable).")
+@click.option("--force", is_flag=True, help="Replace existing keys (every peer needs the new "
+                                            "public keys).")
+def generate_cmd(key_dir, nodes, clients, force) -> None:
+    """Write router, node and client keypairs (and NAMEs) to KEY_DIR, keeping existing ones."""
+    try:
+        written = generate_keys(key_dir, nodes, clients, force)
+    except (ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    for path in written:
+        click.echo(f"wrote {path}")
+    if not written:
+        click.echo(f"{key_dir}: every key exists already (--force replaces them)")
+    click.echo("copy to each host only what it needs: docs/security.md, 'Which host needs what'")

@@ -1,0 +1,294 @@
+"""Queue-producer ingress: a ROUTER socket where producers (DEALERs) submit requests
+as plain MessagePack maps and get their tokens back on the same socket.
+
+The contract is docs/queue-protocol.md. It runs in the router's asyncio loop:
+
+1. ``run`` receives one message, checks it and answers bad input with an ``error``
+   at once (the ingress keeps serving whatever a producer sends).
+2. A ``submit`` becomes ``core.submit(GenerationRequest)`` (never waits) and one
+   forwarding task per request, which turns the stream's events into ``tokens``
+   messages and exactly one ``done`` or ``error``.
+3. A ``cancel`` aborts the stream and answers ``done`` with finish_reason "abort".
+
+Requests are keyed by (producer identity, id): ids are the producer's own.
+Every send is NOBLOCK: a producer that vanished or stopped reading (its queue is
+full) gets its requests cancelled and logged; it never holds up anyone else.
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import reprlib
+from dataclasses import dataclass
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from pdserve.common.transport import CurveConfig, endpoint_of, make_socket
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.streams import (
+    BAD_REQUEST,
+    INTERNAL,
+    GenerationRequest,
+    RequestError,
+    RequestStream,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_MSG_SIZE = 4 * 1024 * 1024  # bytes per frame; a bigger one disconnects the producer
+# Messages queued per producer before it counts as not reading. High, because one producer
+# may have thousands of requests whose tokens all go out in the same loop tick.
+SNDHWM = 100_000
+DUPLICATE_ID = "duplicate_id"
+SUBMIT_FIELDS = ("type", "id", "prompt", "prompt_token_ids", "max_tokens", "temperature",
+                 "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
+
+
+@dataclass
+class _Flight:
+    stream: RequestStream
+    task: asyncio.Task | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Ingress:
+    def __init__(self, core, address: str, *, max_msg_size: int = MAX_MSG_SIZE,
+                 sndhwm: int = SNDHWM, ctx: zmq.asyncio.Context | None = None,
+                 curve: CurveConfig | None = None):
+        """Binds at once, so a taken address fails here; ``endpoint`` is the bound address.
+        ``sndhwm``: messages queued per producer before it counts as not reading.
+        ``curve``: CURVE server keys + allowed producers (security.server_curve)."""
+        self.core = core
+        self._sock = make_socket(ctx or zmq.asyncio.Context.instance(), zmq.ROUTER,
+                                 bind=address, max_msg_size=max_msg_size, sndhwm=sndhwm,
+                                 curve=curve)
+        self.endpoint = endpoint_of(self._sock)
+        self._flights: dict[tuple[bytes, str], _Flight] = {}
+        self._closed = False
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._flights)
+
+    async def run(self) -> None:
+        """Serves until cancelled; then cancels every request in flight and closes."""
+        log.info("queue ingress listening on %s", self.endpoint)
+        try:
+            while True:
+                frames = await self._sock.recv_multipart()
+                try:
+                    self._handle(frames[0], frames[1:])
+                except Exception:  # a bug must not stop the ingress
+                    log.exception("ingress: message from %r", frames[0])
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for flight in self._flights.values():
+            self._abort(flight)
+        self._flights.clear()
+        self._sock.close(linger=0)
+
+    # ------------------------------------------------------------ input
+
+    def _handle(self, peer: bytes, frames: list[bytes]) -> None:
+        if len(frames) != 1:
+            return self._reject(peer, None, f"expected one frame (a MessagePack map), got "
+                                            f"{len(frames)}")
+        try:
+            msg = msgpack.unpackb(frames[0], raw=False)
+        except Exception as e:
+            return self._reject(peer, None, f"not valid MessagePack: {e}")
+        if not isinstance(msg, dict):
+            return self._reject(peer, None, f"message must be a MessagePack map, got "
+                                            f"{type(msg).__name__}")
+        rid, kind = msg.get("id"), msg.get("type")
+        readable = rid if isinstance(rid, str) and rid else None  # to answer with
+        if kind not in ("submit", "cancel"):
+            return self._reject(peer, readable, f"field 'type' must be 'submit' or 'cancel', "
+                                                f"got {_describe(kind)}")
+        if readable is None:
+            return self._reject(peer, None, f"field 'id' must be a non-empty string, got "
+                                            f"{_describe(rid)}")
+        if kind == "submit":
+            self._submit(peer, rid, msg)
+        else:
+            self._cancel(peer, rid)
+
+    def _submit(self, peer: bytes, rid: str, msg: dict) -> None:
+        if (peer, rid) in self._flights:
+            self._send_error(peer, rid, DUPLICATE_ID,
+                             f"request id {rid!r} is already in flight from this producer")
+            return
+        try:
+            stream = self.core.submit(self._request(msg))  # core.check runs inside
+        except RequestError as e:
+            self._send_error(peer, rid, e.code, e.message)
+            return
+        except Exception as e:
+            log.exception("ingress: submit %r from %r", rid, peer)
+            self._send_error(peer, rid, INTERNAL, f"internal error: {e}")
+            return
+        flight = _Flight(stream, prompt_tokens=len(stream.prompt_token_ids))
+        self._flights[(peer, rid)] = flight
+        flight.task = asyncio.get_running_loop().create_task(self._forward(peer, rid, flight))
+
+    def _request(self, msg: dict) -> GenerationRequest:
+        """The GenerationRequest of a submit map; RequestError(bad_request) naming the field."""
+        unknown = sorted(str(k) for k in msg if k not in SUBMIT_FIELDS)
+        if unknown:
+            raise RequestError(BAD_REQUEST, f"unknown field(s) {', '.join(unknown)}; allowed: "
+                               f"{', '.join(SUBMIT_FIELDS)}", unknown[0])
+        has_text, has_ids = "prompt" in msg, "prompt_token_ids" in msg
+        if has_text == has_ids:
+            raise RequestError(BAD_REQUEST, "exactly one of 'prompt' (string) or "
+                               "'prompt_token_ids' (list of integers) is required", "prompt")
+        if has_text:
+            if not isinstance(msg["prompt"], str):
+                _bad_type("prompt", "a string", msg["prompt"])
+            ids = self.core.tokenizer.encode(msg["prompt"]) if msg["prompt"] else []
+        else:
+            ids = msg["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+                _bad_type("prompt_token_ids", "a list of integers", ids)
+        if "max_tokens" not in msg:
+            raise RequestError(BAD_REQUEST, "field 'max_tokens' (integer >= 1) is required",
+                               "max_tokens")
+        kwargs = {}
+        for name, ok, what in _SAMPLING_TYPES:
+            if name in msg:
+                if not ok(msg[name]):
+                    _bad_type(name, what, msg[name])
+                kwargs[name] = msg[name]
+        try:
+            params = SamplingParams(**kwargs)
+        except ValueError as e:
+            raise RequestError(BAD_REQUEST, str(e)) from None
+        return GenerationRequest(prompt_token_ids=list(ids), params=params)
+
+    def _cancel(self, peer: bytes, rid: str) -> None:
+        """Ends the request with done/abort now; an id not in flight is ignored, since its
+        terminal message is already on its way."""
+        flight = self._flights.pop((peer, rid), None)
+        if flight is None:
+            return
+        self._abort(flight)
+        self._send(peer, self._done(rid, "abort", flight))
+
+    # ------------------------------------------------------------ output
+
+    async def _forward(self, peer: bytes, rid: str, flight: _Flight) -> None:
+        """Stream events -> tokens messages, then exactly one done or error."""
+        ended = False
+        try:
+            async for ev in flight.stream:
+                flight.prompt_tokens = ev.prompt_tokens or flight.prompt_tokens
+                flight.completion_tokens = (ev.completion_tokens
+                                            or flight.completion_tokens + len(ev.token_ids))
+                if (ev.token_ids or ev.text) and not self._send(
+                        peer, {"type": "tokens", "id": rid, "token_ids": list(ev.token_ids),
+                               "text": ev.text}):
+                    return
+                if ev.error is not None:
+                    self._send(peer, _error(rid, ev.error.code, ev.error.message))
+                    ended = True
+                elif ev.finish_reason is not None:
+                    self._send(peer, self._done(rid, ev.finish_reason, flight))
+                    ended = True
+                if ended:
+                    return
+            self._send(peer, _error(rid, INTERNAL, "the stream ended without a result"))
+            ended = True
+        except Exception as e:
+            log.exception("ingress: forwarding %r to %r", rid, peer)
+            flight.stream.cancel()
+            self._send(peer, _error(rid, INTERNAL, f"internal error: {e}"))
+            ended = True
+        finally:
+            if ended and self._flights.get((peer, rid)) is flight:
+                del self._flights[(peer, rid)]
+
+    def _send(self, peer: bytes, msg: dict) -> bool:
+        """NOBLOCK send; False (and the producer's requests cancelled) if it cannot take it."""
+        if self._closed:
+            return False
+        fut = self._sock.send_multipart([peer, msgpack.packb(msg)], flags=zmq.NOBLOCK)
+        exc = fut.exception() if fut.done() else None
+        if exc is None:
+            return True
+        why = ("gone (not connected)" if getattr(exc, "errno", None) == errno.EHOSTUNREACH
+               else "not reading (send queue full)" if isinstance(exc, zmq.Again) else str(exc))
+        self._drop_producer(peer, why)
+        return False
+
+    def _drop_producer(self, peer: bytes, why: str) -> None:
+        mine = [key for key in self._flights if key[0] == peer]
+        log.warning("ingress: producer %r is %s; cancelling its %d request(s)", peer, why,
+                    len(mine))
+        current = asyncio.current_task()
+        for key in mine:
+            flight = self._flights.pop(key)
+            flight.stream.cancel()
+            if flight.task is not None and flight.task is not current:
+                flight.task.cancel()
+
+    def _abort(self, flight: _Flight) -> None:
+        flight.stream.cancel()
+        if flight.task is not None and flight.task is not asyncio.current_task():
+            flight.task.cancel()
+
+    def _reject(self, peer: bytes, rid: str | None, message: str) -> None:
+        self._send_error(peer, rid, BAD_REQUEST, message)
+
+    def _send_error(self, peer: bytes, rid: str | None, code: str, message: str) -> None:
+        log.warning("ingress: %s from %r (id %r): %s", code, peer, rid, message)
+        self._send(peer, _error(rid, code, message))
+
+    @staticmethod
+    def _done(rid: str, finish_reason: str, flight: _Flight) -> dict:
+        return {"type": "done", "id": rid, "finish_reason": finish_reason,
+                "usage": {"prompt_tokens": flight.prompt_tokens,
+                          "completion_tokens": flight.completion_tokens}}
+
+
+def _error(rid: str | None, code: str, message: str) -> dict:
+    return {"type": "error", "id": rid, "code": code, "message": message}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _describe(v) -> str:
+    return "nothing" if v is None else f"{reprlib.repr(v)} ({type(v).__name__})"
+
+
+def _bad_type(name: str, what: str, value) -> None:
+    raise RequestError(BAD_REQUEST, f"field {name!r} must be {what}, got {_describe(value)}",
+                       name)
+
+
+_SAMPLING_TYPES = (
+    ("max_tokens", _is_int, "an integer >= 1"),
+    ("temperature", _is_num, "a number"),
+    ("top_p", _is_num, "a number"),
+    ("top_k", _is_int, "an integer"),
+    ("seed", lambda v: v is None or _is_int(v), "an integer or nil"),
+    ("stop", lambda v: isinstance(v, str) or (isinstance(v, list)
+                                              and all(isinstance(s, str) for s in v)),
+     "a string or a list of strings"),
+    ("stop_token_ids", lambda v: isinstance(v, list) and all(_is_int(t) for t in v),
+     "a list of integers"),
+    ("ignore_eos", lambda v: isinstance(v, bool), "a boolean"),
+)

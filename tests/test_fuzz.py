@@ -1,0 +1,333 @@
+"""Hostile input on every socket (ingress, control, KV) and on HTTP, against a real cluster.
+
+Each input is followed by a probe (an unknown message type) that the receiver must answer;
+the replies before the probe's are what the input earned, checked against what the local
+decoder says the socket must answer. After each socket, the cluster must still serve a
+normal request with the offline engine's tokens. Bounded: a few hundred inputs per socket.
+"""
+import re
+
+import httpx
+import msgpack
+import pytest
+import torch
+import zmq
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from pdserve.client import QueueClient
+from pdserve.common import protocol as P
+from pdserve.common.node_io import KV_IN_TYPES
+from pdserve.common.security import CONTROL_MAX_MSG_BYTES
+from pdserve.router.core import CONTROL_IN
+from pdserve.router.ingress import MAX_MSG_SIZE as INGRESS_MAX
+from tests.cluster import launched
+
+EXAMPLES = 300
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
+                suppress_health_check=list(HealthCheck))
+PROMPT = "After the storm"
+GREEDY = dict(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+# ------------------------------------------------------------------ inputs
+
+values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats()
+    | st.text(max_size=12) | st.binary(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
+    max_leaves=10)
+
+
+def _base_messages():
+    """Valid messages to mutate; the Hello's model is wrong, so it can never join."""
+    model = P.ModelIdentity(name="fuzz", config_hash="not-the-model")
+    layout = P.KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", block_size=4)
+    stats = P.NodeStats(num_free_blocks=1, num_total_blocks=1, num_running=0, num_waiting=0,
+                        queued_prompt_tokens=0)
+    k = torch.arange(32, dtype=torch.float32).view(1, 4, 2, 4)  # [blocks, block, heads, dim]
+    chunk = P.KVChunk(req_id="fuzz-req", model=model, kv_layout=layout, layer_start=0,
+                      layer_end=1, num_tokens=3, last=True, first_token=1,
+                      tensors={"k0": k, "v0": k.clone()})
+    return [
+        P.Hello(node_id="fuzz", role="prefill", protocol_version=P.PROTOCOL_VERSION,
+                model=model, kv_layout=layout, capacity=stats, pid=1),
+        P.Heartbeat(node_id="fuzz", stats=stats),
+        P.TokenBatch(items=[P.TokenItem(req_id="nobody", token_ids=[1, 2])]),
+        P.FirstTokens(items=[P.FirstToken(req_id="nobody", token_id=3)]),
+        P.Error(req_id="nobody", code=P.INTERNAL, message="fuzz"),
+        chunk,
+    ]
+
+
+BASES = [[bytes(f) for f in P.encode(m)] for m in _base_messages()]
+
+
+@st.composite
+def wire_frames(draw):
+    """Frames of a protocol message: mutated valid ones, random maps, random bytes."""
+    kind = draw(st.sampled_from(["mutate", "mutate", "mutate", "map", "bytes"]))
+    if kind == "bytes":
+        return draw(st.lists(st.binary(max_size=64), min_size=1, max_size=4))
+    if kind == "map":
+        header = draw(st.dictionaries(st.text(max_size=8), values, max_size=5))
+        header.update(draw(st.fixed_dictionaries({}, optional={
+            "v": st.sampled_from([P.PROTOCOL_VERSION, 0, 2, "1"]),
+            "t": st.sampled_from([*P.MESSAGE_TYPES, "nope", ""]) | values,
+            "tensors": st.lists(values, max_size=2)})))
+        return [msgpack.packb(header)]
+    frames = list(draw(st.sampled_from(BASES)))
+    header = msgpack.unpackb(frames[0])
+    op = draw(st.sampled_from(["set", "drop", "add", "truncate", "frames", "flip", "meta"]))
+    if op == "set":
+        header[draw(st.sampled_from(sorted(header)))] = draw(values)
+    elif op == "drop":
+        del header[draw(st.sampled_from(sorted(header)))]
+    elif op == "add":
+        header[draw(st.text(max_size=8))] = draw(values)
+    elif op == "meta" and header["tensors"]:
+        meta = header["tensors"][draw(st.integers(0, len(header["tensors"]) - 1))]
+        meta[draw(st.sampled_from(["name", "dtype", "shape", "nbytes"]))] = draw(values)
+    if op in ("set", "drop", "add", "meta"):
+        frames[0] = msgpack.packb(header)
+    elif op == "truncate":
+        frames[0] = frames[0][:draw(st.integers(0, len(frames[0]) - 1))]
+    elif op == "frames":
+        if len(frames) > 1 and draw(st.booleans()):
+            frames.pop(draw(st.integers(1, len(frames) - 1)))
+        else:
+            frames.append(draw(st.binary(max_size=64)))
+    elif op == "flip":
+        i = draw(st.integers(0, len(frames) - 1))
+        pos = draw(st.integers(0, len(frames[i]) - 1))
+        frames[i] = frames[i][:pos] + bytes([frames[i][pos] ^ 0xFF]) + frames[i][pos + 1:]
+    return frames
+
+
+# ------------------------------------------------------------------ the cluster
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory):
+    model = tiny_model("llama")
+    # A small cache keeps the KV socket's size limit at the header cap (16 MiB).
+    with launched(model, 1, 1, "--node-arg=--num-kv-blocks=64",
+                  log_dir=tmp_path_factory.mktemp("logs")) as c:
+        yield model, c
+
+
+@pytest.fixture(scope="module")
+def still_serves(cluster):
+    """Checks /health and a greedy request against the offline engine's tokens."""
+    from pdserve import LLM, SamplingParams
+
+    model, c = cluster
+    expected = LLM(model=model).generate([PROMPT], SamplingParams(**GREEDY))[0].token_ids
+
+    def check():
+        assert httpx.get(c.http_url + "/health", timeout=10).status_code == 200
+        assert "Traceback" not in c.log()  # every bad input was handled, none blew up
+        with QueueClient(c.ingress) as client:
+            assert client.generate(PROMPT, **GREEDY, timeout_s=60).token_ids == expected
+
+    check()
+    return check
+
+
+@pytest.fixture
+def dealer():
+    """dealer(address, identity) -> DEALER; every one closed at teardown."""
+    ctx = zmq.Context()
+    socks = []
+
+    def make(address, identity=None):
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        if identity is not None:
+            sock.identity = identity
+        sock.connect(address)
+        socks.append(sock)
+        return sock
+
+    yield make
+    for s in socks:
+        s.close()
+    ctx.term()
+
+
+class Prober:
+    """Sends an input, then a probe of unknown type; returns the decoded replies before the
+    probe's answer (waiting for ``also`` more replies that may come after it)."""
+
+    def __init__(self, sock):
+        self.sock, self.n = sock, 0
+
+    def __call__(self, frames, also: int = 0) -> list:
+        self.n += 1
+        tag = f"probe-{self.n}"
+        self.sock.send_multipart(frames)
+        self.sock.send(msgpack.packb({"v": P.PROTOCOL_VERSION, "t": tag, "tensors": []}))
+        replies, probed = [], False
+        while not probed or len(replies) < also:
+            assert self.sock.poll(10_000), f"no answer to {tag} (input {frames!r:.300})"
+            msg = P.decode(self.sock.recv_multipart())
+            if isinstance(msg, P.Error) and repr(tag) in msg.message:
+                probed = True
+            else:
+                replies.append(msg)
+        return replies
+
+
+def expectation(frames, expected_types):
+    try:
+        return P.decode(frames, expected_types)
+    except P.ProtocolError as e:
+        return e
+
+
+def assert_oversized_dropped(sock, nbytes):
+    sock.send(b"\x80" * nbytes)  # an empty msgpack map repeated: answered if it ever arrived
+    assert not sock.poll(500), "a frame over the socket's size limit reached the receiver"
+
+
+# ------------------------------------------------------------------ the sockets
+
+def test_control_socket(cluster, still_serves, dealer):
+    sock = dealer(cluster[1].control, b"fuzz-control")
+    probe = Prober(sock)
+
+    @FUZZ
+    @given(wire_frames())
+    def fuzz(frames):
+        want = expectation(frames, CONTROL_IN)
+        event(f"control: {getattr(want, 'code', type(want).__name__)}")
+        replies = probe(frames)
+        if isinstance(want, P.ProtocolError):
+            assert [(type(r), r.code) for r in replies] == [(P.Error, want.code)], replies
+        elif isinstance(want, P.Hello):
+            assert len(replies) == 1 and replies[0].accepted is False
+        else:  # valid, but not from a registered node: logged and ignored
+            assert replies == []
+
+    fuzz()
+    # An unnamed peer (ZeroMQ's binary identity) and a frame over the limit: no harm.
+    dealer(cluster[1].control).send(b"garbage")
+    assert_oversized_dropped(sock, CONTROL_MAX_MSG_BYTES + 1)
+    still_serves()
+
+
+def test_kv_socket(cluster, still_serves, dealer):
+    kv = re.search(r"KV socket (tcp://\S+)", cluster[1].log()).group(1)
+    sock = dealer(kv, b"fuzz-kv")
+    probe = Prober(sock)
+
+    @FUZZ
+    @given(wire_frames())
+    def fuzz(frames):
+        want = expectation(frames, KV_IN_TYPES)
+        event(f"kv: {getattr(want, 'code', type(want).__name__)}")
+        if isinstance(want, P.ProtocolError):
+            replies = probe(frames)
+            assert [(type(r), r.code) for r in replies] == [(P.Error, want.code)], replies
+        else:  # a well-formed chunk nobody reserved for: refused (its ack may come later)
+            (ack,) = probe(frames, also=1)
+            assert isinstance(ack, P.KVAck) and not ack.ok and "no reservation" in ack.reason
+
+    fuzz()
+    assert_oversized_dropped(sock, 17 * 2**20)  # over the 16 MiB header cap for a tiny cache
+    still_serves()
+
+
+def _ingress_map():
+    sampling = {"max_tokens": st.integers(-2, 4) | values, "temperature": values,
+                "top_p": values, "top_k": values, "seed": values, "stop": values,
+                "stop_token_ids": values, "ignore_eos": values}
+    return st.fixed_dictionaries(
+        {"type": st.sampled_from(["submit", "submit", "cancel", "other"]) | values,
+         "id": st.text(max_size=6) | values},
+        optional={"prompt": st.text(max_size=20) | values,
+                  "prompt_token_ids": st.lists(st.integers(-5, 600), max_size=6) | values,
+                  **sampling, "extra": values})
+
+
+def test_ingress_socket(cluster, still_serves, dealer):
+    sock = dealer(cluster[1].ingress, b"fuzz-ingress")
+    n = [0]
+
+    @FUZZ
+    @given(st.one_of(
+        _ingress_map().map(lambda m: [msgpack.packb(m)]),
+        values.map(lambda v: [msgpack.packb(v)]),
+        st.lists(st.binary(max_size=64), min_size=1, max_size=3)))
+    def fuzz(frames):
+        n[0] += 1
+        tag = f"probe-{n[0]}"
+        sock.send_multipart(frames)
+        sock.send(msgpack.packb({"type": tag}))
+        replies = []
+        while True:
+            assert sock.poll(10_000), f"no answer to {tag}"
+            reply = msgpack.unpackb(sock.recv())
+            if reply.get("type") == "error" and repr(tag) in reply["message"]:
+                break
+            replies.append(reply)
+        msg = _unpack(frames[0]) if len(frames) == 1 else None
+        rid = msg.get("id") if isinstance(msg, dict) else None
+        rid = rid if isinstance(rid, str) and rid else None
+        if rid is None or msg.get("type") not in ("submit", "cancel"):  # refused at once
+            errors = [r for r in replies if r.get("type") == "error" and r.get("id") == rid]
+            assert errors and errors[0]["code"] == "bad_request", (msg, replies)
+
+    fuzz()
+    sock.send(msgpack.packb({"type": "submit", "id": "big", "prompt": "x" * INGRESS_MAX}))
+    assert not sock.poll(500)
+    sock.close()  # its accepted requests are cancelled by the router when it cannot answer
+    still_serves()
+
+
+def _unpack(data):
+    try:
+        return msgpack.unpackb(data)
+    except Exception:
+        return None
+
+
+# ------------------------------------------------------------------ HTTP
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4), max_leaves=10)
+
+
+def test_http(cluster, still_serves):
+    model, c = cluster
+    name = model.name if hasattr(model, "name") else str(model).rsplit("/", 1)[-1]
+    body = st.fixed_dictionaries(
+        {"model": st.just(name) | json_values},
+        optional={"prompt": st.text(max_size=20) | st.lists(st.integers(-5, 600), max_size=5)
+                  | json_values, "messages": json_values, "max_tokens": st.integers(-2, 4)
+                  | json_values, "stream": st.booleans() | json_values, "temperature": json_values,
+                  "stop": json_values, "n": json_values, "stream_options": json_values,
+                  "extra": json_values})
+    raw = st.binary(max_size=100) | st.sampled_from([b"[" * 5000, b'{"a":' * 5000,
+                                                     b'{"model": 1e999999}'])
+
+    with httpx.Client(base_url=c.http_url, timeout=30) as http:
+        @FUZZ
+        @given(st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+               body.map(lambda b: ("json", b)) | raw.map(lambda b: ("raw", b)))
+        def fuzz(path, payload):
+            kind, data = payload
+            r = http.post(path, json=data) if kind == "json" else http.post(
+                path, content=data, headers={"content-type": "application/json"})
+            assert r.status_code < 500, (r.status_code, r.text[:300])
+            if r.status_code >= 400:
+                assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+        fuzz()
+        big = http.post("/v1/completions", content=b" " * (4 * 2**20 + 1),
+                        headers={"content-type": "application/json"})
+        assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    still_serves()
