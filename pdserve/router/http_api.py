@@ -287,7 +287,9 @@ def error_response(err: RequestError) -> JSONResponse:
         logger.error("request failed (%s): %s", err.code, err.message)
     else:
         logger.warning("request refused (%s): %s", err.code, err.message)
-    return JSONResponse(error_body(err), status_code=status)
+    # Overloaded, or no node to serve: worth trying again shortly (RFC 9110 Retry-After).
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    return JSONResponse(error_body(err), status_code=status, headers=headers)
 
 
 async def read_json(request: Request) -> dict:
