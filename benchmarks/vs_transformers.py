@@ -1,14 +1,20 @@
 """Output tokens/s of pdserve against transformers' ``generate``, same model, same prompts.
 
-Greedy, float32, ``--batch`` prompts of ``--prompt-len`` random token ids (equal
-lengths, so transformers needs no padding), ``--output-len`` new tokens each
-(EOS ignored on both sides). pdserve is measured two ways: the offline
-``pdserve.LLM`` in this process, and through ``pdserve launch`` (1P1D, every
-request at once over HTTP, the load generator in this process). transformers
-runs ``model.generate`` on the whole batch with its KV cache. All use the same
-torch threads; the three alternate over ``--rounds``; tokens are compared.
+Greedy, float32, random token-id prompts, EOS ignored on both sides, same torch
+threads. pdserve is measured two ways: the offline ``pdserve.LLM`` in this
+process, and through ``pdserve launch`` (1P1D, every request at once over
+HTTP, the load generator in this process). transformers runs ``generate`` on
+the whole batch with its KV cache. Two workloads:
 
-    python benchmarks/vs_transformers.py [--batch 16] [--output-len 64] [--no-launch]
+- equal: ``--batch`` prompts of ``--prompt-len`` tokens, ``--output-len`` new
+  tokens each: transformers' best case (no padding); tokens are compared.
+- mixed: ``--mixed-batch`` prompts of 32..512 tokens wanting 16..128 tokens
+  each, as requests come: transformers left-pads the batch and generates the
+  longest output for all; only the tokens asked for count, on both sides.
+
+The three alternate over ``--rounds``; figures are medians.
+
+    python benchmarks/vs_transformers.py [--rounds 2] [--no-launch]
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import statistics
 import time
 from datetime import datetime
 
+import numpy as np
 import torch
 
 from pdserve import LLM, SamplingParams
@@ -29,12 +36,19 @@ from pdserve.bench.cluster import launched, machine
 from pdserve.model.default_model import default_model_dir
 
 
+def workload(tok, n: int, in_lens, out_lens, seed: int) -> list[datasets.SampleRequest]:
+    base = datasets.random_requests(tok, n, max(in_lens), 1, seed=seed)
+    return [datasets.SampleRequest(r.prompt[:i], i, o)
+            for r, i, o in zip(base, in_lens, out_lens)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint folder (default: bundled model)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--mixed-batch", type=int, default=32)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-launch", action="store_true", help="only the offline LLM")
@@ -44,65 +58,88 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     model_dir = a.model or str(default_model_dir())
     tok = datasets.load_tokenizer(model_dir)
-    prompts = [r.prompt for r in datasets.random_requests(tok, a.batch, a.prompt_len,
-                                                          a.output_len, seed=0)]
-    n_tokens = a.batch * a.output_len
+    rng = np.random.default_rng(0)
+    loads = {
+        "equal": workload(tok, a.batch, [a.prompt_len] * a.batch, [a.output_len] * a.batch, 0),
+        "mixed": workload(tok, a.mixed_batch, rng.integers(32, 513, a.mixed_batch).tolist(),
+                          rng.integers(16, 129, a.mixed_batch).tolist(), 1)}
 
     llm = LLM(model=model_dir, threads=a.threads)
-    params = SamplingParams(max_tokens=a.output_len, temperature=0, ignore_eos=True)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor(prompts)  # [B, prompt_len]
+    pad = hf.config.pad_token_id
 
-    def run_pdserve():
+    def run_pdserve(reqs):
+        params = [SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True)
+                  for r in reqs]
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
+        outs = llm.generate([r.prompt for r in reqs], params)
         return time.perf_counter() - t0, [o.token_ids for o in outs]
 
-    def run_hf():
+    def run_hf(reqs):
+        width, new = max(r.prompt_len for r in reqs), max(r.output_len for r in reqs)
+        ids = torch.full((len(reqs), width), pad)          # [B, width], padded on the left
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(reqs):
+            ids[i, width - r.prompt_len:] = torch.tensor(r.prompt)
+            mask[i, width - r.prompt_len:] = 1
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                              max_new_tokens=a.output_len, min_new_tokens=a.output_len,
-                              pad_token_id=hf.config.pad_token_id)
-        return time.perf_counter() - t0, out[:, ids.shape[1]:].tolist()
+            out = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                              min_new_tokens=new, pad_token_id=pad)
+        return time.perf_counter() - t0, [row[width:width + r.output_len].tolist()
+                                          for row, r in zip(out, reqs)]
 
-    async def run_launch(c):
-        reqs = datasets.random_requests(tok, a.batch, a.prompt_len, a.output_len, seed=0)
+    async def run_launch(c, reqs):
         backend = OpenAIBackend(c.http_url, "/v1/completions", os.path.basename(model_dir),
                                 {"temperature": 0.0, "ignore_eos": True})
         records, duration = await runner.run_requests(backend, reqs, progress=False)
         await backend.aclose()
         m = metrics.compute_metrics(records, duration)
         assert m.failed == 0, [r.error for r in records if r.error][:3]
-        return duration
+        return duration, None
 
-    times = {"pdserve LLM": [], "transformers": [], "pdserve launch": []}
+    times = {(w, k): [] for w in loads for k in ("pdserve LLM", "transformers",
+                                                 "pdserve launch")}
+    same = 0
     launch = ["--model", model_dir, "--prefill", "1", "--decode", "1", "--threads",
               str(a.threads)]
     with launched(*launch) if not a.no_launch else contextlib.nullcontext() as c:
-        run_pdserve(), run_hf()  # warm-up
+        small = loads["equal"][:2]
+        run_pdserve(small), run_hf(small)  # warm-up
         if c is not None:
-            asyncio.run(run_launch(c))
+            asyncio.run(run_launch(c, small))
         for r in range(a.rounds):
-            t, ours = run_pdserve()
-            times["pdserve LLM"].append(t)
-            t, theirs = run_hf()
-            times["transformers"].append(t)
-            if c is not None:
-                times["pdserve launch"].append(asyncio.run(run_launch(c)))
-            print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()
-                                                if v), flush=True)
-    same = sum(o == t for o, t in zip(ours, theirs))
+            for w, reqs in loads.items():
+                t, ours = run_pdserve(reqs)
+                times[w, "pdserve LLM"].append(t)
+                t, theirs = run_hf(reqs)
+                times[w, "transformers"].append(t)
+                if w == "equal":
+                    same = sum(o == t for o, t in zip(ours, theirs))
+                if c is not None:
+                    times[w, "pdserve launch"].append(asyncio.run(run_launch(c, reqs))[0])
+                print(f"round {r + 1} {w}: " + ", ".join(
+                    f"{k} {v[-1]:.2f} s" for (w2, k), v in times.items() if w2 == w and v),
+                    flush=True)
+
     print(f"{datetime.now():%Y-%m-%d %H:%M}; {machine()}")
-    print(f"model {os.path.basename(model_dir)}, float32, greedy; {a.batch} prompts x "
-          f"{a.prompt_len} tokens, {a.output_len} new tokens each; torch threads {a.threads}; "
-          f"medians of {a.rounds} rounds; outputs identical to transformers: {same}/{a.batch}")
-    hf_tps = n_tokens / statistics.median(times["transformers"])
-    print(f"transformers generate : {hf_tps:9.1f} output tokens/s")
-    for k in ("pdserve LLM", "pdserve launch"):
-        if times[k]:
-            tps = n_tokens / statistics.median(times[k])
-            print(f"{k:<22}: {tps:9.1f} output tokens/s  ratio {tps / hf_tps:.2f}x (goal >= 2x)")
+    print(f"model {os.path.basename(model_dir)}, float32, greedy, torch threads {a.threads}; "
+          f"medians of {a.rounds} rounds")
+    for w, reqs in loads.items():
+        n_tokens = sum(r.output_len for r in reqs)
+        desc = (f"{a.batch} prompts x {a.prompt_len} tokens, {a.output_len} new each; "
+                f"outputs identical to transformers: {same}/{a.batch}") if w == "equal" else \
+            (f"{len(reqs)} prompts of {min(r.prompt_len for r in reqs)}.."
+             f"{max(r.prompt_len for r in reqs)} tokens, {min(r.output_len for r in reqs)}.."
+             f"{max(r.output_len for r in reqs)} new each ({n_tokens} in all)")
+        print(f"[{w}] {desc}")
+        hf_tps = n_tokens / statistics.median(times[w, "transformers"])
+        print(f"  transformers generate : {hf_tps:9.1f} output tokens/s")
+        for k in ("pdserve LLM", "pdserve launch"):
+            if times[w, k]:
+                tps = n_tokens / statistics.median(times[w, k])
+                print(f"  {k:<22}: {tps:9.1f} output tokens/s  ratio {tps / hf_tps:.2f}x "
+                      f"(goal >= 2x)")
 
 
 if __name__ == "__main__":

@@ -97,6 +97,22 @@ def test_api_key_reaches_the_router_config_but_never_argv(monkeypatch):
     assert CliRunner().invoke(show, []).output.split() == ["None", "None"]
 
 
+def test_router_warns_about_what_it_opens_unprotected(keys, caplog):
+    from pdserve.router.config import RouterConfig
+
+    caplog.set_level(logging.WARNING, logger="pdserve.common.security")
+    S.check_router_security(RouterConfig())  # loopback: nothing to say
+    assert caplog.text == ""
+    S.check_router_security(RouterConfig(host="0.0.0.0", control="tcp://*:5556",
+                                         ingress="tcp://*:5557"))
+    assert "control socket tcp://*:5556 is open to other machines without CURVE" in caplog.text
+    assert "ingress socket" in caplog.text and "set --api-key" in caplog.text
+    caplog.clear()
+    S.check_router_security(RouterConfig(host="0.0.0.0", control="tcp://*:5556",
+                                         curve_dir=str(keys), api_key="k"))
+    assert caplog.text == ""
+
+
 # ------------------------------------------------------------------ ZAP on real sockets
 
 def test_allow_list_per_socket_kind_and_refusals_logged(keys, rogue, caplog):

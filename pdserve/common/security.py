@@ -215,6 +215,8 @@ class _Throttle:
 
     def __call__(self, key) -> Optional[int]:
         now = time.monotonic()
+        if len(self._seen) > 10_000:  # a peer cycling through fresh keys must not grow it
+            self._seen.clear()
         last, count = self._seen.get(key, (-1e9, 0))
         if now - last < self.period_s:
             self._seen[key] = (last, count + 1)
@@ -247,18 +249,19 @@ class CurveGuard(threading.Thread):
         self._allowed: dict[str, frozenset] = {}   # z85 keys by domain
         self._auth: Optional[Authenticator] = None
         self._peer = "?"
-        self._new: queue.Queue = queue.Queue()
+        self._new: queue.Queue = queue.Queue()   # sockets handed over to this thread
+        self._lock = threading.Lock()
         self._throttle = _Throttle()
 
     def allow(self, domain: bytes, keys) -> None:
-        """Serve ZAP for ``domain``; call before the server socket binds."""
-        z = frozenset(_z85(k).encode() for k in keys)
-        self._allowed[domain.decode()] = z
-        if self._auth is None:  # bound here, at once: a handshake must never find it missing
-            self._auth = Authenticator(self.ctx, log=logging.getLogger("zmq.auth"))
-            self._auth.start()
-            self._new.put((self._auth.zap_socket, None))
-        self._auth.configure_curve_callback(domain.decode(), self)
+        """Serve ZAP for ``domain`` (replacing its list); call before the server socket binds."""
+        with self._lock:
+            self._allowed[domain.decode()] = frozenset(_z85(k).encode() for k in keys)
+            if self._auth is None:  # bound now: a handshake must never find it missing
+                self._auth = Authenticator(self.ctx, log=logging.getLogger("zmq.auth"))
+                self._auth.start()
+                self._new.put((self._auth.zap_socket, None))
+            self._auth.configure_curve_callback(domain.decode(), self)
 
     def watch(self, sock: zmq.Socket, curve: "CurveConfig") -> None:
         """Log this socket's failed handshakes; call from the socket's own thread."""
@@ -303,7 +306,9 @@ class CurveGuard(threading.Thread):
             pass
         except Exception:  # never take the process down; new handshakes then fail closed
             log.exception("CURVE guard failed")
-        finally:
+        finally:  # every socket closed, or terminating the context would hang
+            while not self._new.empty():
+                handlers[self._new.get()[0]] = None
             for sock in handlers:
                 sock.close(linger=0)
 

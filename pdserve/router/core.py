@@ -193,9 +193,13 @@ class RouterCore:
             self._ctx.term()
 
     # -- dispatch ------------------------------------------------------------------------------
-    def _send(self, node_id: str, msg: P.Message) -> bool:
+    def _send(self, node_id: str | bytes, msg: P.Message) -> bool:
+        """``node_id``: a registered node's id, or a raw socket identity (answering a peer
+        that never registered, whose identity need not be text)."""
+        peer = node_id if isinstance(node_id, bytes) else node_id.encode()
+        node_id = peer.decode(errors="replace")
         try:
-            send_routed_nowait(self._sock, node_id.encode(), msg)
+            send_routed_nowait(self._sock, peer, msg)
             return True
         except SendError as exc:
             log.warning("send of %s to node %s failed: %s", type(msg).__name__, node_id, exc)
@@ -278,7 +282,7 @@ class RouterCore:
             except P.ProtocolError as err:
                 log.warning("bad message from node %r: %s", err.peer, err)
                 if err.peer is not None:
-                    self._send(err.peer.decode(errors="replace"), err.to_message())
+                    self._send(err.peer, err.to_message())
                 continue
             try:
                 self._handle(peer.decode(errors="replace"), msg)
@@ -287,6 +291,14 @@ class RouterCore:
 
     def _handle(self, node_id: str, msg: P.Message) -> None:
         if isinstance(msg, P.Hello):
+            if msg.node_id != node_id:  # one node may not speak for another
+                log.warning("hello refused: node_id %r differs from its socket identity %r",
+                            msg.node_id, node_id)
+                self._send(node_id, P.Welcome(
+                    accepted=False, liveness=self.config.liveness,
+                    reason=f"node_id {msg.node_id!r} must equal the socket identity {node_id!r}",
+                    heartbeat_interval_s=self.config.heartbeat_interval_s))
+                return
             if node_id in self.registry.nodes:  # restarted: its old work is gone with it
                 self._node_gone(self.registry.remove(node_id), f"node {node_id} restarted")
             ok, reason = self.registry.admit(msg)
