@@ -73,3 +73,52 @@ def test_stop_token_ends_after_the_token(tiny_model):
     first = free[0].index(stop_tok)
     assert outs[0].token_ids == free[0][:first + 1]
     assert outs[0].finish_reason == "stop"
+
+
+HF_CONFIGS = {  # written by transformers itself (rope_parameters, its own defaults)
+    "llama-tied-biases-linear-rope-mqa": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_key_value_heads=1, tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
+        rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "llama-explicit-head-dim": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_key_value_heads=2, head_dim=32)),
+    "qwen2-defaults": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2)),
+    "mistral-no-window": ("MistralConfig", "MistralForCausalLM", dict(
+        num_key_value_heads=3, sliding_window=None)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HF_CONFIGS))
+def test_checkpoints_saved_by_transformers_match(name, tiny_model, tmp_path):
+    """Configurations we did not write: transformers builds and saves them; its weights
+    are rescaled so that greedy choices are clear, as make-model does for ours."""
+    import shutil
+
+    cfg_cls, model_cls, kw = HF_CONFIGS[name]
+    cfg = getattr(transformers, cfg_cls)(vocab_size=300, hidden_size=96, intermediate_size=160,
+                                         num_hidden_layers=2, num_attention_heads=6,
+                                         max_position_embeddings=512, **kw)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.dim() >= 2:
+                gain = 3.0 if ("embed" in pname or "lm_head" in pname) else 1.0
+                p.normal_(0, gain / p.shape[-1] ** 0.5)
+            elif pname.endswith("bias"):
+                p.normal_(0, 0.1)
+            else:
+                p.uniform_(0.8, 1.2)
+    model.save_pretrained(tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):  # ours: ids only matter here
+        shutil.copy(tiny_model("llama") / f, tmp_path)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (1, 7, 20, 45)]
+    ours = LLM(model=tmp_path).generate(prompts, SamplingParams(max_tokens=24, temperature=0,
+                                                                ignore_eos=True))
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    for p, out in zip(prompts, ours):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p),
+                                 dtype=torch.long), max_new_tokens=24, do_sample=False)
+        assert out.token_ids == ref[0, len(p):].tolist()

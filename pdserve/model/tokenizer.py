@@ -20,7 +20,8 @@ class Tokenizer:
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise ModelLoadError(f"no tokenizer.json in {model_dir}: only fast (tokenizers) "
-                                 "tokenizers are supported")
+                                 "tokenizers are supported; save one beside the weights "
+                                 "(AutoTokenizer.from_pretrained(...).save_pretrained(DIR))")
         self._tok = _HFTokenizer.from_file(str(path))
         cfg_path = model_dir / "tokenizer_config.json"
         self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
