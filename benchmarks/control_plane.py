@@ -99,10 +99,18 @@ async def echo_client(address: str, concurrency: int, seconds: float) -> float:
     return rate
 
 
-async def through(backend, reqs, concurrency: int) -> tuple[float, float, int]:
-    """(requests/s, tokens/s, failed) of one run; every request must bring all its tokens."""
+async def through(backend, reqs, concurrency: int, cluster=None, cpu=None):
+    """(requests/s, tokens/s, failed) of one run; with ``cluster``, adds each process's CPU
+    ms per request (this one's as "load generator") to ``cpu``."""
+    before = cluster.cpu_seconds() if cluster else {}
+    mine = time.process_time()
     records, duration = await runner.run_requests(backend, reqs, max_concurrency=concurrency,
                                                   progress=False)
+    if cluster:
+        used = {k: v - before.get(k, 0.0) for k, v in cluster.cpu_seconds().items()}
+        used["load generator"] = time.process_time() - mine
+        for k, v in used.items():
+            cpu.setdefault(k, []).append(v / len(reqs) * 1e3)
     m = metrics.compute_metrics(records, duration)
     await backend.aclose()
     if m.failed:
@@ -143,6 +151,7 @@ def main() -> None:
     for server in servers:
         server.start()
     results = {"echo": [], "fake ingress": [], "ingress": [], "http": []}
+    cpu = {"ingress": {}, "http": {}}  # path -> process -> CPU ms per request, per round
     try:
         with launched(*launch) as c:
             from pdserve.model.default_model import default_model_dir
@@ -166,11 +175,11 @@ def main() -> None:
                     args.concurrency)))
                 results["ingress"].append(asyncio.run(through(
                     IngressBackend(c.ingress, sampling), reqs(args.ingress_requests),
-                    args.concurrency)))
+                    args.concurrency, c, cpu["ingress"])))
                 results["http"].append(asyncio.run(through(
                     OpenAIBackend(c.http_url, "/v1/completions", model, sampling,
                                   args.concurrency), reqs(args.http_requests),
-                    args.concurrency)))
+                    args.concurrency, c, cpu["http"])))
                 print(f"round {r + 1}: echo {echo:,.0f} rt/s; fake ingress "
                       f"{results['fake ingress'][-1][0]:,.0f} req/s; ingress "
                       f"{results['ingress'][-1][0]:,.0f} req/s; http "
@@ -191,6 +200,10 @@ def main() -> None:
               f"ratio to echo {rps / echo:.3f}  failed {failed}")
     print("(fake ingress: a stand-in answering each submit at once with the same messages; "
           "the ceiling of this load generator here)")
+    for path, per in cpu.items():
+        parts = {k: statistics.median(v) for k, v in per.items() if k != "launch"}
+        print(f"CPU ms per request through the {path}: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in parts.items()) + f"; sum {sum(parts.values()):.2f}")
     met = med["ingress"][0] >= 5000 and med["ingress"][0] >= 0.4 * echo
     print(f"goal: ingress >= 5,000 requests/s and >= 0.4 of the echo: "
           f"{'met' if met else 'NOT met'}")

@@ -2,8 +2,9 @@
 
 Greedy, float32, random token-id prompts, EOS ignored on both sides, same torch
 threads. pdserve is measured two ways: the offline ``pdserve.LLM`` in this
-process, and through ``pdserve launch`` (1P1D, every request at once over
-HTTP, the load generator in this process). transformers runs ``generate`` on
+process, and through ``pdserve launch`` (1P1D with launch's default threads,
+cores / nodes each; every request at once over HTTP, the load generator in
+this process). transformers runs ``generate`` on
 the whole batch with its KV cache. Two workloads:
 
 - equal: ``--batch`` prompts of ``--prompt-len`` tokens, ``--output-len`` new
@@ -14,7 +15,7 @@ the whole batch with its KV cache. Two workloads:
 
 The three alternate over ``--rounds``; figures are medians.
 
-    python benchmarks/vs_transformers.py [--rounds 2] [--no-launch]
+    python benchmarks/vs_transformers.py [--rounds 3] [--no-launch]
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--mixed-batch", type=int, default=32)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-launch", action="store_true", help="only the offline LLM")
     a = ap.parse_args()
     import transformers
@@ -101,8 +102,8 @@ def main() -> None:
     times = {(w, k): [] for w in loads for k in ("pdserve LLM", "transformers",
                                                  "pdserve launch")}
     same = 0
-    launch = ["--model", model_dir, "--prefill", "1", "--decode", "1", "--threads",
-              str(a.threads)]
+    # launch's own default threads (cores / nodes): more would oversubscribe the cores.
+    launch = ["--model", model_dir, "--prefill", "1", "--decode", "1"]
     with launched(*launch) if not a.no_launch else contextlib.nullcontext() as c:
         small = loads["equal"][:2]
         run_pdserve(small), run_hf(small)  # warm-up

@@ -109,6 +109,17 @@ def test_save_result_round_trip(tmp_path):
     assert report.format_report(again, ("ttft", "tpot", "itl", "e2el")) == lines
 
 
+def test_plot_or_a_clear_error_without_matplotlib(tmp_path):
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:  # --plot is refused before anything runs
+        out = CliRunner().invoke(bench_cmd, ["--plot", str(tmp_path / "p.png")])
+        assert out.exit_code != 0 and "pip install matplotlib" in out.output, out.output
+        return
+    report.plot(tmp_path / "p.png", recorded(), title="by hand")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_arrivals():
     assert runner.arrival_times(3, math.inf) == [0.0, 0.0, 0.0]
     t = runner.arrival_times(200, 50.0, seed=1)
@@ -151,6 +162,13 @@ def test_flags_checked_at_the_edge(args, words):
     assert out.exit_code != 0 and words in out.output, out.output
 
 
+def test_nobody_listening_fails_fast(tiny_model, tmp_path):
+    out = CliRunner().invoke(bench_cmd, [
+        "--ingress", "tcp://127.0.0.1:9", "--tokenizer", str(tiny_model("llama")),
+        "--num-prompts", "2", "--random-input-len", "8", "--ready-check-timeout-sec", "0.5"])
+    assert out.exit_code == 1 and "no answer from tcp://127.0.0.1:9" in out.output
+
+
 # -- short real runs against pdserve launch ------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster(tiny_model):
@@ -180,7 +198,12 @@ def test_real_run_http_completions_and_chat(cluster, tiny_model, tmp_path):
     assert saved["completed"] == 12 and saved["output_lens"] == [6] * 12
     assert saved["input_lens"] == [24] * 12 and saved["request_goodput"] > 0
     run_bench("--base-url", cluster.http_url, "--endpoint", "/v1/chat/completions",
-              "--tokenizer", model, "--request-rate", "50", "--seed", "2")
+              "--tokenizer", model, "--request-rate", "50", "--seed", "2", "--save-result",
+              "--result-dir", str(tmp_path), "--label", "chat", "--metadata", "run=ci")
+    (auto,) = tmp_path.glob("chat-50.0qps-*.json")  # vLLM's name when none is given
+    saved = report.load_result(auto)
+    assert saved["backend"] == "openai-chat" and saved["run"] == "ci"
+    assert saved["request_rate"] == 50.0 and saved["completed"] == 12
 
 
 @pytest.mark.timeout(120)

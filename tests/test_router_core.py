@@ -368,3 +368,21 @@ def test_restarted_router_gets_its_nodes_back(model, offline, tmp_path):
         assert all(p.poll() is None for p in h.procs.values()), "nodes were restarted"
     finally:
         h.close()
+
+
+def test_compute_none_through_prefill_and_decode_nodes(model, tmp_path):
+    """The benchmark mode still moves KV between nodes (zeros), layer group by group."""
+    h = Harness(model, tmp_path)
+    try:
+        h.start("prefill", "np", "--compute", "none", "--kv-layers-per-chunk", "1")
+        h.start("decode", "nd", "--compute", "none")
+        h.wait(lambda: h.core.health()[0])
+
+        async def go():
+            streams = [h.core.submit(S.GenerationRequest(p, greedy(8))) for p in prompts(5)]
+            return await asyncio.gather(*(collect(s) for s in streams))
+        got = h.run(go())
+        assert all(g[2].error is None and g[2].finish_reason == "length" for g in got), got
+        assert all(len(g[0]) == 8 and len(set(g[0])) == 1 for g in got)
+    finally:
+        h.close()

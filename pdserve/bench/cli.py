@@ -79,7 +79,10 @@ async def _run(o: dict) -> dict:
         served = await backends_mod().first_model(base_url, o["api_key"])
         click.echo(f"Model not given; the server's first model: {served}")
     tok_dir = _tokenizer_dir(o["tokenizer"], model, served)
-    tok = datasets.load_tokenizer(tok_dir)
+    try:
+        tok = datasets.load_tokenizer(tok_dir)
+    except Exception as e:  # no tokenizer.json, not a folder...
+        raise click.UsageError(f"cannot load a tokenizer from {tok_dir}: {e}") from None
     chat = kind == "openai-chat"
     if o["dataset_name"] == "random":
         reqs = datasets.random_requests(
@@ -100,6 +103,9 @@ async def _run(o: dict) -> dict:
         b.OpenAIBackend(base_url, o["endpoint"], served, sampling, o["max_concurrency"],
                         o["api_key"])
     try:
+        if o["ready_check_timeout_sec"]:
+            await _ready_check(backend, reqs[0], o["ready_check_timeout_sec"],
+                               o["ingress"] if kind == "ingress" else base_url)
         if o["num_warmups"]:
             click.echo(f"Warming up with {o['num_warmups']} requests...")
             await runner.run_requests(backend, [reqs[0]] * o["num_warmups"],
@@ -130,9 +136,25 @@ async def _run(o: dict) -> dict:
                 dataset_name=o["dataset_name"], num_prompts=o["num_prompts"],
                 request_rate=o["request_rate"] if not math.isinf(o["request_rate"]) else "inf",
                 burstiness=o["burstiness"], max_concurrency=o["max_concurrency"],
-                goodput=o["goodput_slo"] or None, **o["metadata"])
+                goodput=o["goodput_slo"] or None)
+    info.update(o["metadata"])
     return dict(metrics=m, records=records,
                 result=report.result_dict(m, records, o["metric_names"], **info))
+
+
+async def _ready_check(backend, req, timeout_s: float, where: str) -> None:
+    """One request first, so that a wrong address or model fails in seconds, not after
+    the whole run (a ZeroMQ connect to nobody never fails by itself)."""
+    click.echo("Starting initial single prompt test run...")
+    try:
+        rec = await asyncio.wait_for(backend.send(req), timeout_s)
+    except asyncio.TimeoutError:
+        raise RuntimeError(f"no answer from {where} in {timeout_s:g} s: is the server "
+                           "running there? (--ready-check-timeout-sec 0 skips this check)"
+                           ) from None
+    if not rec.success:
+        raise RuntimeError(f"the initial test request failed: {rec.error}")
+    click.echo("Initial test run completed.")
 
 
 def backends_mod():
@@ -201,6 +223,9 @@ def _result_path(o: dict, result: dict) -> Path:
 @click.option("--metric-percentiles", default="99", show_default=True, help="E.g. 50,90,99.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--num-warmups", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--ready-check-timeout-sec", type=click.FloatRange(min=0), default=60.0,
+              show_default=True, help="Send one request first and wait this long for it; "
+              "0 skips the check.")
 @click.option("--disable-tqdm", is_flag=True, default=False, help="No progress bar.")
 @click.option("--save-result", is_flag=False, flag_value=AUTO, default=None, metavar="[FILE]",
               help="Save the result as JSON [default name: LABEL-RATEqps-MODEL-DATE.json].")

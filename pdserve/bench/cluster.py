@@ -35,6 +35,24 @@ class Cluster:
     ingress: str
     log_path: str
     args: tuple[str, ...]
+    pgid: int  # the launcher's process group: it and every process it started
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system) used so far by each process of the cluster, by role."""
+        out = subprocess.run(["ps", "-o", "pid=,args=", "-g", str(self.pgid)],
+                             capture_output=True, text=True).stdout
+        tick = os.sysconf("SC_CLK_TCK")
+        cpu: dict[str, float] = {}
+        for line in out.splitlines():
+            pid, _, cmd = line.strip().partition(" ")
+            words = cmd.split()
+            role = next((w for w in words if w in ("router", "prefill", "decode", "colocated",
+                                                    "launch")), None)
+            with contextlib.suppress(OSError, IndexError):
+                fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+                cpu[role or pid] = cpu.get(role or pid, 0.0) + \
+                    (int(fields[11]) + int(fields[12])) / tick
+        return cpu
 
 
 @contextlib.contextmanager
@@ -50,7 +68,7 @@ def launched(*args: str, ready_timeout_s: float = 600.0):
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     log.close()
     cluster = Cluster(f"http://127.0.0.1:{http}", f"tcp://127.0.0.1:{ingress}", log.name,
-                      tuple(args))
+                      tuple(args), proc.pid)
     try:
         deadline = time.monotonic() + ready_timeout_s
         while True:
