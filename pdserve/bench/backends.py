@@ -82,14 +82,19 @@ class OpenAIBackend:
                             text.append(delta)
         except Exception as e:  # connection refused, reset, bad JSON...
             return _fail(rec, f"{type(e).__name__}: {e}")
-        rec.end = time.perf_counter()
-        rec.generated_text = "".join(text)
-        rec.success = bool(rec.chunk_times)
-        rec.error = "" if rec.success else NO_CHUNK
-        return rec
+        return _finished(rec, text)
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+
+def _finished(rec: RequestRecord, text: list[str]) -> RequestRecord:
+    """Closes a record whose stream ended: a success if any content chunk came."""
+    rec.end = time.perf_counter()
+    rec.generated_text = "".join(text)
+    rec.success = bool(rec.chunk_times)
+    rec.error = "" if rec.success else NO_CHUNK
+    return rec
 
 
 class IngressBackend:
@@ -126,11 +131,7 @@ class IngressBackend:
             return _fail(rec, f"{e.code}: {e.message}")
         except Exception as e:
             return _fail(rec, f"{type(e).__name__}: {e}")
-        rec.end = time.perf_counter()
-        rec.generated_text = "".join(text)
-        rec.success = bool(rec.chunk_times)
-        rec.error = "" if rec.success else NO_CHUNK
-        return rec
+        return _finished(rec, text)
 
     async def aclose(self) -> None:
         if self._client is not None:
