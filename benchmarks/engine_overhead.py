@@ -1,8 +1,9 @@
 """Decode step time through the engine against the bare model forward, same batch.
 
 The engine's step = schedule + build inputs + forward + sample + detokenize +
-stop checks. The bare forward = the model's forward and LM head on inputs
-built once beforehand. Both run on the same 16 sequences (255-token prompts),
+stop checks. The bare forward = the model's forward and LM head on the inputs
+of the engine's next step, built beforehand (each round, so both attend over
+the same context). Both run on the same 16 sequences (255-token prompts),
 interleaved round by round so machine noise hits both alike.
 
     python benchmarks/engine_overhead.py [--model DIR] [--rounds 10] [--steps 8]
@@ -45,22 +46,27 @@ def main() -> None:
         engine.step()  # prefill (in chunks) until every sequence decodes
     engine.step()
 
-    batch = engine.scheduler.schedule()  # a decode batch, used only to build bare inputs
-    assert len(batch) == args.batch and set(batch.num_new_tokens) == {1}
-    bare_inputs = engine.runner.prepare(batch)
-    engine.scheduler.postprocess(batch, [0] * len(batch))  # keep the engine's state consistent
+    def bare_inputs():
+        """Inputs of the engine's next decode step, built outside the timing: the bare
+        forward attends over the same context the engine's steps of this round do."""
+        batch = engine.scheduler.schedule()
+        assert len(batch) == args.batch and set(batch.num_new_tokens) == {1}
+        inputs = engine.runner.prepare(batch)
+        engine.scheduler.postprocess(batch, [0] * len(batch))  # keep the engine consistent
+        return inputs
 
     engine_ms, bare_ms = [], []
     with torch.inference_mode():
         for _ in range(args.rounds):
+            inputs = bare_inputs()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                engine.runner.forward(inputs).argmax(-1)
+            bare_ms.append((time.perf_counter() - t0) / args.steps * 1e3)
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 engine.step()
             engine_ms.append((time.perf_counter() - t0) / args.steps * 1e3)
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                engine.runner.forward(bare_inputs).argmax(-1)
-            bare_ms.append((time.perf_counter() - t0) / args.steps * 1e3)
 
     cfg = engine.model_config
     e, b = statistics.median(engine_ms), statistics.median(bare_ms)
