@@ -30,7 +30,7 @@ import zmq.asyncio
 
 from pdserve.bench import datasets, metrics, runner
 from pdserve.bench.backends import IngressBackend, OpenAIBackend
-from pdserve.bench.cluster import free_port, launch_flags, launched, machine
+from pdserve.bench.cluster import free_port, launched, machine
 
 
 def echo_server(address: str) -> None:
@@ -129,14 +129,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per node")
     ap.add_argument("--compute", choices=("none", "model"), default="none",
-                    help="'model': real forwards (use a tiny --model) where 'none' is missing")
+                    help="'model': real forwards (use a tiny --model)")
     ap.add_argument("--model", default=None, help="checkpoint folder (default: bundled model)")
     args = ap.parse_args()
 
     zero = args.compute == "none"
-    if zero and "--compute" not in launch_flags():
-        raise SystemExit("this pdserve launch has no --compute none yet; run with "
-                         "--compute model --model TINY_CHECKPOINT for an approximation")
     launch = ["--prefill", "1", "--decode", "1", "--threads", str(args.threads)]
     launch += ["--compute", "none"] if zero else []
     launch += ["--model", args.model] if args.model else []

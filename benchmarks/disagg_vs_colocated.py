@@ -21,7 +21,7 @@ from datetime import datetime
 
 from pdserve.bench import datasets, metrics, runner
 from pdserve.bench.backends import OpenAIBackend
-from pdserve.bench.cluster import launch_flags, launched, machine
+from pdserve.bench.cluster import launched, machine
 
 
 async def mixed(c, tok, model: str, a, seed: int):
@@ -62,8 +62,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     a = ap.parse_args()
 
-    if "--colocated" not in launch_flags():
-        raise SystemExit("this pdserve launch has no --colocated yet: nothing to compare")
     setups = {"1P1D": ["--prefill", "1", "--decode", "1", "--threads", str(a.threads)],
               "colocated": ["--colocated", "--threads", str(2 * a.threads)]}
     from pdserve.model.default_model import default_model_dir

@@ -6,6 +6,8 @@ import sys
 
 import click
 
+from pdserve.common.cli_options import sampling_options
+
 ARCHES = ("llama", "qwen2", "mistral")
 PRESETS = ("tiny", "small")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
@@ -164,12 +166,7 @@ def make_model_cmd(out_dir: str, arch: str, preset: str, seed: int) -> None:
 @main.command("generate")
 @click.option("--prompt", "prompts", multiple=True, required=True,
               help="Prompt text; repeat for a batch.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--temperature", type=click.FloatRange(0, 100), default=0.0, show_default=True)
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0,
-              show_default=True)
-@click.option("--top-k", type=click.IntRange(min=-1), default=0, show_default=True)
-@click.option("--seed", type=int, default=None)
+@sampling_options
 @engine_options
 def generate_cmd(prompts, max_tokens, temperature, top_p, top_k, seed, **kw) -> None:
     """Generate completions offline with the engine (no servers)."""

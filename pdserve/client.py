@@ -19,6 +19,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from pdserve.common.cli_options import sampling_options
 from pdserve.common.transport import CurveConfig, make_socket
 
 DEFAULT_INGRESS = "tcp://127.0.0.1:5557"
@@ -299,12 +300,7 @@ class AsyncQueueClient:
 @click.option("--ingress", default=DEFAULT_INGRESS, show_default=True,
               help="The router's queue ingress.")
 @click.option("--prompt", required=True, help="Prompt text.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--temperature", type=click.FloatRange(0, 100), default=0.0, show_default=True)
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0,
-              show_default=True)
-@click.option("--top-k", type=click.IntRange(min=-1), default=0, show_default=True)
-@click.option("--seed", type=int, default=None)
+@sampling_options
 @click.option("--stop", multiple=True, help="Stop string; repeat for more.")
 @click.option("--ignore-eos", is_flag=True, default=False)
 @click.option("--stream/--no-stream", default=True, show_default=True,

@@ -47,6 +47,12 @@ class Harness:
         self.procs[node_id] = start_node(role, self.control, self.model, node_id, *extra,
                                          log_path=self.log_dir / f"{node_id}.log")
 
+    def start_nodes(self, nodes):
+        """Starts (role, node_id) nodes and waits until the core has registered them all."""
+        for role, node_id in nodes:
+            self.start(role, node_id)
+        self.wait(lambda: all(nid in self.core.registry.nodes for _, nid in nodes))
+
     def wait(self, cond, timeout_s=60.0):
         """Polls cond on the core's loop (the core is not thread-safe)."""
         async def poll():
@@ -72,9 +78,7 @@ class Harness:
 def harness(model, tmp_path_factory):
     h = Harness(model, tmp_path_factory.mktemp("router-logs"))
     try:
-        for role, nid in [("prefill", "p0"), ("decode", "d0"), ("decode", "d1")]:
-            h.start(role, nid)
-        h.wait(lambda: len(h.core.registry.nodes) == 3)
+        h.start_nodes([("prefill", "p0"), ("decode", "d0"), ("decode", "d1")])
         yield h
     finally:
         h.close()
@@ -251,9 +255,7 @@ def test_decode_node_killed_mid_stream_loses_no_token(model, offline, tmp_path):
     outputs equal a run without the failure (each token seen exactly once)."""
     h = Harness(model, tmp_path)
     try:
-        for role, nid in [("prefill", "fp"), ("decode", "fd0"), ("decode", "fd1")]:
-            h.start(role, nid)
-        h.wait(lambda: len(h.core.registry.nodes) == 3)
+        h.start_nodes([("prefill", "fp"), ("decode", "fd0"), ("decode", "fd1")])
         ps = prompts(6, seed=11)
         want = [o.token_ids for o in offline.generate(ps, greedy(60))]
 
@@ -278,9 +280,7 @@ def test_decode_node_killed_mid_stream_loses_no_token(model, offline, tmp_path):
 def test_prefill_node_killed_with_a_batch_in_flight(model, offline, tmp_path):
     h = Harness(model, tmp_path)
     try:
-        for role, nid in [("prefill", "kp0"), ("prefill", "kp1"), ("decode", "kd")]:
-            h.start(role, nid)
-        h.wait(lambda: len(h.core.registry.nodes) == 3)
+        h.start_nodes([("prefill", "kp0"), ("prefill", "kp1"), ("decode", "kd")])
         ps = prompts(12, seed=12, lengths=(700, 650, 600))
         want = [o.token_ids for o in offline.generate(ps, greedy(4))]
 
@@ -324,9 +324,7 @@ def test_sigterm_drains_a_node_then_it_exits_cleanly(model, offline, tmp_path):
     (token-exact), new requests go elsewhere, and it exits 0."""
     h = Harness(model, tmp_path)
     try:
-        for role, nid in [("prefill", "dp"), ("decode", "dd0"), ("decode", "dd1")]:
-            h.start(role, nid)
-        h.wait(lambda: len(h.core.registry.nodes) == 3)
+        h.start_nodes([("prefill", "dp"), ("decode", "dd0"), ("decode", "dd1")])
         ps = prompts(4, seed=21)
         want = [o.token_ids for o in offline.generate(ps, greedy(80))]
 

@@ -23,12 +23,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_flags() -> str:
-    """``pdserve launch --help``: to tell whether a flag (--colocated, --compute) exists."""
-    return subprocess.run([sys.executable, "-m", "pdserve.cli", "launch", "--help"],
-                          capture_output=True, text=True, check=True).stdout
-
-
 @dataclass
 class Cluster:
     http_url: str

@@ -85,7 +85,6 @@ class NodeIO(threading.Thread):
         self.stats: P.NodeStats = hello.capacity   # replaced (atomically) by the compute loop
         self.welcome: P.Welcome | None = None
         self.welcomed = threading.Event()
-        self.ready = threading.Event()             # sockets bound, kv_address known
         self.failure: BaseException | None = None
         self._outbox: queue.Queue[tuple[str, object, P.Message]] = queue.Queue()
         self._wake_r, self._wake_w = os.pipe()
@@ -136,7 +135,6 @@ class NodeIO(threading.Thread):
                 socks.append(kv_in)
                 address = advertised(endpoint_of(kv_in), self.advertise_host)
                 self.hello = dataclasses.replace(self.hello, kv_address=address)
-            self.ready.set()
             kv_out: dict[str, zmq.Socket] = {}
             poller = zmq.Poller()
             poller.register(control, zmq.POLLIN)
@@ -171,7 +169,6 @@ class NodeIO(threading.Thread):
         except BaseException as exc:  # surfaced to the compute loop, which stops the node
             log.exception("node I/O thread failed")
             self.failure = exc
-            self.ready.set()
             self.welcomed.set()
         finally:
             for s in socks:

@@ -20,10 +20,6 @@ class BlockAllocator:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
-    @property
-    def num_used_blocks(self) -> int:
-        return len(self._used)
-
     def usage(self) -> float:
         return len(self._used) / self.num_blocks
 

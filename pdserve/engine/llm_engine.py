@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.output import RequestOutputState
 from pdserve.engine.sampling_params import SamplingParams
@@ -79,10 +77,3 @@ class LLMEngine:
             outputs.append(StepOutput(seq.seq_id, delta.token_ids, delta.text,
                                       delta.finish_reason))
         return outputs
-
-    @torch.inference_mode()
-    def warmup(self) -> None:
-        """One tiny request through the whole path, so the first real one is not slow."""
-        self.add_request("__warmup__", [0, 1], SamplingParams(max_tokens=2, temperature=0))
-        while self.has_unfinished():
-            self.step()
