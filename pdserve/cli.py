@@ -15,6 +15,11 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 POLICIES = ("round_robin", "least_loaded")
 
 
+prefix_caching_option = click.option(
+    "--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
+    help="Reuse the KV cache of full blocks that earlier prompts computed.")
+
+
 def engine_options(fn):
     """Flags every engine owner takes; they build one EngineConfig."""
     opts = [
@@ -37,6 +42,7 @@ def engine_options(fn):
         click.option("--compute", type=click.Choice(("model", "none")), default="model",
                      show_default=True, help="'none' is a BENCHMARK mode: skip the forward "
                      "and emit a fixed token, to measure everything around the model."),
+        prefix_caching_option,
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -77,7 +83,8 @@ def _engine_config(kw):
                         kv_cache_memory_gb=kw.pop("kv_cache_memory_gb"),
                         max_num_seqs=kw.pop("max_num_seqs"),
                         max_num_batched_tokens=kw.pop("max_num_batched_tokens"),
-                        threads=kw.pop("threads"), compute=kw.pop("compute"))
+                        threads=kw.pop("threads"), compute=kw.pop("compute"),
+                        enable_prefix_caching=kw.pop("enable_prefix_caching"))
 
 
 def router_options(fn):
@@ -276,8 +283,9 @@ def router_cmd(**kw) -> None:
 @click.option("--compute", type=click.Choice(("model", "none")), default="model",
               show_default=True, help="'none': BENCHMARK mode, nodes skip the forward and "
               "emit a fixed token.")
+@prefix_caching_option
 def launch_cmd(num_prefill, num_decode, node_args, colocated, dtype, threads, compute,
-               **kw) -> None:
+               enable_prefix_caching, **kw) -> None:
     """Start a router and its prefill and decode nodes on this machine."""
     from pdserve.launch import LaunchConfig, run_launch
 
@@ -290,6 +298,8 @@ def launch_cmd(num_prefill, num_decode, node_args, colocated, dtype, threads, co
         args += ["--threads", str(threads)]
     if compute != "model":
         args += ["--compute", compute]
+    if not enable_prefix_caching:
+        args += ["--no-enable-prefix-caching"]
     if router.model is None:  # build the default model once, before the children race for it
         from pdserve.model.default_model import default_model_dir
         default_model_dir()

@@ -216,12 +216,27 @@ class NodeMetrics(_Metrics):
                                           "Used KV cache blocks / all blocks (0..1).")
         self.waiting = self._gauge("pdserve_requests_waiting", "Requests accepted by the "
                                    "node but not in its running batch.")
+        # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens.
+        self.prefix_queries = self._counter("pdserve_prefix_cache_queries_tokens_total",
+                                            "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = self._counter("pdserve_prefix_cache_hits_tokens_total", "Prompt "
+                                         "tokens found in the prefix cache (not computed).")
+        self._prefix_seen = (0, 0)
 
     def node_stats(self, stats) -> None:
         """``stats``: the protocol's NodeStats, published every loop turn."""
         total = stats.num_total_blocks or 1
         self.kv_cache_usage.set(1.0 - stats.num_free_blocks / total)
         self.waiting.set(stats.num_waiting)
+
+    def prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
+        """The scheduler's running totals; the counters advance by what is new."""
+        seen_q, seen_h = self._prefix_seen
+        if queried_tokens > seen_q:
+            self.prefix_queries.inc(queried_tokens - seen_q)
+        if hit_tokens > seen_h:
+            self.prefix_hits.inc(hit_tokens - seen_h)
+        self._prefix_seen = (queried_tokens, hit_tokens)
 
 
 class PrefillMetrics(NodeMetrics):

@@ -1,27 +1,61 @@
-"""Pure-Python allocator of KV cache blocks (no torch: unit-testable alone)."""
+"""Pure-Python allocator of KV cache blocks with automatic prefix caching (no torch).
+
+Every block has a reference count. A full block whose tokens are computed can be
+registered under its chained hash (``pdserve.common.block_hash``); when its last
+reference goes, it stays cached in the free list, least recently freed first out,
+until an allocation needs it (eviction). A later sequence with the same prefix
+takes a reference on it instead of recomputing it.
+
+With caching on, what the cache stores and evicts is also recorded as events
+(``drain_events``), the source of the vLLM-format KV-cache events a node publishes.
+"""
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from dataclasses import dataclass
 
 
 class BlockAllocatorError(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class BlockStored:
+    block_hash: int
+    parent_hash: int | None
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    block_hash: int
+
+
 class BlockAllocator:
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, enable_caching: bool = False,
+                 record_events: bool = False):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-        self._used: set[int] = set()
+        self.enable_caching = enable_caching
+        # Unreferenced blocks, eviction order first; cached ones keep their hash until evicted.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._refs = [0] * num_blocks
+        self._hash_of: dict[int, int] = {}                   # block -> hash
+        self._cached: dict[int, tuple[int, tuple]] = {}      # hash -> (block, token ids)
+        self._events: list | None = [] if record_events and enable_caching else None
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now: never used, or cached and unreferenced."""
         return len(self._free)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
     def usage(self) -> float:
-        return len(self._used) / self.num_blocks
+        return 1.0 - len(self._free) / self.num_blocks
 
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
@@ -30,13 +64,61 @@ class BlockAllocator:
         if n > len(self._free):
             raise BlockAllocatorError(
                 f"cannot allocate {n} KV blocks: {len(self._free)} of {self.num_blocks} free")
-        blocks = [self._free.popleft() for _ in range(n)]
-        self._used.update(blocks)
+        blocks = []
+        for _ in range(n):
+            block, _ = self._free.popitem(last=False)
+            self._evict(block)
+            self._refs[block] = 1
+            blocks.append(block)
         return blocks
 
     def free(self, blocks: list[int]) -> None:
-        for b in blocks:
-            if b not in self._used:
+        """Drops one reference on each block. The last blocks of a sequence are freed
+        first, so that a prefix's tail is evicted before its head."""
+        for b in reversed(blocks):
+            if not 0 <= b < self.num_blocks or self._refs[b] <= 0:
                 raise BlockAllocatorError(f"block {b} freed twice or never allocated")
-            self._used.remove(b)
-            self._free.append(b)
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free[b] = None
+
+    # -- prefix caching ---------------------------------------------------------------
+    def match_prefix(self, hashes: list[int], token_ids: list[int],
+                     block_size: int) -> list[int]:
+        """Takes a reference on each cached block of the longest cached prefix of
+        ``hashes`` (checked against ``token_ids``) and returns those blocks."""
+        if not self.enable_caching:
+            return []
+        blocks = []
+        for i, h in enumerate(hashes):
+            entry = self._cached.get(h)
+            if entry is None or entry[1] != tuple(token_ids[i * block_size:(i + 1) * block_size]):
+                break
+            block = entry[0]
+            if self._refs[block] == 0:
+                del self._free[block]
+            self._refs[block] += 1
+            blocks.append(block)
+        return blocks
+
+    def register(self, block: int, block_hash: int, parent_hash: int | None,
+                 token_ids: list[int]) -> None:
+        """Marks a full, computed, referenced block as reusable under ``block_hash``."""
+        if not self.enable_caching or block_hash in self._cached or block in self._hash_of:
+            return  # the same prefix computed twice at once: the first copy serves
+        tokens = tuple(token_ids)
+        self._cached[block_hash] = (block, tokens)
+        self._hash_of[block] = block_hash
+        if self._events is not None:
+            self._events.append(BlockStored(block_hash, parent_hash, tokens))
+
+    def drain_events(self) -> list:
+        events, self._events = self._events, [] if self._events is not None else None
+        return events or []
+
+    def _evict(self, block: int) -> None:
+        h = self._hash_of.pop(block, None)
+        if h is not None:
+            del self._cached[h]
+            if self._events is not None:
+                self._events.append(BlockRemoved(h))

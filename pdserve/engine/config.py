@@ -18,6 +18,7 @@ class EngineConfig:
     threads: int | None = None           # torch CPU threads; None: torch's default
     compute: str = "model"               # "none": skip the forward, emit a fixed token
                                          # (benchmarks of everything around the model)
+    enable_prefix_caching: bool = True   # reuse the KV of full blocks of earlier prompts
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -147,6 +147,9 @@ class Node:
                     self.step()
                 self.io.stats = self.stats()
                 self.metrics.node_stats(self.io.stats)
+                sched = self.worker.scheduler
+                self.metrics.prefix_cache(sched.num_prefix_queried_tokens,
+                                          sched.num_prefix_hit_tokens)
             return 0
         finally:
             self.io.stop()

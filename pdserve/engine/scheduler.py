@@ -5,12 +5,17 @@ prompts being prefilled), oldest first; then waiting sequences are admitted
 while the token budget, the sequence limit and free blocks allow. When a
 running sequence needs a block and none is free, the newest running sequence
 is preempted: its blocks are freed and it is recomputed later.
+
+With prefix caching (the allocator's), a sequence admitted with nothing computed
+first takes the cached blocks of its longest cached prefix and starts computing
+after them; every block that fills with computed tokens is registered for reuse.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdserve.common.block_hash import NO_PARENT, block_hashes, hash_block
 from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.engine.sequence import Sequence, SequenceStatus
 
@@ -38,6 +43,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_prefix_queried_tokens = 0   # tokens looked up in the prefix cache
+        self.num_prefix_hit_tokens = 0       # of those, found cached (not computed again)
 
     # -- membership ---------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -69,6 +76,7 @@ class Scheduler:
         self.running.remove(seq)
         seq.status = SequenceStatus.FINISHED
         blocks, seq.block_table = seq.block_table, []
+        seq.block_hashes = []
         return blocks
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -79,6 +87,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.allocator.free(seq.block_table)
         seq.block_table = []
+        seq.block_hashes = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -99,10 +108,15 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            cached = self._take_cached_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             need = self.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
             if not self.allocator.can_allocate(need):
+                self._put_back_cached_prefix(seq, cached)
                 break
+            if self.allocator.enable_caching:  # a waiting sequence has nothing computed
+                self.num_prefix_queried_tokens += seq.num_tokens
+                self.num_prefix_hit_tokens += seq.num_computed_tokens
             seq.block_table.extend(self.allocator.allocate(need))
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -124,10 +138,41 @@ class Scheduler:
         seq.block_table.extend(self.allocator.allocate(need))
         return True
 
+    def _take_cached_prefix(self, seq: Sequence) -> int:
+        """Links the cached blocks of seq's longest cached prefix into its block table and
+        counts them as computed; returns how many. At least one token is left to compute:
+        the next token is sampled from its logits."""
+        if seq.num_computed_tokens or seq.block_table or not self.allocator.enable_caching:
+            return 0
+        limit = (seq.num_tokens - 1) // self.block_size
+        hashes = block_hashes(seq.token_ids, self.block_size, limit)
+        blocks = self.allocator.match_prefix(hashes, seq.token_ids, self.block_size)
+        seq.block_table = blocks
+        seq.block_hashes = hashes[:len(blocks)]
+        seq.num_computed_tokens = len(blocks) * self.block_size
+        return len(blocks)
+
+    def _put_back_cached_prefix(self, seq: Sequence, num_blocks: int) -> None:
+        if num_blocks:
+            self.allocator.free(seq.block_table)
+            seq.block_table, seq.block_hashes, seq.num_computed_tokens = [], [], 0
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        """Offers each block that has just filled with computed tokens to the cache."""
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+            parent = seq.block_hashes[-1] if seq.block_hashes else NO_PARENT
+            tokens = seq.token_ids[i * bs:(i + 1) * bs]
+            h = hash_block(parent, tokens)
+            self.allocator.register(seq.block_table[i], h,
+                                    parent if seq.block_hashes else None, tokens)
+            seq.block_hashes.append(h)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.allocator.free(seq.block_table)
         seq.block_table = []
+        seq.block_hashes = []
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -138,3 +183,5 @@ class Scheduler:
             seq.num_computed_tokens += n
             if token is not None:
                 seq.token_ids.append(token)
+            if self.allocator.enable_caching:
+                self._register_full_blocks(seq)

@@ -21,6 +21,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # prefix-cache hashes of its first full blocks
         self.num_computed_tokens = 0   # tokens whose K/V are in the cache
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None

@@ -38,7 +38,7 @@ class Worker:
             1, int(config.kv_cache_memory_gb * 2**30) // per_block)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size,
                                   config.device, self.dtype, config.compute)
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = BlockAllocator(num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.allocator, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens)
 

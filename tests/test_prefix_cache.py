@@ -1,0 +1,157 @@
+"""Automatic prefix caching: allocator and scheduler units (no torch), then the engine
+against transformers with the cache hit."""
+import pytest
+
+from pdserve.common.block_hash import block_hashes
+from pdserve.engine.block_allocator import (BlockAllocator, BlockAllocatorError, BlockRemoved,
+                                            BlockStored)
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import Sequence
+
+BS = 4
+
+
+def make_sched(num_blocks=16, caching=True, budget=64):
+    alloc = BlockAllocator(num_blocks, enable_caching=caching, record_events=True)
+    return Scheduler(alloc, BS, max_num_seqs=8, max_num_batched_tokens=budget)
+
+
+def run(sched, seq, max_tokens=1):
+    """Admits seq and steps until it has max_tokens outputs (fake sampler: token 7)."""
+    sched.add(seq)
+    first = None
+    for _ in range(100):
+        if seq.num_output_tokens >= max_tokens:
+            break
+        batch = sched.schedule()
+        if first is None:
+            first = dict(zip((s.seq_id for s in batch.seqs), batch.num_new_tokens))
+        sched.postprocess(batch, [7 if batch.samples(i) else None for i in range(len(batch))])
+    assert seq.num_output_tokens >= max_tokens, "the scheduler never ran the sequence"
+    return first[seq.seq_id]
+
+
+def test_hash_chain_depends_on_every_earlier_token():
+    a = block_hashes(list(range(12)), BS)
+    b = block_hashes([99] + list(range(1, 12)), BS)
+    assert len(a) == 3 and len(set(a)) == 3
+    assert all(x != y for x, y in zip(a, b))  # a change in block 0 changes every later key
+    assert block_hashes(list(range(12)), BS) == a  # stable
+    assert block_hashes(list(range(13)), BS, limit=2) == a[:2]
+
+
+def test_second_prompt_with_shared_prefix_computes_only_its_suffix():
+    sched = make_sched()
+    a = Sequence("a", list(range(1, 19)), SamplingParams(max_tokens=1))  # 18 tokens: 4 full
+    assert run(sched, a) == 18
+    sched.finish(a, "length")
+    assert sched.num_prefix_hit_tokens == 0 and sched.num_prefix_queried_tokens == 18
+    b = Sequence("b", list(range(1, 15)) + [50, 51, 52], SamplingParams(max_tokens=1))
+    # Shares 14 tokens = 3 full blocks with a: only the last 5 tokens are computed.
+    assert run(sched, b) == 17 - 12
+    assert sched.num_prefix_hit_tokens == 12
+    assert sched.num_prefix_queried_tokens == 18 + 17
+
+
+def test_full_hit_still_computes_the_last_token():
+    sched = make_sched()
+    prompt = list(range(1, 17))  # exactly 4 blocks
+    a = Sequence("a", prompt, SamplingParams(max_tokens=1))
+    run(sched, a)
+    a_blocks = list(a.block_table)
+    sched.finish(a, "length")
+    b = Sequence("b", prompt, SamplingParams(max_tokens=1))
+    assert run(sched, b) == 4  # 3 blocks reused, the 4th recomputed for its logits
+    assert b.block_table[:3] == a_blocks[:3] and b.block_table[3] != a_blocks[3]
+
+
+def test_shared_blocks_freed_only_when_the_last_reference_goes():
+    sched = make_sched(num_blocks=8)
+    alloc = sched.allocator
+    a = Sequence("a", list(range(1, 10)), SamplingParams(max_tokens=4))
+    run(sched, a)
+    b = Sequence("b", list(range(1, 10)), SamplingParams(max_tokens=4))
+    run(sched, b)
+    shared = set(a.block_table) & set(b.block_table)
+    assert len(shared) == 2
+    sched.finish(a, "length")
+    with pytest.raises(BlockAllocatorError):
+        alloc.allocate(alloc.num_free_blocks + 1)  # b still holds the shared blocks
+    assert not shared & set(alloc.allocate(alloc.num_free_blocks))
+    sched.finish(b, "length")
+
+
+def test_cached_blocks_are_evicted_least_recently_freed_first_and_reported():
+    sched = make_sched(num_blocks=6)
+    alloc = sched.allocator
+    a = Sequence("a", list(range(1, 14)), SamplingParams(max_tokens=1))  # 3 full blocks
+    run(sched, a)
+    sched.finish(a, "length")
+    stored = [e for e in alloc.drain_events() if isinstance(e, BlockStored)]
+    assert [e.token_ids for e in stored] == [(1, 2, 3, 4), (5, 6, 7, 8), (9, 10, 11, 12)]
+    assert stored[0].parent_hash is None and stored[1].parent_hash == stored[0].block_hash
+    assert alloc.num_free_blocks == 6 and alloc.num_cached_blocks == 3
+    # Two never-used blocks and the 4th (partial) block go first, then the prefix's tail.
+    taken = alloc.allocate(4)
+    removed = alloc.drain_events()
+    assert removed == [BlockRemoved(stored[2].block_hash)]
+    alloc.free(taken)
+    b = Sequence("b", list(range(1, 14)), SamplingParams(max_tokens=1))
+    assert run(sched, b) == 13 - 8  # the head of the prefix survived
+
+
+def test_caching_off_reuses_nothing():
+    sched = make_sched(caching=False)
+    for name in "ab":
+        s = Sequence(name, list(range(1, 19)), SamplingParams(max_tokens=1))
+        assert run(sched, s) == 18
+        sched.finish(s, "length")
+    assert sched.num_prefix_queried_tokens == 0 and sched.allocator.drain_events() == []
+
+
+def test_preempted_sequence_reuses_its_own_blocks():
+    sched = make_sched(num_blocks=6, budget=64)
+    a = Sequence("a", list(range(1, 13)), SamplingParams(max_tokens=6))
+    b = Sequence("b", list(range(100, 108)), SamplingParams(max_tokens=6))
+    sched.add(a)
+    sched.add(b)
+    preempted = False
+    for _ in range(200):
+        batch = sched.schedule()
+        if b.num_computed_tokens == 0 and b.num_output_tokens:
+            preempted = True
+        sched.postprocess(batch, [7 if batch.samples(i) else None for i in range(len(batch))])
+        for s in list(batch.seqs):
+            if s.num_output_tokens >= s.params.max_tokens:
+                sched.finish(s, "length")
+        if not sched.has_unfinished():
+            break
+    assert preempted and not sched.has_unfinished()
+    assert sched.num_prefix_hit_tokens > 0
+    assert sched.allocator.num_free_blocks == 6
+
+
+# -- the engine, token for token against transformers ---------------------------------------
+def test_cache_hits_keep_greedy_output_equal_to_transformers(tiny_model):
+    from tests.test_engine_vs_hf import NEW_TOKENS, hf_greedy, make_prompts
+
+    from pdserve import LLM
+
+    model_dir = tiny_model("llama")
+    llm = LLM(model=model_dir, max_num_batched_tokens=32)
+    sched = llm.engine.scheduler
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    prompts = make_prompts(llm.engine.model_config.vocab_size)
+    first = [o.token_ids for o in llm.generate(prompts, params)]
+    hits = sched.num_prefix_hit_tokens
+    # Turn two: each prompt again plus its answer plus 3 new tokens. The prompt's and
+    # most of the answer's blocks come from the cache.
+    turn2 = [p + out + [5, 6, 7] for p, out in zip(prompts, first)]
+    second = [o.token_ids for o in llm.generate(turn2, params)]
+    assert sched.num_prefix_hit_tokens - hits >= sum(
+        (len(p) + len(o)) // 16 * 16 - 16 for p, o in zip(prompts, first))
+    assert first + second == hf_greedy(model_dir, prompts + turn2)
+    off = LLM(model=model_dir, max_num_batched_tokens=32, enable_prefix_caching=False)
+    assert [o.token_ids for o in off.generate(turn2, params)] == second
+    assert off.engine.scheduler.num_prefix_hit_tokens == 0
