@@ -32,7 +32,9 @@ ROUTER = {
     "pdserve_requests_running": "gauge",
     "pdserve_nodes": "gauge",
 }
-NODE = {"pdserve_kv_cache_usage_ratio": "gauge", "pdserve_requests_waiting": "gauge"}
+NODE = {"pdserve_kv_cache_usage_ratio": "gauge", "pdserve_requests_waiting": "gauge",
+        "pdserve_prefix_cache_queries_tokens": "counter",
+        "pdserve_prefix_cache_hits_tokens": "counter"}
 PREFILL = {**NODE, "pdserve_prefill_batch_size": "histogram",
            "pdserve_prefill_time_seconds": "histogram",
            "pdserve_kv_transfer_seconds": "histogram",

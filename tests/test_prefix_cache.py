@@ -155,3 +155,35 @@ def test_cache_hits_keep_greedy_output_equal_to_transformers(tiny_model):
     off = LLM(model=model_dir, max_num_batched_tokens=32, enable_prefix_caching=False)
     assert [o.token_ids for o in off.generate(turn2, params)] == second
     assert off.engine.scheduler.num_prefix_hit_tokens == 0
+
+
+# -- through `pdserve launch`: the prefill node skips what it has cached -----------------------
+def test_prefill_node_reuses_a_shared_prefix(tiny_model, tmp_path):
+    import httpx
+
+    from pdserve import LLM
+    from tests.cluster import launched
+    from tests.test_metrics import eventually, metrics_urls, scrape, value
+
+    model_dir = tiny_model("llama")
+    prefix = [(7 * i) % 900 + 3 for i in range(400)]
+    prompts = [prefix + [11, 12, 13], prefix + [21, 22, 23, 24, 25]]
+    body = {"model": model_dir.name, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with launched(model_dir, 1, 1, log_dir=tmp_path) as cluster:
+        prefill = metrics_urls(cluster)["prefill-0"]
+        with httpx.Client(base_url=cluster.http_url, timeout=60) as client:
+            outs = []
+            for prompt in prompts:  # one after the other: the second finds the first's blocks
+                r = client.post("/v1/completions", json={**body, "prompt": prompt})
+                assert r.status_code == 200, r.text
+                outs.append(r.json()["choices"][0]["text"])
+
+        def counted():
+            _, s = scrape(prefill)
+            assert value(s, "pdserve_prefix_cache_queries_tokens_total") == 403 + 405
+            assert value(s, "pdserve_prefix_cache_hits_tokens_total") == 400 // 16 * 16
+
+        eventually(counted)
+    off = LLM(model=model_dir, enable_prefix_caching=False)
+    ref = off.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert outs == [o.text for o in ref]
