@@ -20,6 +20,13 @@ prefix_caching_option = click.option(
     help="Reuse the KV cache of full blocks that earlier prompts computed.")
 
 
+kv_events_option = click.option(
+    "--kv-events-config", default=None, metavar="JSON",
+    help="Publish KV-cache events in vLLM's format, with vLLM's keys, e.g. "
+         "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5560\"}' "
+         "(docs/protocol.md) [default: off].")
+
+
 def engine_options(fn):
     """Flags every engine owner takes; they build one EngineConfig."""
     opts = [
@@ -67,10 +74,17 @@ def node_options(fn):
                      help="This node's keypair in --curve-dir (NAME.key_secret)."),
         click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info",
                      show_default=True),
+        kv_events_option,
     ]
     for opt in reversed(opts):
         fn = opt(fn)
     return engine_options(fn)
+
+
+def _kv_events(text: str | None):
+    from pdserve.common.kv_events import KVEventsConfig
+
+    return None if text is None else KVEventsConfig.from_json(text)
 
 
 def _engine_config(kw):
@@ -202,6 +216,7 @@ def _run_node(role: str, kw: dict) -> None:
     try:
         config = NodeConfig(role=role, engine=_engine_config(kw), router=kw.pop("router"),
                             node_id=kw.pop("node_id"),
+                            kv_events=_kv_events(kw.pop("kv_events_config")),
                             heartbeat_interval_s=kw.pop("heartbeat_interval"), **kw)
         from pdserve.common.security import node_curves
         node_curves(config.curve_dir, role, config.curve_key)  # bad keys: now, not after loading
@@ -284,13 +299,18 @@ def router_cmd(**kw) -> None:
               show_default=True, help="'none': BENCHMARK mode, nodes skip the forward and "
               "emit a fixed token.")
 @prefix_caching_option
+@kv_events_option
 def launch_cmd(num_prefill, num_decode, node_args, colocated, dtype, threads, compute,
-               enable_prefix_caching, **kw) -> None:
+               enable_prefix_caching, kv_events_config, **kw) -> None:
     """Start a router and its prefill and decode nodes on this machine."""
     from pdserve.launch import LaunchConfig, run_launch
 
     log_level = kw.pop("log_level")
     router = _router_config(kw)
+    try:
+        kv_events = _kv_events(kv_events_config)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
     args = list(node_args)
     if dtype:
         args += ["--dtype", dtype]
@@ -306,7 +326,7 @@ def launch_cmd(num_prefill, num_decode, node_args, colocated, dtype, threads, co
     sys.exit(run_launch(LaunchConfig(router=router, num_prefill=num_prefill,
                                      num_decode=num_decode, colocated=colocated,
                                      compute=compute, node_args=tuple(args),
-                                     log_level=log_level)))
+                                     log_level=log_level, kv_events=kv_events)))
 
 
 def _register_plugins() -> None:

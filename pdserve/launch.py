@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from pdserve.common.kv_events import KVEventsConfig
 from pdserve.router.config import RouterConfig
 
 STOP_TIMEOUT_S = 10.0
@@ -33,6 +34,7 @@ class LaunchConfig:
     node_args: tuple[str, ...] = ()       # engine flags passed to every node
     log_level: str = "info"
     ready_timeout_s: float = 600.0
+    kv_events: KVEventsConfig | None = None  # each node gets its own free port(s)
 
 
 def connect_address(bind: str) -> str:
@@ -80,9 +82,33 @@ def _node_cmd(cfg: LaunchConfig, role: str, index: int) -> list[str]:
         cmd += ["--threads", str(share)]
     if not any(a.startswith("--metrics-port") for a in cfg.node_args):
         cmd += ["--metrics-port", str(_free_port())]
-        if cfg.router.host in ("0.0.0.0", "*", "::"):
+        if _open(cfg):
             cmd += ["--metrics-host", "0.0.0.0"]
+    if cfg.kv_events is not None:
+        cmd += ["--kv-events-config", _node_kv_events(cfg).to_json()]
     return cmd
+
+
+def _open(cfg: LaunchConfig) -> bool:
+    return cfg.router.host in ("0.0.0.0", "*", "::")
+
+
+def _node_kv_events(cfg: LaunchConfig) -> KVEventsConfig:
+    """vLLM's one endpoint would collide between nodes (and its default port is the
+    ingress's here): every node publishes on free ports of its own."""
+    host = "0.0.0.0" if _open(cfg) else "127.0.0.1"
+    replay = f"tcp://{host}:{_free_port()}" if cfg.kv_events.replay_endpoint else None
+    return cfg.kv_events.with_endpoints(f"tcp://{host}:{_free_port()}", replay)
+
+
+def _kv_events_lines(cmd: list[str], name: str) -> str:
+    if "--kv-events-config" not in cmd:
+        return ""
+    ev = KVEventsConfig.from_json(cmd[cmd.index("--kv-events-config") + 1])
+    if not ev.active:
+        return ""
+    replay = f", replay {connect_address(ev.replay_endpoint)}" if ev.replay_endpoint else ""
+    return f"  {'kv events':<14} {connect_address(ev.endpoint)}{replay}   ({name})\n"
 
 
 def _free_port() -> int:
@@ -137,16 +163,18 @@ def run_launch(cfg: LaunchConfig) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop_requested.append(True))
     children: dict[str, subprocess.Popen] = {}
-    host = "127.0.0.1" if cfg.router.host in ("0.0.0.0", "*", "::") else cfg.router.host
+    host = "127.0.0.1" if _open(cfg) else cfg.router.host
     http = f"http://{host}:{cfg.router.http_port}"
     metrics = {"router": _metrics_url(_router_cmd(cfg), host)
                if cfg.router.metrics_port else f"{http}/metrics"}
+    events = ""
     try:
         children["router"] = subprocess.Popen(_router_cmd(cfg), env=_router_env(cfg))
         for role, i in _roles(cfg):
             cmd = _node_cmd(cfg, role, i)
             children[f"{role}-{i}"] = subprocess.Popen(cmd)
             metrics[f"{role}-{i}"] = _metrics_url(cmd, host)
+            events += _kv_events_lines(cmd, f"{role}-{i}")
         deadline = time.monotonic() + cfg.ready_timeout_s
         while not _healthy(f"{http}/health"):
             dead = [n for n, p in children.items() if p.poll() is not None]
@@ -170,7 +198,7 @@ def run_launch(cfg: LaunchConfig) -> int:
               f"  control        {connect_address(cfg.router.control)}   ({nodes})\n"
               + "".join(f"  {'metrics' if i == 0 else '':<14} {url}   ({name})\n"
                         for i, (name, url) in enumerate(metrics.items())) +
-              f"{mode}Ctrl-C stops everything.", flush=True)
+              f"{events}{mode}Ctrl-C stops everything.", flush=True)
         reported = set()
         while not stop_requested:
             if children["router"].poll() is not None:

@@ -2,9 +2,8 @@
 against transformers with the cache hit."""
 import pytest
 
-from pdserve.common.block_hash import block_hashes
-from pdserve.engine.block_allocator import (BlockAllocator, BlockAllocatorError, BlockRemoved,
-                                            BlockStored)
+from pdserve.common.block_hash import BlockRemoved, BlockStored, block_hashes
+from pdserve.engine.block_allocator import BlockAllocator, BlockAllocatorError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
@@ -13,7 +12,8 @@ BS = 4
 
 
 def make_sched(num_blocks=16, caching=True, budget=64):
-    alloc = BlockAllocator(num_blocks, enable_caching=caching, record_events=True)
+    alloc = BlockAllocator(num_blocks, enable_caching=caching)
+    alloc.record_events()
     return Scheduler(alloc, BS, max_num_seqs=8, max_num_batched_tokens=budget)
 
 
@@ -134,9 +134,8 @@ def test_preempted_sequence_reuses_its_own_blocks():
 
 # -- the engine, token for token against transformers ---------------------------------------
 def test_cache_hits_keep_greedy_output_equal_to_transformers(tiny_model):
-    from tests.test_engine_vs_hf import NEW_TOKENS, hf_greedy, make_prompts
-
     from pdserve import LLM
+    from tests.test_engine_vs_hf import NEW_TOKENS, hf_greedy, make_prompts
 
     model_dir = tiny_model("llama")
     llm = LLM(model=model_dir, max_num_batched_tokens=32)

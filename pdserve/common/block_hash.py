@@ -1,4 +1,4 @@
-"""Prefix-cache block hashes, the same in every process (engine, nodes, router).
+"""Prefix-cache block keys and events, the same in every process (engine, nodes, router).
 
 A full block of ``block_size`` tokens is keyed by a 64-bit hash chained over its
 parent block's hash and its own token ids, so equal keys mean equal prefixes up to
@@ -8,10 +8,25 @@ which lets the router predict which blocks a node holds.
 from __future__ import annotations
 
 from array import array
+from dataclasses import dataclass
 
 import xxhash
 
 NO_PARENT = 0  # the parent hash of a prompt's first block
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """A full block became reusable (the allocator's event)."""
+    block_hash: int
+    parent_hash: int | None   # None: the prompt's first block
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """A cached block was evicted."""
+    block_hash: int
 
 
 def hash_block(parent: int, token_ids) -> int:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.common.kv_events import KVEventsConfig
 from pdserve.engine.config import EngineConfig
 
 NODE_ROLES = ("prefill", "decode", "colocated")
@@ -25,6 +26,7 @@ class NodeConfig:
     curve_key: str = "node"                   # this node's keypair in curve_dir
     metrics_host: str = "127.0.0.1"           # where /metrics listens (0.0.0.0: other machines)
     metrics_port: int = 0                     # Prometheus /metrics port; 0: not served
+    kv_events: KVEventsConfig | None = None   # vLLM-format KV-cache events; None: off
 
     def __post_init__(self):
         if self.role not in NODE_ROLES:

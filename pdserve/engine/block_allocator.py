@@ -12,28 +12,16 @@ With caching on, what the cache stores and evicts is also recorded as events
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+
+from pdserve.common.block_hash import BlockRemoved, BlockStored
 
 
 class BlockAllocatorError(RuntimeError):
     pass
 
 
-@dataclass(frozen=True)
-class BlockStored:
-    block_hash: int
-    parent_hash: int | None
-    token_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class BlockRemoved:
-    block_hash: int
-
-
 class BlockAllocator:
-    def __init__(self, num_blocks: int, enable_caching: bool = False,
-                 record_events: bool = False):
+    def __init__(self, num_blocks: int, enable_caching: bool = False):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -43,7 +31,7 @@ class BlockAllocator:
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, int] = {}                   # block -> hash
         self._cached: dict[int, tuple[int, tuple]] = {}      # hash -> (block, token ids)
-        self._events: list | None = [] if record_events and enable_caching else None
+        self._events: list | None = None   # None: nobody listens, nothing is recorded
 
     @property
     def num_free_blocks(self) -> int:
@@ -111,6 +99,11 @@ class BlockAllocator:
         self._hash_of[block] = block_hash
         if self._events is not None:
             self._events.append(BlockStored(block_hash, parent_hash, tokens))
+
+    def record_events(self) -> None:
+        """From now on, what the cache stores and evicts is kept for ``drain_events``."""
+        if self.enable_caching and self._events is None:
+            self._events = []
 
     def drain_events(self) -> list:
         events, self._events = self._events, [] if self._events is not None else None

@@ -19,6 +19,7 @@ import time
 
 from pdserve.common import protocol as P
 from pdserve.common.config import NodeConfig
+from pdserve.common.kv_events import KVEventPublisher
 from pdserve.common.metrics import node_metrics, start_metrics_server
 from pdserve.common.node_io import InboxItem, NodeIO
 from pdserve.common.security import node_curves
@@ -54,6 +55,16 @@ class Node:
         self.draining = False
         self.drain_deadline = 0.0
         self.jobs: dict = {}    # the role's requests by wire id
+        self.kv_events = None
+        if config.kv_events is not None and config.kv_events.active:
+            if config.engine.enable_prefix_caching:
+                self.worker.allocator.record_events()
+                medium = "GPU" if str(config.engine.device).startswith("cuda") else "CPU"
+                self.kv_events = KVEventPublisher(config.kv_events, self.layout.block_size,
+                                                  medium)
+            else:
+                log.warning("KV-cache events need prefix caching, which is off: "
+                            "none will be published")
         if config.engine.compute == "none":
             log.warning("COMPUTE NONE: benchmark mode, the forward is skipped and every token "
                         "is %d; outputs are not the model's", self.worker.runner.fixed_token)
@@ -130,6 +141,11 @@ class Node:
             if self.config.metrics_port else None
         self.io.start()
         try:
+            if self.kv_events is not None:
+                self.kv_events.start_and_wait()
+                log.info("KV-cache events on %s%s", self.kv_events.endpoint,
+                         f", replay on {self.kv_events.replay_endpoint}"
+                         if self.kv_events.replay_endpoint else "")
             if not self._wait_welcome():
                 return 1
             log.info("%s node %s registered with router %s%s", self.role, self.node_id,
@@ -150,8 +166,12 @@ class Node:
                 sched = self.worker.scheduler
                 self.metrics.prefix_cache(sched.num_prefix_queried_tokens,
                                           sched.num_prefix_hit_tokens)
+                if self.kv_events is not None:
+                    self.kv_events.publish(self.worker.allocator.drain_events())
             return 0
         finally:
+            if self.kv_events is not None:
+                self.kv_events.stop()
             self.io.stop()
             self.io.join(timeout=5)
             if metrics_server is not None:
