@@ -12,7 +12,7 @@ ARCHES = ("llama", "qwen2", "mistral")
 PRESETS = ("tiny", "small")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-POLICIES = ("round_robin", "least_loaded")
+POLICIES = ("round_robin", "least_loaded", "cache_aware")
 
 
 prefix_caching_option = click.option(

@@ -1,5 +1,7 @@
 """Automatic prefix caching: allocator and scheduler units (no torch), then the engine
 against transformers with the cache hit."""
+import dataclasses
+
 import pytest
 
 from pdserve.common.block_hash import BlockRemoved, BlockStored, block_hashes
@@ -186,3 +188,65 @@ def test_prefill_node_reuses_a_shared_prefix(tiny_model, tmp_path):
     off = LLM(model=model_dir, enable_prefix_caching=False)
     ref = off.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert outs == [o.text for o in ref]
+
+
+# -- the router's cache-aware policy (pure: a registry, no process) --------------------------
+def make_registry(*roles_ids):
+    from pdserve.common import protocol as P
+    from pdserve.router.registry import Registry
+
+    model = P.ModelIdentity(name="m", config_hash="h")
+    reg = Registry(model, 2, 2, 16, heartbeat_interval_s=1.0, liveness=3)
+    for role, node_id in roles_ids:
+        stats = P.NodeStats(num_free_blocks=64, num_total_blocks=64, num_running=0,
+                            num_waiting=0, queued_prompt_tokens=0)
+        hello = P.Hello(node_id=node_id, role=role, protocol_version=P.PROTOCOL_VERSION,
+                        model=model, kv_layout=P.KVLayout(num_layers=2, num_kv_heads=2, head_dim=16,
+                                                  dtype="float32", block_size=16),
+                        capacity=stats, pid=1,
+                        kv_address="tcp://127.0.0.1:1" if role == "decode" else None)
+        assert reg.admit(hello, now=0.0)[0]
+    return reg
+
+
+def test_cache_aware_follows_the_prefix_until_the_load_gap_is_too_wide():
+    from pdserve.router.policies import CacheAware
+
+    reg = make_registry(("prefill", "p0"), ("prefill", "p1"))
+    policy = CacheAware(reg)
+    p0, p1 = reg.nodes["p0"], reg.nodes["p1"]
+    shared = list(range(100, 164))                      # 4 blocks
+    first = policy.pick("prefill", [p0, p1], shared + [1, 2])
+    first.queued_prompt_tokens += 66
+    other = p1 if first is p0 else p0
+    # Same prefix: the node that has it, although it is busier.
+    assert policy.pick("prefill", [p0, p1], shared + [3, 4, 5]) is first
+    # A new prefix goes to the least loaded.
+    assert policy.pick("prefill", [p0, p1], list(range(500, 540))) is other
+    # Too busy: past the slack, the least loaded wins even with the prefix elsewhere.
+    first.queued_prompt_tokens += CacheAware.PREFILL_SLACK_TOKENS + 1
+    assert policy.pick("prefill", [p0, p1], shared + [6]) is other
+    # Bounded by the node's cache size.
+    for i in range(20):
+        policy.pick("prefill", [other], list(range(1000 + 64 * i, 1064 + 64 * i)))
+    assert policy.num_indexed_blocks(other.node_id) == 64
+
+
+def test_cache_aware_forgets_departed_and_restarted_nodes():
+    from pdserve.router.policies import CacheAware
+
+    reg = make_registry(("prefill", "p0"), ("prefill", "p1"))
+    policy = CacheAware(reg)
+    prompt = list(range(100, 164))
+    chosen = policy.pick("prefill", list(reg.nodes.values()), prompt)
+    assert policy.num_indexed_blocks(chosen.node_id) == 4
+    reg.remove(chosen.node_id)
+    policy.pick("prefill", list(reg.nodes.values()), [1])
+    assert policy.num_indexed_blocks(chosen.node_id) == 0
+    # Back as a new process (a new Hello): its cache is empty, so is its index.
+    survivor = next(iter(reg.nodes.values()))
+    policy.pick("prefill", [survivor], prompt)
+    assert policy.num_indexed_blocks(survivor.node_id) == 4
+    assert reg.admit(dataclasses.replace(survivor.hello, pid=2), now=0.0)[0]
+    policy.pick("prefill", list(reg.nodes.values()), [1])
+    assert policy.num_indexed_blocks(survivor.node_id) == 0

@@ -98,7 +98,7 @@ class RouterCore:
         cfg = self.model_config
         self.registry = Registry(identity, cfg.num_hidden_layers, cfg.num_key_value_heads,
                                  cfg.head_dim, config.heartbeat_interval_s, config.liveness)
-        self.policy = make_policy(config.policy)
+        self.policy = make_policy(config.policy, self.registry)
         self.metrics = RouterMetrics(self.model_name, error_codes=S.HTTP_STATUS)
         self.metrics.watch(lambda: len(self.requests), lambda: [
             (n.role, n.state) for n in list(self.registry.nodes.values())])
@@ -215,7 +215,7 @@ class RouterCore:
     def _reserve(self, flight: Flight) -> None:
         colocated = self.registry.live("colocated")
         if colocated:  # one engine does both: no reservation, no KV transfer
-            node = self.policy.pick("prefill", colocated, len(flight.prompt))
+            node = self.policy.pick("prefill", colocated, flight.prompt)
             flight.decode_node = node.node_id
             self._to_prefill(flight, node)
             return
@@ -225,7 +225,7 @@ class RouterCore:
             flight.refused_by.clear()   # every node said no: try them all again shortly
             flight.retry_at = time.monotonic() + RETRY_RESERVE_S
             return
-        node = self.policy.pick("decode", candidates, len(flight.wire_prompt))
+        node = self.policy.pick("decode", candidates, flight.wire_prompt)
         flight.decode_node, flight.state, flight.retry_at = node.node_id, RESERVING, 0.0
         node.requests.add(flight.wire_id)
         if not self._send(node.node_id, P.Reserve(
@@ -249,7 +249,7 @@ class RouterCore:
             # Wait for a prefill node (one may join) until the deadline says otherwise.
             self._retry(flight, "no live prefill node", delay=RETRY_RESERVE_S, count=False)
             return
-        node = node or self.policy.pick("prefill", nodes, len(flight.wire_prompt))
+        node = node or self.policy.pick("prefill", nodes, flight.wire_prompt)
         flight.prefill_node, flight.state = node.node_id, PREFILLING
         node.requests.add(flight.wire_id)
         node.queued_prompt_tokens += len(flight.wire_prompt)
