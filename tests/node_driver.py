@@ -126,15 +126,18 @@ class RouterDriver:
             timeout_s: float = 120.0) -> dict[str, dict]:
         """Reserve, prefill in one batch per prefill node, collect every token."""
         results = {r: {"tokens": [], "finish": None, "error": None} for r in requests}
+        cached = {}
         for req_id, (prompt, spec) in requests.items():
             reply = self.reserve(decode_of[req_id], req_id, prompt, spec)
             assert reply.ok, reply.reason
+            cached[req_id] = reply.cached_blocks
         batches = defaultdict(list)
         for req_id, (prompt, spec) in requests.items():
             decode = decode_of[req_id]
             batches[prefill_of[req_id]].append(P.PrefillRequest(
                 req_id=req_id, prompt_token_ids=prompt, sampling=spec, decode_node_id=decode,
-                kv_address=self.hellos[decode].kv_address, timeout_s=30.0))
+                kv_address=self.hellos[decode].kv_address, timeout_s=30.0,
+                skip_blocks=cached[req_id]))
         for prefill, reqs in batches.items():
             self.send(prefill, P.PrefillBatch(requests=reqs))
 

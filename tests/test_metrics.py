@@ -39,7 +39,8 @@ PREFILL = {**NODE, "pdserve_prefill_batch_size": "histogram",
            "pdserve_prefill_time_seconds": "histogram",
            "pdserve_kv_transfer_seconds": "histogram",
            "pdserve_kv_transfer_bytes": "counter",
-           "pdserve_kv_transfer_failures": "counter"}
+           "pdserve_kv_transfer_failures": "counter",
+           "pdserve_kv_blocks_sent": "counter", "pdserve_kv_blocks_skipped": "counter"}
 DECODE = {**NODE, "pdserve_decode_step_seconds": "histogram",
           "pdserve_decode_batch_size": "histogram"}
 # Label keys each process may use besides model_name (le: histogram buckets).

@@ -77,10 +77,12 @@ def test_first_token_that_finishes_needs_no_decode(cluster):
 def test_abort_frees_blocks_on_both_sides(cluster):
     driver, _, _ = cluster
     spec = to_spec(SamplingParams(max_tokens=900, temperature=0, ignore_eos=True))
-    assert driver.reserve("d1", "long", list(range(3, 60)), spec).ok
+    reply = driver.reserve("d1", "long", list(range(3, 60)), spec)
+    assert reply.ok
     driver.send("p1", P.PrefillBatch(requests=[P.PrefillRequest(
         req_id="long", prompt_token_ids=list(range(3, 60)), sampling=spec, decode_node_id="d1",
-        kv_address=driver.hellos["d1"].kv_address, timeout_s=30.0)]))
+        kv_address=driver.hellos["d1"].kv_address, timeout_s=30.0,
+        skip_blocks=reply.cached_blocks)]))
     driver.take(P.TokenBatch, lambda m: any(i.req_id == "long" for i in m.items))
     assert driver.wait(lambda: driver.stats["d1"].num_running == 1, 5, "d1 running")
     for node in ("p1", "d1"):

@@ -158,7 +158,7 @@ def test_cache_hits_keep_greedy_output_equal_to_transformers(tiny_model):
     assert off.engine.scheduler.num_prefix_hit_tokens == 0
 
 
-# -- through `pdserve launch`: the prefill node skips what it has cached -----------------------
+# -- through `pdserve launch`: both nodes skip what they have cached --------------------------
 def test_prefill_node_reuses_a_shared_prefix(tiny_model, tmp_path):
     import httpx
 
@@ -171,7 +171,8 @@ def test_prefill_node_reuses_a_shared_prefix(tiny_model, tmp_path):
     prompts = [prefix + [11, 12, 13], prefix + [21, 22, 23, 24, 25]]
     body = {"model": model_dir.name, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     with launched(model_dir, 1, 1, log_dir=tmp_path) as cluster:
-        prefill = metrics_urls(cluster)["prefill-0"]
+        urls = metrics_urls(cluster)
+        prefill, decode = urls["prefill-0"], urls["decode-0"]
         with httpx.Client(base_url=cluster.http_url, timeout=60) as client:
             outs = []
             for prompt in prompts:  # one after the other: the second finds the first's blocks
@@ -182,7 +183,12 @@ def test_prefill_node_reuses_a_shared_prefix(tiny_model, tmp_path):
         def counted():
             _, s = scrape(prefill)
             assert value(s, "pdserve_prefix_cache_queries_tokens_total") == 403 + 405
-            assert value(s, "pdserve_prefix_cache_hits_tokens_total") == 400 // 16 * 16
+            assert value(s, "pdserve_prefix_cache_hits_tokens_total") == 400
+            # The decode node held the prefix's 25 blocks too: only the 26th crossed the wire.
+            assert value(s, "pdserve_kv_blocks_sent_total") == 26 + 1
+            assert value(s, "pdserve_kv_blocks_skipped_total") == 25
+            _, s = scrape(decode)
+            assert value(s, "pdserve_prefix_cache_hits_tokens_total") == 400
 
         eventually(counted)
     off = LLM(model=model_dir, enable_prefix_caching=False)

@@ -253,6 +253,11 @@ class PrefillMetrics(NodeMetrics):
                                       "KV bytes sent to decode nodes.")
         self.kv_failures = self._counter("pdserve_kv_transfer_failures_total", "KV transfers "
                                          "refused, failed to send or never acknowledged.")
+        self.kv_blocks_sent = self._counter("pdserve_kv_blocks_sent_total", "Prompt KV blocks "
+                                            "sent to decode nodes.")
+        self.kv_blocks_skipped = self._counter("pdserve_kv_blocks_skipped_total", "Prompt KV "
+                                               "blocks not sent: the decode node had them "
+                                               "cached.")
         self._started: dict[str, float] = {}
         self._kv_started: dict[str, float] = {}
 
@@ -270,6 +275,10 @@ class PrefillMetrics(NodeMetrics):
     def kv_sent(self, req_id: str, nbytes: int) -> None:
         self._kv_started.setdefault(req_id, time.monotonic())
         self.kv_bytes.inc(nbytes)
+
+    def kv_blocks(self, sent: int, skipped: int) -> None:
+        self.kv_blocks_sent.inc(sent)
+        self.kv_blocks_skipped.inc(skipped)
 
     def kv_acked(self, req_id: str, ok: bool) -> None:
         started = self._kv_started.pop(req_id, None)

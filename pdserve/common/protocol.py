@@ -26,7 +26,7 @@ import msgpack
 import torch
 import xxhash
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: decode-side prefix reuse (cached_blocks / skip_blocks)
 MAX_HEADER_BYTES = 16 * 1024 * 1024  # a header is metadata; KV travels in frames
 
 # Error codes: the `code` of ProtocolError and of the Error message.
@@ -147,6 +147,7 @@ class PrefillRequest:
     decode_node_id: str
     kv_address: str
     timeout_s: float
+    skip_blocks: int = 0  # leading KV blocks the decode node holds already: not sent
 
 
 @_struct
@@ -225,11 +226,13 @@ class Reserve(Message):
 
 @_message("reserve_reply")
 class ReserveReply(Message):
-    """decode -> router: whether the blocks were reserved, and how many."""
+    """decode -> router: whether the blocks were reserved, and how many; of those, how
+    many leading ones the decode node had cached (their KV need not be sent)."""
     req_id: str
     ok: bool
     reason: str
     num_blocks: int
+    cached_blocks: int = 0
 
 
 @_message("kv_chunk")
@@ -237,7 +240,8 @@ class KVChunk(Message):
     """prefill -> decode (KV socket): KV of layers [layer_start, layer_end) of one request.
 
     Tensors "k{layer}" / "v{layer}", each [num_blocks, block_size, num_kv_heads,
-    head_dim] in kv_layout.dtype, num_blocks = ceil(num_tokens / block_size).
+    head_dim] in kv_layout.dtype, num_blocks = ceil(num_tokens / block_size) -
+    first_block: the leading first_block blocks are the decode node's cached ones.
     checksums: checksum_of each tensor frame in ``tensors`` order, or empty.
     """
     req_id: str
@@ -246,6 +250,7 @@ class KVChunk(Message):
     layer_start: int
     layer_end: int
     num_tokens: int
+    first_block: int = 0
     checksums: list[int] = field(default_factory=list)
     last: bool
     first_token: Optional[int] = None  # set on the last chunk
@@ -266,7 +271,10 @@ class KVChunk(Message):
         if sorted(self.tensors) != sorted(names):
             raise ProtocolError(BAD_MESSAGE, f"{where}: tensors {list(self.tensors)}, "
                                 f"expected {names}")
-        num_blocks = -(-self.num_tokens // lay.block_size)
+        num_blocks = -(-self.num_tokens // lay.block_size) - self.first_block
+        if not 0 <= self.first_block < num_blocks + self.first_block:
+            raise ProtocolError(BAD_MESSAGE, f"{where}: first_block={self.first_block} leaves "
+                                "no block of the prompt to send")
         shape = (num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
         for name, t in self.tensors.items():
             if tuple(t.shape) != shape or t.dtype != DTYPES[lay.dtype]:

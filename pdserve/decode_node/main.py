@@ -76,20 +76,25 @@ class DecodeNode(Node):
             params = self.request_params(msg.req_id, msg.prompt_token_ids, msg.sampling)
         except ValueError as exc:
             return refuse(f"{P.BAD_MESSAGE}: {exc}")
-        alloc = self.worker.allocator
-        need = self.worker.scheduler.blocks_for(len(msg.prompt_token_ids))
+        alloc, sched = self.worker.allocator, self.worker.scheduler
+        seq = Sequence(msg.req_id, msg.prompt_token_ids, params)
+        cached = sched.take_cached_prefix(seq)  # those blocks' KV need not cross the wire
+        need = sched.blocks_for(len(msg.prompt_token_ids)) - cached
         if not alloc.can_allocate(need):
+            sched.put_back_cached_prefix(seq, cached)
             return refuse(f"{P.NO_CAPACITY}: needs {need} KV blocks, {alloc.num_free_blocks} "
                           f"of {alloc.num_blocks} free")
-        seq = Sequence(msg.req_id, msg.prompt_token_ids, params)
-        seq.block_table = alloc.allocate(need)
-        transfer = InboundTransfer(msg.req_id, torch.tensor(seq.block_table, dtype=torch.int64),
-                                   len(msg.prompt_token_ids))
+        sched.count_prefix_lookup(seq)
+        seq.block_table.extend(alloc.allocate(need))
+        transfer = InboundTransfer(msg.req_id, torch.tensor(seq.block_table[cached:],
+                                                            dtype=torch.int64),
+                                   len(msg.prompt_token_ids), first_block=cached)
         out = RequestOutputState(None, msg.prompt_token_ids, params,
                                  self.worker.model_config.eos_token_ids, self.worker.max_model_len)
         self.jobs[msg.req_id] = DecodeJob(seq, out, transfer, msg.lease_s,
                                           time.monotonic() + msg.lease_s)
-        return P.ReserveReply(req_id=msg.req_id, ok=True, reason="", num_blocks=need)
+        return P.ReserveReply(req_id=msg.req_id, ok=True, reason="",
+                              num_blocks=len(seq.block_table), cached_blocks=cached)
 
     def _place(self, peer: bytes, chunk: P.KVChunk) -> None:
         job = self.jobs.get(chunk.req_id)

@@ -47,8 +47,10 @@ class KVTransferError(Exception):
 
 def kv_chunk(req_id: str, model: ModelIdentity, layout: KVLayout, kv_caches: KVCaches,
              block_ids: torch.Tensor, num_tokens: int, layer_start: int, layer_end: int,
-             *, checksums: bool, last: bool, first_token: int | None = None) -> KVChunk:
-    """The message carrying layers [layer_start, layer_end) of one request's blocks."""
+             *, checksums: bool, last: bool, first_token: int | None = None,
+             first_block: int = 0) -> KVChunk:
+    """The message carrying layers [layer_start, layer_end) of one request's blocks from
+    its block ``first_block`` on (``block_ids``: those blocks)."""
     tensors: dict[str, torch.Tensor] = {}
     run = _contiguous_run(block_ids)
     for layer in range(layer_start, layer_end):
@@ -63,7 +65,8 @@ def kv_chunk(req_id: str, model: ModelIdentity, layout: KVLayout, kv_caches: KVC
         tensors[f"v{layer}"] = v if v.device.type == "cpu" else v.cpu()
     sums = [checksum_of(t) for t in tensors.values()] if checksums else []
     return KVChunk(req_id=req_id, model=model, kv_layout=layout, layer_start=layer_start,
-                   layer_end=layer_end, num_tokens=num_tokens, checksums=sums, last=last,
+                   layer_end=layer_end, num_tokens=num_tokens, first_block=first_block,
+                   checksums=sums, last=last,
                    first_token=first_token, tensors=tensors)
 
 
@@ -85,8 +88,9 @@ def layer_groups(num_layers: int, layers_per_chunk: int) -> list[tuple[int, int]
 @dataclass
 class InboundTransfer:
     req_id: str
-    block_ids: torch.Tensor
+    block_ids: torch.Tensor      # the blocks the KV goes to: those after the cached ones
     num_tokens: int
+    first_block: int = 0         # leading blocks of the prompt already cached here
     state: TransferState = TransferState.RESERVED
     layers_done: set[int] = field(default_factory=set)
 
@@ -114,6 +118,10 @@ class KVReceiver:
             raise KVTransferError(LAYOUT_MISMATCH, (
                 f"KV for {chunk.req_id!r} covers {chunk.num_tokens} tokens, the reservation "
                 f"{transfer.num_tokens}"))
+        if chunk.first_block != transfer.first_block:
+            raise KVTransferError(LAYOUT_MISMATCH, (
+                f"KV for {chunk.req_id!r} starts at block {chunk.first_block}; this decode "
+                f"node holds {transfer.first_block} leading blocks and expects the rest"))
         if chunk.checksums:
             for (name, tensor), want in zip(chunk.tensors.items(), chunk.checksums):
                 got = checksum_of(tensor)

@@ -108,15 +108,13 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = self._take_cached_prefix(seq)
+            cached = self.take_cached_prefix(seq)  # a waiting sequence has nothing computed
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             need = self.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
             if not self.allocator.can_allocate(need):
-                self._put_back_cached_prefix(seq, cached)
+                self.put_back_cached_prefix(seq, cached)
                 break
-            if self.allocator.enable_caching:  # a waiting sequence has nothing computed
-                self.num_prefix_queried_tokens += seq.num_tokens
-                self.num_prefix_hit_tokens += seq.num_computed_tokens
+            self.count_prefix_lookup(seq)
             seq.block_table.extend(self.allocator.allocate(need))
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -138,7 +136,7 @@ class Scheduler:
         seq.block_table.extend(self.allocator.allocate(need))
         return True
 
-    def _take_cached_prefix(self, seq: Sequence) -> int:
+    def take_cached_prefix(self, seq: Sequence) -> int:
         """Links the cached blocks of seq's longest cached prefix into its block table and
         counts them as computed; returns how many. At least one token is left to compute:
         the next token is sampled from its logits."""
@@ -152,10 +150,17 @@ class Scheduler:
         seq.num_computed_tokens = len(blocks) * self.block_size
         return len(blocks)
 
-    def _put_back_cached_prefix(self, seq: Sequence, num_blocks: int) -> None:
+    def put_back_cached_prefix(self, seq: Sequence, num_blocks: int) -> None:
+        """Undoes ``take_cached_prefix`` (the rest of the sequence's blocks were not had)."""
         if num_blocks:
             self.allocator.free(seq.block_table)
             seq.block_table, seq.block_hashes, seq.num_computed_tokens = [], [], 0
+
+    def count_prefix_lookup(self, seq: Sequence) -> None:
+        """Counts a lookup that ``take_cached_prefix`` made and that stands."""
+        if self.allocator.enable_caching:
+            self.num_prefix_queried_tokens += seq.num_tokens
+            self.num_prefix_hit_tokens += seq.num_computed_tokens
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         """Offers each block that has just filled with computed tokens to the cache."""

@@ -71,6 +71,12 @@ class PrefillNode(Node):
     def _admit(self, req: P.PrefillRequest) -> None:
         if self.refuse_when_draining(req.req_id):
             return
+        most = (len(req.prompt_token_ids) - 1) // self.layout.block_size
+        if not 0 <= req.skip_blocks <= most:
+            self.error_to_router(req.req_id, P.BAD_MESSAGE, (
+                f"skip_blocks={req.skip_blocks} for a prompt of {len(req.prompt_token_ids)} "
+                f"tokens: at most {most} leading blocks can be cached on the decode node"))
+            return
         seq = self.admit(req, known=req.req_id in self.jobs)
         if seq is not None:
             self.jobs[req.req_id] = PrefillJob(req, seq)
@@ -100,7 +106,9 @@ class PrefillNode(Node):
         self.metrics.step([s.seq_id for s in batch.seqs])
         # Sequences whose prompt completes in this step: their KV ships as layers finish.
         done = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
-        block_ids = {s.seq_id: torch.tensor(s.block_table, dtype=torch.int64) for s in done}
+        # Only the blocks the decode node does not hold travel.
+        block_ids = {s.seq_id: torch.tensor(s.block_table[self.jobs[s.seq_id].req.skip_blocks:],
+                                            dtype=torch.int64) for s in done}
         group_ends = {end - 1: (start, end) for start, end in self.groups[:-1]}
 
         def on_layer(layer: int) -> None:
@@ -139,9 +147,12 @@ class PrefillNode(Node):
         job = self.jobs[seq.seq_id]
         chunk = kv_chunk(seq.seq_id, self.identity, self.layout, self.worker.runner.kv_caches,
                          block_ids, seq.num_prompt_tokens, start, end,
-                         checksums=self.config.kv_checksums, last=last, first_token=first_token)
+                         checksums=self.config.kv_checksums, last=last, first_token=first_token,
+                         first_block=job.req.skip_blocks)
         self.io.send_kv(job.req.kv_address, chunk)
         self.metrics.kv_sent(seq.seq_id, sum(t.nbytes for t in chunk.tensors.values()))
+        if last:
+            self.metrics.kv_blocks(len(block_ids), job.req.skip_blocks)
 
     def expire(self) -> None:
         now = time.monotonic()

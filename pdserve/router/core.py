@@ -81,6 +81,7 @@ class Flight:
     attempt: int = 0            # dispatches so far, for wire ids
     failures: int = 0           # of them, the ones that failed (MAX_ATTEMPTS caps these)
     wire_prompt: list[int] = field(default_factory=list)  # prompt + tokens of earlier attempts
+    skip_blocks: int = 0        # leading KV blocks the reserving decode node has cached
 
 
 class RouterCore:
@@ -214,6 +215,7 @@ class RouterCore:
 
     def _reserve(self, flight: Flight) -> None:
         colocated = self.registry.live("colocated")
+        flight.skip_blocks = 0
         if colocated:  # one engine does both: no reservation, no KV transfer
             node = self.policy.pick("prefill", colocated, flight.prompt)
             flight.decode_node = node.node_id
@@ -256,7 +258,8 @@ class RouterCore:
         self._batches.setdefault(node.node_id, []).append(P.PrefillRequest(
             req_id=flight.wire_id, prompt_token_ids=flight.wire_prompt, sampling=flight.spec,
             decode_node_id=decode.node_id, kv_address=decode.hello.kv_address or "",
-            timeout_s=max(1.0, flight.deadline - time.monotonic())))
+            timeout_s=max(1.0, flight.deadline - time.monotonic()),
+            skip_blocks=flight.skip_blocks))
         if not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
@@ -321,6 +324,7 @@ class RouterCore:
                     self._send(node_id, P.Abort(req_ids=[msg.req_id], reason="not needed"))
                 return
             if msg.ok:
+                flight.skip_blocks = msg.cached_blocks
                 self._to_prefill(flight)
             elif msg.reason.startswith(P.BAD_MESSAGE):  # no node will take it: say why now
                 self._fail(flight, S.BAD_REQUEST, f"decode node {node_id} refused the "
