@@ -256,3 +256,40 @@ def test_cache_aware_forgets_departed_and_restarted_nodes():
     assert reg.admit(dataclasses.replace(survivor.hello, pid=2), now=0.0)[0]
     policy.pick("prefill", list(reg.nodes.values()), [1])
     assert policy.num_indexed_blocks(survivor.node_id) == 0
+
+
+# -- failover with shared blocks ------------------------------------------------------------
+def test_decode_node_killed_while_its_requests_share_cached_blocks(tiny_model, tmp_path):
+    """Requests sharing a cached prefix on two decode nodes; one node is SIGKILLed mid-stream.
+    Every request still ends with the tokens of a run without failure, and the survivors'
+    blocks all come back (a shared block is freed only with its last reference)."""
+    import asyncio
+
+    from pdserve import LLM
+    from pdserve.router import streams as S
+    from tests.test_router_core import Harness, _kill, collect, greedy
+
+    model = tiny_model("llama")
+    prefix = [(11 * i) % 900 + 3 for i in range(48)]
+    prompts = [prefix + [100 + i, 200 + i] for i in range(6)]
+    want = [o.token_ids for o in LLM(model=model).generate(prompts, greedy(40))]
+    h = Harness(model, tmp_path)
+    try:
+        h.start_nodes([("prefill", "sp"), ("decode", "sd0"), ("decode", "sd1")])
+
+        async def run(kill: bool):
+            streams = [h.core.submit(S.GenerationRequest(p, greedy(40))) for p in prompts]
+            tasks = [asyncio.create_task(collect(s)) for s in streams]
+            if kill:
+                while not h.core.registry.nodes["sd0"].requests or \
+                        min(len(f.out.token_ids) for f in h.core.requests.values()) < 3:
+                    await asyncio.sleep(0.005)
+                _kill(h.procs["sd0"])
+            return await asyncio.gather(*tasks)
+
+        assert [g[0] for g in h.run(run(kill=False))] == want   # fills both nodes' caches
+        assert [g[0] for g in h.run(run(kill=True))] == want
+        survivor = h.core.registry.nodes["sd1"]
+        h.wait(lambda: survivor.stats.num_free_blocks == survivor.stats.num_total_blocks)
+    finally:
+        h.close()
