@@ -18,8 +18,8 @@ POLICIES = ("round_robin", "least_loaded")
 def engine_options(fn):
     """Flags every engine owner takes; they build one EngineConfig."""
     opts = [
-        click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False),
-                     default=None, help="Checkpoint folder [default: the bundled default model]."),
+        click.option("--model", "model_dir", type=click.Path(exists=True), default=None,
+                     help="Checkpoint folder or .gguf file [default: the bundled model]."),
         click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True),
         click.option("--device", default="cpu", show_default=True),
         click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True),
@@ -83,10 +83,11 @@ def _engine_config(kw):
 def router_options(fn):
     """Flags of the router; `launch` takes them too."""
     opts = [
-        click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False),
-                     default=None, help="Checkpoint folder [default: the bundled default model]."),
+        click.option("--model", "model_dir", type=click.Path(exists=True), default=None,
+                     help="Checkpoint folder or .gguf file [default: the bundled model]."),
         click.option("--served-model-name", default=None,
-                     help="The model name clients send [default: the folder's name]."),
+                     help="The model name clients send [default: the folder's name, or the "
+                          "file's without .gguf]."),
         click.option("--host", default="127.0.0.1", show_default=True,
                      help="HTTP bind host; 0.0.0.0 opens it (and --control/--ingress defaults) "
                           "to other machines."),
