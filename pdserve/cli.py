@@ -283,6 +283,12 @@ def launch_cmd(num_prefill, num_decode, node_args, colocated, dtype, threads, co
     from pdserve.launch import LaunchConfig, run_launch
 
     log_level = kw.pop("log_level")
+    if kw["model_dir"] is None:  # resolved once here (and built, if it is the random one),
+        from pdserve.common.logs import setup_logging  # before the children race for it
+        from pdserve.model.default_model import default_model_dir
+
+        setup_logging(log_level, "launch")
+        kw["model_dir"] = str(default_model_dir())
     router = _router_config(kw)
     args = list(node_args)
     if dtype:
@@ -291,9 +297,6 @@ def launch_cmd(num_prefill, num_decode, node_args, colocated, dtype, threads, co
         args += ["--threads", str(threads)]
     if compute != "model":
         args += ["--compute", compute]
-    if router.model is None:  # build the default model once, before the children race for it
-        from pdserve.model.default_model import default_model_dir
-        default_model_dir()
     sys.exit(run_launch(LaunchConfig(router=router, num_prefill=num_prefill,
                                      num_decode=num_decode, colocated=colocated,
                                      compute=compute, node_args=tuple(args),
