@@ -45,16 +45,20 @@ def reference(smollm2, tmp_path_factory):
     tok = transformers.AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         smollm2.parent, gguf_file=smollm2.name, dtype=torch.float32)
-    prompts, outputs = [], []
+    prompts = []
     for messages in CONVERSATIONS:
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        with torch.no_grad():
-            seq = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
-                                 dtype=torch.long), max_new_tokens=NEW_TOKENS,
-                                 do_sample=False, pad_token_id=tok.pad_token_id)
-        prompts.append(ids)
-        outputs.append(seq[0, len(ids):].tolist())
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    # One left-padded batch (checked: the same tokens as one prompt at a time), cut at eos.
+    eos, pad = model.generation_config.eos_token_id, tok.pad_token_id
+    width = max(map(len, prompts))
+    batch = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        seq = model.generate(batch, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                             do_sample=False, pad_token_id=pad)
+    outputs = [row[:row.index(eos) + 1] if eos in row else row
+               for row in seq[:, width:].tolist()]
     folder = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
     # The weights are dequantized already; transformers refuses to save a model it
     # loaded from GGUF only because it still marks it as quantized.
@@ -62,7 +66,7 @@ def reference(smollm2, tmp_path_factory):
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return {"tokenizer": tok, "prompts": prompts, "outputs": outputs, "folder": folder,
-            "eos": model.generation_config.eos_token_id}
+            "eos": eos}
 
 
 def test_reference_is_a_real_answer(reference):

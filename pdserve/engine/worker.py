@@ -15,8 +15,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
-from pdserve.model.loader import (load_model, model_identity_hash, model_name,
-                                  resolve_dtype)
+from pdserve.model.loader import load_model, model_identity_hash, model_name, resolve_dtype
 
 
 class Worker:
