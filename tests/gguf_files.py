@@ -53,7 +53,7 @@ def llama3_rope_factors(cfg: dict, head_dim: int) -> np.ndarray:
 
 
 def write_gguf(src: Path, out: Path, qtype: str = "F32", arch: str | None = None,
-               pre: str | None = None) -> Path:
+               pre: str | None = None, add_tokenizer=None) -> Path:
     """``src`` (one of make_model's checkpoints) as a GGUF file; 2-D weights in ``qtype``."""
     cfg = json.loads((src / "config.json").read_text())
     arch = arch or ("qwen2" if cfg["model_type"] == "qwen2" else "llama")
@@ -71,7 +71,10 @@ def write_gguf(src: Path, out: Path, qtype: str = "F32", arch: str | None = None
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg["rope_theta"])
     w.add_vocab_size(cfg["vocab_size"])
-    _add_tokenizer(w, src, pre or ("qwen2" if arch == "qwen2" else "gpt-2"))
+    if add_tokenizer is not None:
+        add_tokenizer(w)
+    else:
+        _add_tokenizer(w, src, pre or ("qwen2" if arch == "qwen2" else "gpt-2"))
     tensors = load_file(str(src / "model.safetensors"))
     if (cfg.get("rope_scaling") or {}).get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg, head_dim))
@@ -136,3 +139,37 @@ def write_unsupported(out: Path, qtype: str = "IQ2_XXS", arch: str = "llama") ->
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def sentencepiece_vocab(texts: list[str], size: int = 700):
+    """A SentencePiece-style BPE vocabulary as Llama 2 / Mistral GGUF files hold it:
+    <unk> <s> </s>, 256 byte tokens, then pieces with U+2581 for spaces, each scored by
+    its merge rank (earlier merges score higher; single characters lowest)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=size, special_tokens=specials,
+                                                       show_progress=False))
+    model = json.loads(tok.to_str())["model"]
+    tokens = [None] * len(model["vocab"])
+    for t, i in model["vocab"].items():
+        tokens[i] = t
+    merged = {"".join(m if isinstance(m, list) else m.split(" ")): rank
+              for rank, m in enumerate(model["merges"])}
+    scores = [-float(merged[t]) if t in merged else -1e6 - i for i, t in enumerate(tokens)]
+    types = [2, 3, 3] + [6] * 256 + [1] * (len(tokens) - 259)
+    return tokens, scores, types
+
+
+def add_sentencepiece(tokens, scores, types):
+    def add(w):
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+    return add

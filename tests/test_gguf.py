@@ -111,3 +111,24 @@ def test_unsupported_architecture_and_not_a_gguf(tmp_path):
     broken.write_bytes(b"GGUF" + b"\xff" * 60)
     with pytest.raises(ModelLoadError, match="not a readable GGUF file"):
         ModelConfig.from_dir(broken)
+
+
+def test_sentencepiece_tokenizer_matches_transformers(tiny_model, tmp_path):
+    """A SentencePiece vocabulary (tokenizer.ggml.model 'llama': Llama 2, Mistral 7B) is
+    rebuilt as transformers rebuilds it from the same file."""
+    transformers = pytest.importorskip("transformers")
+    from pathlib import Path
+
+    import pdserve.model.make_model as mm
+
+    corpus = (Path(mm.__file__).parent / "data" / "corpus.txt").read_text().split("\n\n")
+    vocab = gguf_files.sentencepiece_vocab(corpus)
+    path = gguf_files.write_gguf(tiny_model("llama"), tmp_path / "spm.gguf",
+                                 add_tokenizer=gguf_files.add_sentencepiece(*vocab))
+    ours = Tokenizer(path)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in [*TEXTS, " two  spaces\nand a line", "Zebra-quokka ∮ ☃ 𝄞", "</s> <s>x"]:
+        ids = ours.encode(text)
+        assert ids == hf(text).input_ids, text
+        assert ids[0] == 1  # BOS, as llama.cpp adds it to SentencePiece vocabularies
+        assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True), text

@@ -69,19 +69,25 @@ def tokenizer_from_gguf(path: str | Path) -> tuple[Tokenizer, dict]:
     kind = meta.get("tokenizer.ggml.model")
     if "tokenizer.ggml.tokens" not in r.fields:
         raise ModelLoadError(f"{path} has no tokenizer (tokenizer.ggml.tokens)")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise ModelLoadError(
             f"{path}: tokenizer.ggml.model {kind!r} is not supported; supported: 'gpt2' "
-            "(byte-level BPE: SmolLM, Llama 3, Qwen2 and most files since 2024)")
+            "(byte-level BPE: SmolLM, Llama 3, Qwen2, ...) and 'llama' (SentencePiece BPE: "
+            "Llama 2, Mistral 7B, ...)")
     tokens = r.fields["tokenizer.ggml.tokens"].contents()
-    types = (r.fields["tokenizer.ggml.token_type"].contents()
-             if "tokenizer.ggml.token_type" in r.fields else [1] * len(tokens))
-    merges = (r.fields["tokenizer.ggml.merges"].contents()
-              if "tokenizer.ggml.merges" in r.fields else [])
-    tok = _byte_level_bpe(tokens, types, merges, meta.get("tokenizer.ggml.pre") or "default",
-                          path)
+
+    def array(key, default):
+        return r.fields[key].contents() if key in r.fields else default
+    types = array("tokenizer.ggml.token_type", [1] * len(tokens))
+    if kind == "gpt2":
+        tok = _byte_level_bpe(tokens, types, array("tokenizer.ggml.merges", []),
+                              meta.get("tokenizer.ggml.pre") or "default", path)
+    else:
+        tok = _sentencepiece_bpe(tokens, types, array("tokenizer.ggml.scores", None),
+                                 meta.get("tokenizer.ggml.add_space_prefix", True))
     bos = meta.get("tokenizer.ggml.bos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
+    # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise.
+    if meta.get("tokenizer.ggml.add_bos_token", kind == "llama") and bos is not None:
         tok.post_processor = processors.TemplateProcessing(
             single=f"{tokens[bos]}:0 $A:0", pair=f"{tokens[bos]}:0 $A:0 {tokens[bos]}:1 $B:1",
             special_tokens=[(tokens[bos], bos)])
@@ -126,3 +132,42 @@ def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre:
     tok.add_tokens([AddedToken(t, normalized=False, special=False)
                     for t, ty in zip(tokens, types) if ty == USER_DEFINED and t in vocab])
     return tok
+
+
+def _sentencepiece_bpe(tokens: list[str], types: list[int], scores: list[float] | None,
+                       add_space_prefix: bool) -> Tokenizer:
+    """A SentencePiece BPE vocabulary (pieces spelled with U+2581 for spaces, byte tokens
+    <0xNN> for everything else) as transformers' LlamaTokenizer builds it: the merges
+    recovered from the pieces' scores, byte fallback, a space marker before the text."""
+    vocab = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=_merges_from_scores(vocab, tokens, scores),
+                               unk_token=tokens[0] if types and types[0] == 2 else None,
+                               fuse_unk=True, byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if add_space_prefix else "never",
+        split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    tok.decoder = decoders.Sequence(steps)
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                            for t, ty in zip(tokens, types) if ty == CONTROL])
+    tok.add_tokens([AddedToken(t, normalized=False, special=False)
+                    for t, ty in zip(tokens, types) if ty == USER_DEFINED])
+    return tok
+
+
+def _merges_from_scores(vocab: dict[str, int], tokens: list[str],
+                        scores: list[float] | None) -> list[tuple[str, str]]:
+    """Every split of a piece into two pieces of the vocabulary is a merge, ranked by the
+    merged piece's score (best first), as transformers' generate_merges ranks them."""
+    merges = []
+    for piece, score in zip(tokens, scores if scores is not None else
+                            [-float(i) for i in range(len(tokens))]):
+        local = [(piece[:i], piece[i:], score) for i in range(1, len(piece))
+                 if piece[:i] in vocab and piece[i:] in vocab]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
