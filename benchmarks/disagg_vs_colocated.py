@@ -65,8 +65,9 @@ def main() -> None:
     setups = {"1P1D": ["--prefill", "1", "--decode", "1", "--threads", str(a.threads)],
               "colocated": ["--colocated", "--threads", str(2 * a.threads)]}
     from pdserve.model.default_model import default_model_dir
+    from pdserve.model.loader import model_name
     tok = datasets.load_tokenizer(default_model_dir())
-    model = default_model_dir().name
+    model = model_name(default_model_dir())
     res: dict[str, list] = {k: [] for k in setups}
     for r in range(a.rounds):
         for name, flags in setups.items():

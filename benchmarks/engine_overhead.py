@@ -24,7 +24,8 @@ from pdserve.engine.sampling_params import SamplingParams
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="checkpoint folder (default: bundled model)")
+    ap.add_argument("--model", default=None,
+                    help="checkpoint folder or .gguf file (default: the bundled model)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=255)
     ap.add_argument("--rounds", type=int, default=10)

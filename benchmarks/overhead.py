@@ -98,6 +98,7 @@ def main() -> None:
     steady, tpots, windows, ratios, failed = [], [], [], [], 0
     with launched(*launch) as c:
         from pdserve.model.default_model import default_model_dir
+        from pdserve.model.loader import model_name
         tok = datasets.load_tokenizer(default_model_dir())
         sampling = {"temperature": 0.0, "ignore_eos": True}
 
@@ -108,7 +109,7 @@ def main() -> None:
             return records, metrics.compute_metrics(records, duration, [50, 99])
 
         def http():
-            return OpenAIBackend(c.http_url, "/v1/completions", default_model_dir().name,
+            return OpenAIBackend(c.http_url, "/v1/completions", model_name(default_model_dir()),
                                  sampling, args.batch)
 
         asyncio.run(serve(http(), 8, 99))  # warm-up: imports, first prefill, connections

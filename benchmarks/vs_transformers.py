@@ -15,7 +15,7 @@ the whole batch with its KV cache. Two workloads:
 
 The three alternate over ``--rounds``; figures are medians.
 
-    python benchmarks/vs_transformers.py [--rounds 3] [--no-launch]
+    python benchmarks/vs_transformers.py [--model DIR|FILE.gguf] [--rounds 3] [--no-launch]
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from pdserve.bench import datasets, metrics, runner
 from pdserve.bench.backends import OpenAIBackend
 from pdserve.bench.cluster import launched, machine
 from pdserve.model.default_model import default_model_dir
+from pdserve.model.loader import model_name
 
 
 def workload(tok, n: int, in_lens, out_lens, seed: int) -> list[datasets.SampleRequest]:
@@ -45,7 +46,8 @@ def workload(tok, n: int, in_lens, out_lens, seed: int) -> list[datasets.SampleR
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="checkpoint folder (default: bundled model)")
+    ap.add_argument("--model", default=None,
+                    help="checkpoint folder or .gguf file (default: the bundled model)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
@@ -66,8 +68,11 @@ def main() -> None:
                           rng.integers(16, 129, a.mixed_batch).tolist(), 1)}
 
     llm = LLM(model=model_dir, threads=a.threads)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    pad = hf.config.pad_token_id
+    where = ({"pretrained_model_name_or_path": os.path.dirname(model_dir),
+              "gguf_file": os.path.basename(model_dir)} if os.path.isfile(model_dir)
+             else {"pretrained_model_name_or_path": model_dir})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
+    pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
 
     def run_pdserve(reqs):
         params = [SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True)
@@ -91,7 +96,7 @@ def main() -> None:
                                           for row, r in zip(out, reqs)]
 
     async def run_launch(c, reqs):
-        backend = OpenAIBackend(c.http_url, "/v1/completions", os.path.basename(model_dir),
+        backend = OpenAIBackend(c.http_url, "/v1/completions", model_name(model_dir),
                                 {"temperature": 0.0, "ignore_eos": True})
         records, duration = await runner.run_requests(backend, reqs, progress=False)
         await backend.aclose()

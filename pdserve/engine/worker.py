@@ -15,7 +15,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
-from pdserve.model.loader import load_model, model_identity_hash, resolve_dtype
+from pdserve.model.loader import load_model, model_identity_hash, model_name, resolve_dtype
 
 
 class Worker:
@@ -47,7 +47,7 @@ class Worker:
         return self.config.block_size
 
     def identity(self) -> ModelIdentity:
-        return ModelIdentity(name=self.model_dir.name,
+        return ModelIdentity(name=model_name(self.model_dir),
                              config_hash=model_identity_hash(self.model_dir))
 
     def kv_layout(self) -> KVLayout:

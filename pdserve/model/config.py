@@ -30,6 +30,8 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # Per-frequency divisors, as llama.cpp stores Llama 3.1-style scaling (rope_freqs.weight).
+    freq_factors: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,11 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        """The config of a checkpoint folder, or of a .gguf file (from its metadata)."""
         model_dir = Path(model_dir)
+        if model_dir.is_file():
+            from pdserve.model import gguf
+            return gguf.load_config(model_dir)
         if not model_dir.is_dir():
             raise ModelLoadError(f"model folder {model_dir} does not exist")
         path = model_dir / "config.json"
@@ -167,6 +173,8 @@ def _parse_rope(raw: dict, source: str) -> RopeConfig:
     if merged.get("partial_rotary_factor", 1.0) != 1.0:
         raise ModelLoadError(f"{source}: partial_rotary_factor != 1 is not supported")
     kwargs = {"theta": float(theta), "rope_type": rope_type}
+    if raw.get("rope_freq_factors") is not None:  # only from a GGUF file (gguf.py)
+        kwargs["freq_factors"] = tuple(float(f) for f in raw["rope_freq_factors"])
     if rope_type in ("linear", "llama3"):
         if "factor" not in merged:
             raise ModelLoadError(f"{source}: rope type {rope_type!r} needs 'factor'")

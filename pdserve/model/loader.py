@@ -1,4 +1,5 @@
-"""Loads a Hugging Face safetensors checkpoint (single file or sharded) into our model."""
+"""Loads a checkpoint into our model: a Hugging Face folder (safetensors, single file or
+sharded) or a GGUF file (see gguf.py)."""
 from __future__ import annotations
 
 import hashlib
@@ -47,47 +48,77 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def model_identity_hash(model_dir: str | Path) -> str:
+def load_config(model_path: str | Path) -> ModelConfig:
+    """The config of a checkpoint folder or of a .gguf file."""
+    return ModelConfig.from_dir(model_path)
+
+
+def model_name(model_path: str | Path) -> str:
+    """The name a checkpoint is served under: the folder's name, or the file's without .gguf."""
+    model_path = Path(model_path)
+    return model_path.name.removesuffix(".gguf") if model_path.is_file() else model_path.name
+
+
+def model_identity_hash(model_path: str | Path) -> str:
     """A short fingerprint of config + weight files, so that nodes serving
     different weights under the same name are told apart."""
-    model_dir = Path(model_dir)
-    h = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for f in weight_files(model_dir):
+    model_path = Path(model_path)
+    if model_path.is_file():
+        from pdserve.model import gguf
+        return gguf.identity_hash(model_path)
+    h = hashlib.sha256((model_path / "config.json").read_bytes())
+    for f in weight_files(model_path):
         h.update(f"{f.name}:{f.stat().st_size}".encode())
     return h.hexdigest()[:16]
 
 
-def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32",
+def _safetensors(model_dir: Path, expected: dict, dtype: torch.dtype, device):
+    """Yields (name or None, name in the file, tensor or None) like gguf.iter_tensors."""
+    for f in weight_files(model_dir):
+        with safe_open(str(f), framework="pt") as sf:
+            for key in sf.keys():
+                if key in expected:
+                    yield key, key, sf.get_tensor(key).to(device=device, dtype=dtype)
+                elif key.endswith(_IGNORED_SUFFIXES) or key == "lm_head.weight":
+                    continue  # tied: the embedding is the head
+                else:
+                    yield None, key, None
+
+
+def load_model(model_path: str | Path, dtype: str | torch.dtype = "float32",
                device: str | torch.device = "cpu") -> LlamaForCausalLM:
-    model_dir = Path(model_dir)
-    cfg = ModelConfig.from_dir(model_dir)
+    """Loads a Hugging Face checkpoint folder or a .gguf file."""
+    model_path = Path(model_path)
+    cfg = load_config(model_path)
     torch_dtype = resolve_dtype(dtype, cfg)
-    files = weight_files(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     expected = dict(model.state_dict())
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
+    if model_path.is_file():
+        from pdserve.model import gguf
+        tensors = gguf.iter_tensors(model_path, cfg, torch_dtype)
+    else:
+        tensors = _safetensors(model_path, expected, torch_dtype, device)
     state: dict[str, torch.Tensor] = {}
     unexpected = []
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for key in sf.keys():
-                if key in expected:
-                    state[key] = sf.get_tensor(key).to(device=device, dtype=torch_dtype)
-                elif not key.endswith(_IGNORED_SUFFIXES) and key != "lm_head.weight":
-                    unexpected.append(key)
+    for key, file_key, tensor in tensors:
+        if key in expected:
+            state[key] = tensor.to(device)
+        else:
+            unexpected.append(file_key)
     missing = sorted(set(expected) - set(state))
     if missing:
-        raise ModelLoadError(f"checkpoint {model_dir} lacks {len(missing)} weights the "
+        raise ModelLoadError(f"checkpoint {model_path} lacks {len(missing)} weights the "
                              f"{cfg.architecture} needs, e.g. {missing[:5]}")
     if unexpected:
-        raise ModelLoadError(f"checkpoint {model_dir} has {len(unexpected)} weights a "
+        raise ModelLoadError(f"checkpoint {model_path} has {len(unexpected)} weights a "
                              f"{cfg.architecture} does not use, e.g. {unexpected[:5]}")
     for key, tensor in state.items():
         want = tuple(expected[key].shape)
         if tuple(tensor.shape) != want:
-            raise ModelLoadError(f"weight {key} has shape {tuple(tensor.shape)}, config.json "
+            raise ModelLoadError(f"weight {key} has shape {tuple(tensor.shape)}, the config "
                                  f"implies {want}")
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()

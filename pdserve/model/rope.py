@@ -13,6 +13,11 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] in float32, with linear or llama3 scaling applied."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (rope.theta ** exponents)
+    if rope.freq_factors is not None:
+        if len(rope.freq_factors) != inv_freq.numel():
+            raise ValueError(f"{len(rope.freq_factors)} rope frequency factors for a head_dim "
+                             f"of {head_dim} (want {inv_freq.numel()})")
+        inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":

@@ -9,23 +9,63 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
 
 from pdserve.model.config import ModelLoadError
 
 
+def read_chat_templates(model_dir: Path, config: dict) -> dict[str, str]:
+    """The folder's chat templates by name, with transformers' precedence: the files
+    ``chat_template.jinja`` ("default") and ``chat_templates/NAME.jinja`` (transformers 5
+    writes these) replace whatever ``tokenizer_config.json`` holds, which is either one
+    template or a list of ``{"name", "template"}``."""
+    templates = {}
+    if (model_dir / "chat_template.jinja").is_file():
+        templates["default"] = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    if (model_dir / "chat_templates").is_dir():
+        for f in sorted((model_dir / "chat_templates").glob("*.jinja")):
+            templates[f.name.removesuffix(".jinja")] = f.read_text(encoding="utf-8")
+    if templates:
+        return templates
+    legacy = config.get("chat_template")
+    if isinstance(legacy, list):
+        return {t["name"]: t["template"] for t in legacy}
+    return {"default": legacy} if legacy else {}
+
+
+def _token_text(value) -> str:
+    """tokenizer_config.json spells a special token as a string or as an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content", "")
+    return value or ""
+
+
 class Tokenizer:
-    def __init__(self, model_dir: str | Path):
-        model_dir = Path(model_dir)
-        path = model_dir / "tokenizer.json"
-        if not path.is_file():
-            raise ModelLoadError(f"no tokenizer.json in {model_dir}: only fast (tokenizers) "
-                                 "tokenizers are supported; save one beside the weights "
-                                 "(AutoTokenizer.from_pretrained(...).save_pretrained(DIR))")
-        self._tok = _HFTokenizer.from_file(str(path))
-        cfg_path = model_dir / "tokenizer_config.json"
-        self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        self.chat_template = self.config.get("chat_template")
+    """``Tokenizer(path)``: a checkpoint folder's tokenizer.json, or a GGUF file's metadata."""
+
+    def __init__(self, model_path: str | Path):
+        model_path = Path(model_path)
+        if model_path.is_file():
+            from pdserve.model.gguf_tokenizer import tokenizer_from_gguf
+
+            self._tok, self.config = tokenizer_from_gguf(model_path)
+            self.chat_templates = ({"default": self.config["chat_template"]}
+                                   if self.config.get("chat_template") else {})
+        else:
+            path = model_path / "tokenizer.json"
+            if not path.is_file():
+                raise ModelLoadError(
+                    f"no tokenizer.json in {model_path}: only fast (tokenizers) tokenizers are "
+                    "supported; save one beside the weights "
+                    "(AutoTokenizer.from_pretrained(...).save_pretrained(DIR))")
+            self._tok = _HFTokenizer.from_file(str(path))
+            cfg_path = model_path / "tokenizer_config.json"
+            self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+            self.chat_templates = read_chat_templates(model_path, self.config)
+        self.chat_template = self.chat_templates.get("default")
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items()
                             if t.special}
@@ -41,14 +81,29 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
-            raise ValueError("this model's tokenizer_config.json has no chat_template")
-        import jinja2  # a dependency of transformers and of our HTTP server
+            if self.chat_templates:
+                raise ValueError(f"this model has chat templates named "
+                                 f"{sorted(self.chat_templates)} but no default one")
+            raise ValueError("this model has no chat template (neither chat_template.jinja "
+                             "nor a chat_template in tokenizer_config.json)")
+        return _render(self.chat_template, messages=messages,
+                       add_generation_prompt=add_generation_prompt,
+                       bos_token=_token_text(self.config.get("bos_token")),
+                       eos_token=_token_text(self.config.get("eos_token")))
 
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        template = env.from_string(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=self.config.get("bos_token", ""),
-                               eos_token=self.config.get("eos_token", ""))
+
+def _raise_exception(message):
+    raise jinja2.TemplateError(message)
+
+
+def _render(template: str, **context) -> str:
+    """Renders a chat template in the environment transformers gives it: sandboxed (the
+    template comes with the model), loop controls, and raise_exception for templates that
+    refuse a conversation."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = _raise_exception
+    return env.from_string(template).render(**context)
 
 
 class IncrementalDetokenizer:

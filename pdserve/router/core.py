@@ -43,7 +43,7 @@ from pdserve.common.transport import SendError, async_recv_routed, make_socket, 
 from pdserve.engine.output import RequestOutputState
 from pdserve.engine.sampling_params import to_spec
 from pdserve.model.config import ModelConfig
-from pdserve.model.loader import model_identity_hash
+from pdserve.model.loader import model_identity_hash, model_name
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.router import streams as S
 from pdserve.router.config import RouterConfig
@@ -92,9 +92,9 @@ class RouterCore:
         model_dir = Path(config.model) if config.model else default_model_dir()
         self.model_config = ModelConfig.from_dir(model_dir)
         self.tokenizer = Tokenizer(model_dir)
-        self.model_name = config.served_model_name or model_dir.name
+        self.model_name = config.served_model_name or model_name(model_dir)
         self.max_model_len = self.model_config.max_model_len
-        identity = P.ModelIdentity(name=model_dir.name,
+        identity = P.ModelIdentity(name=model_name(model_dir),
                                    config_hash=model_identity_hash(model_dir))
         cfg = self.model_config
         self.registry = Registry(identity, cfg.num_hidden_layers, cfg.num_key_value_heads,

@@ -1,0 +1,232 @@
+"""GGUF checkpoints (llama.cpp's single-file format) read into our Llama-family model.
+
+A GGUF holds the config as metadata under ``{arch}.*`` keys, the tokenizer under
+``tokenizer.*`` (see gguf_tokenizer.py) and the weights under llama.cpp's names, most of
+them quantized in blocks. Loading:
+
+    1. the metadata becomes the ``config.json`` dict Hugging Face would have written, so
+       it goes through the same checks (``ModelConfig.from_dict``) as a folder does
+    2. every tensor's quantization type is checked before anything is dequantized
+    3. each tensor is dequantized (the ``gguf`` package's reference code) into the serving
+       dtype under its Hugging Face name; for the llama architecture the q/k rows go back
+       from llama.cpp's rotary layout (interleaved pairs) to Hugging Face's (halves)
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import sys
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from pdserve.model.config import ModelConfig, ModelLoadError
+
+log = logging.getLogger(__name__)
+
+# general.architecture → (Hugging Face architecture, whether llama.cpp permuted q/k rows).
+# Mistral's files say "llama": llama.cpp converts MistralForCausalLM as a llama.
+ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
+# Dequantized with the gguf package's reference code; others (IQ*, TQ*, ...) are refused.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K",
+                   "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_IN_CONFIG = ("rope_freqs.weight",)  # read into the config by hf_config
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                 "output": "lm_head"}
+
+
+def _gguf_module():
+    try:
+        import gguf
+    except ImportError as exc:  # a dependency; only a broken install lacks it
+        raise ModelLoadError("reading a .gguf checkpoint needs the 'gguf' package "
+                             "(pip install gguf)") from exc
+    return gguf
+
+
+@lru_cache(maxsize=4)
+def _reader(path: str, mtime_ns: int):
+    gguf = _gguf_module()
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as exc:  # the package raises bare ValueErrors, struct errors, ...
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
+
+
+def reader(path: str | Path):
+    """The file's GGUFReader (memory-mapped; parsed once per process)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"model file {path} does not exist")
+    if path.suffix != ".gguf":
+        raise ModelLoadError(f"{path} is a file but not a .gguf checkpoint; --model takes a "
+                             "Hugging Face checkpoint folder or a .gguf file")
+    return _reader(str(path.resolve()), path.stat().st_mtime_ns)
+
+
+def metadata(r) -> dict:
+    """The file's key/value metadata as Python values (the token arrays are left out)."""
+    out = {}
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+                                              "tokenizer.ggml.token_type",
+                                              "tokenizer.ggml.scores"):
+            continue
+        out[key] = field.contents()
+    return out
+
+
+def hf_config(path: str | Path) -> dict:
+    """The config.json a Hugging Face checkpoint of this file would have."""
+    r = reader(path)
+    meta = metadata(r)
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r}; supported: "
+                             f"{', '.join(ARCHITECTURES)} (Mistral files say 'llama')")
+    names = {t.name: t for t in r.tensors}
+
+    def need(key):
+        full = f"{arch}.{key}"
+        if full not in meta:
+            raise ModelLoadError(f"{path} has no {full!r}, which a {arch} model needs")
+        return meta[full]
+
+    heads = int(need("attention.head_count"))
+    hidden = int(need("embedding_length"))
+    vocab = meta.get(f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = len(r.fields["tokenizer.ggml.tokens"].data)
+    raw = {
+        "architectures": [ARCHITECTURES[arch][0]],
+        "model_type": arch,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
+        # Stored as float32: 1e-5 reads back as 9.99999974e-06; keep the value people wrote.
+        "rms_norm_eps": float(str(np.float32(need("attention.layer_norm_rms_epsilon")))),
+        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _eos_ids(meta),
+    }
+    if "rope_freqs.weight" in names:  # Llama 3.1-style scaling, precomputed by llama.cpp
+        freqs = names["rope_freqs.weight"]
+        raw["rope_freq_factors"] = _gguf_module().quants.dequantize(
+            freqs.data, freqs.tensor_type).reshape(-1).tolist()
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling and scaling != "none":
+        raw["rope_scaling"] = {"rope_type": scaling,
+                               "factor": meta.get(f"{arch}.rope.scaling.factor")}
+    return raw
+
+
+def _eos_ids(meta: dict) -> list[int]:
+    """End of sequence and, where the file names them, end of turn and of message."""
+    ids = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    cfg = ModelConfig.from_dict(hf_config(path), source=str(path))
+    check_types(path)
+    return cfg
+
+
+def check_types(path: str | Path) -> None:
+    """Refuses a file with any tensor in a quantization type we cannot dequantize."""
+    bad = {}
+    for t in reader(path).tensors:
+        if t.tensor_type.name not in SUPPORTED_TYPES:
+            bad.setdefault(t.tensor_type.name, t.name)
+    if bad:
+        found = ", ".join(f"{q} (e.g. {name})" for q, name in bad.items())
+        raise ModelLoadError(f"{path} holds tensors in quantization types pdserve does not "
+                             f"dequantize: {found}; supported: {', '.join(SUPPORTED_TYPES)}")
+
+
+def hf_name(name: str) -> str | None:
+    """llama.cpp's tensor name → Hugging Face's; None for one we do not know."""
+    base, _, suffix = name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        return None
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{suffix}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    return None
+
+
+def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undoes llama.cpp's q/k permutation: per head, rows (pair i, half h) back to (half h,
+    pair i), i.e. interleaved rotary pairs back to Hugging Face's rotate-half layout."""
+    rows = w.shape[0]  # [H * D, ...] for weights, [H * D] for biases
+    return (w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])  # [H, D/2, 2, ...]
+            .transpose(1, 2).reshape(w.shape))                         # [H, 2, D/2, ...]
+
+
+def iter_tensors(path: str | Path, cfg: ModelConfig, dtype: torch.dtype
+                 ) -> Iterator[tuple[str | None, str, torch.Tensor | None]]:
+    """Yields (Hugging Face name or None, GGUF name, tensor in ``dtype`` or None)."""
+    gguf = _gguf_module()
+    permuted = ARCHITECTURES[cfg.model_type][1]
+    for t in _progress(reader(path).tensors, f"dequantizing {Path(path).name}"):
+        name = hf_name(t.name)
+        if t.name in _IN_CONFIG:
+            continue
+        if name is None:
+            yield None, t.name, None
+            continue
+        array = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type))
+        tensor = torch.from_numpy(array.astype(np.float32, copy=True))
+        if permuted and ".q_proj." in name:
+            tensor = unpermute_rows(tensor, cfg.num_attention_heads)
+        elif permuted and ".k_proj." in name:
+            tensor = unpermute_rows(tensor, cfg.num_key_value_heads)
+        yield name, t.name, tensor.to(dtype)
+
+
+def identity_hash(path: str | Path) -> str:
+    """Metadata and tensor layout (the file's head) plus its size: cheap, and different
+    for different weights in practice."""
+    path = Path(path)
+    h = hashlib.sha256(f"{path.name}:{path.stat().st_size}".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def _progress(items, desc: str):
+    """A progress bar on stderr (tqdm's if it is installed) when stderr is a terminal."""
+    log.info("%s: %d tensors", desc, len(items))
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    if tqdm is not None:
+        yield from tqdm(items, desc=desc, unit="tensor", disable=None, leave=False)
+        return
+    show = sys.stderr.isatty()
+    for i, item in enumerate(items):
+        if show:
+            done = (i + 1) * 30 // len(items)
+            sys.stderr.write(f"\r{desc} [{'#' * done}{'.' * (30 - done)}] {i + 1}/{len(items)}")
+        yield item
+    if show:
+        sys.stderr.write("\n")
