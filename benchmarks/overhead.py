@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import statistics
 import time
@@ -133,7 +134,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--node-arg", action="append", default=[],
                     help="extra flag for the nodes (pdserve launch --node-arg)")
+    ap.add_argument("--no-malloc-tuning", action="store_true",
+                    help="PDSERVE_MALLOC_TUNING=0 for the nodes and this process: glibc's "
+                         "defaults, to measure what the tuning does")
     args = ap.parse_args()
+    if args.no_malloc_tuning:
+        os.environ["PDSERVE_MALLOC_TUNING"] = "0"  # inherited by pdserve launch's nodes
 
     engine = LLMEngine(EngineConfig(model=None, threads=args.threads))
     vocab = engine.model_config.vocab_size
@@ -163,7 +169,8 @@ def main() -> None:
     print(f"{datetime.now():%Y-%m-%d %H:%M}; {machine()}")
     print(f"pdserve launch {' '.join(launch)} (bundled default model, float32); batch "
           f"{args.batch}, {args.prompt_len}-token prompts, {args.output_len} output tokens; "
-          f"torch threads {args.threads}; medians of {args.rounds} rounds")
+          f"torch threads {args.threads}; medians of {args.rounds} rounds; malloc tuning "
+          f"{'off' if args.no_malloc_tuning else 'on'}")
     print(f"decode node step     : {statistics.median(r[0] for r in rows):8.2f} ms")
     print(f"in-process engine step: {statistics.median(r[1] for r in rows):8.2f} ms")
     print(f"ratio node/engine    : {statistics.median(r[2] for r in rows):8.3f}  (rounds "

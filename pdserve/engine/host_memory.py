@@ -15,7 +15,8 @@ mmap threshold is fixed at 32 MiB (glibc's largest; bigger blocks such as the
 KV cache are still mapped and returned on free) and the heap is trimmed only
 when 1 GiB lies free at its top. The price is RSS: the heap keeps the peak of
 one step's temporaries. Settings given in the environment (MALLOC_*_ or
-GLIBC_TUNABLES) are left alone; on other C libraries this does nothing.
+GLIBC_TUNABLES) are left alone, and PDSERVE_MALLOC_TUNING=0 turns this off (to
+measure its effect); on other C libraries this does nothing.
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def tune_malloc() -> bool:
     if _done is not None:
         return _done
     _done = False
-    if not sys.platform.startswith("linux") or _user_set():
+    if (not sys.platform.startswith("linux") or _user_set()
+            or os.environ.get("PDSERVE_MALLOC_TUNING", "1") == "0"):
         return _done
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
