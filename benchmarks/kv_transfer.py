@@ -39,21 +39,22 @@ def make_caches(num_blocks: int, fill: bool):
 
 def block_ids(num_tokens: int, num_blocks: int, seed: int, scattered: bool) -> torch.Tensor:
     """Scattered: blocks in random order (a long-running node). Contiguous: one run, as a
-    fresh allocator hands them out (then the sender ships the pages without a gather)."""
+    fresh allocator hands them out (then the sender ships the pages without a gather and
+    the receiver places them with one slice copy per layer)."""
     n = -(-num_tokens // LAYOUT.block_size)
     if not scattered:
         return torch.arange(seed, seed + n)
     return torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))[:n]
 
 
-def ours_receiver(address_q, args):
+def ours_receiver(address_q, args, scattered: bool):
     torch.set_num_threads(1)
     ctx = zmq.Context()
     sock = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*", rcvhwm=0)
     address_q.put(sock.getsockopt_string(zmq.LAST_ENDPOINT))
     caches = make_caches(args.num_blocks, fill=False)
     receiver = KVReceiver(MODEL, LAYOUT, caches)
-    ids = block_ids(args.tokens, args.num_blocks, seed=1, scattered=True)
+    ids = block_ids(args.tokens, args.num_blocks, seed=1, scattered=scattered)
     for _ in range(args.repeats):
         transfer = InboundTransfer("r", ids, args.tokens)
         while True:
@@ -86,7 +87,7 @@ def bare_receiver(address_q, args):
 
 def run_ours(args, checksums: bool, scattered: bool) -> list[float]:
     q = mp.get_context("spawn").Queue()
-    proc = mp.get_context("spawn").Process(target=ours_receiver, args=(q, args))
+    proc = mp.get_context("spawn").Process(target=ours_receiver, args=(q, args, scattered))
     proc.start()
     address = q.get(timeout=60)
     ctx = zmq.Context()

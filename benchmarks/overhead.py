@@ -1,156 +1,180 @@
-"""Time per output token through ``pdserve launch`` against the bare model forward.
+"""The decode node's step against the in-process engine's step: same batch, context, threads.
 
-16 concurrent streamed requests (255-token prompts, ``--output-len`` tokens,
-ignore_eos) through a 1P1D cluster on the bundled default model. The figure
-is the time per output token while all 16 decode at once: the window from
-the last request's second token to the first request's last token, measured
-over the queue ingress, whose messages carry exact token counts (HTTP chunks
-may merge tokens). It is compared with the bare forward + LM head + argmax
-of the same model on a batch of 16 at the run's mean context (prompt + half
-the output), inputs built once beforehand (as engine_overhead.py does). The
-HTTP TPOT (vLLM's definition, over each whole request, so also over steps
-with fewer requests) is printed beside it. Bare rounds run in this process
-before, between and after the serving rounds, while the cluster idles, with
-the decode node's torch threads; each round is divided by the mean of the
-bare rounds on either side, and the figure is the median ratio.
+A 1P1D ``pdserve launch`` (1 torch thread per node) on the bundled default
+model serves ``--batch`` requests (random ``--prompt-len``-token prompts,
+``--output-len`` tokens, greedy, ignore_eos) over the queue ingress. Once
+every request has its ``--skip``-th token the benchmark reads the decode
+node's ``pdserve_decode_step_seconds`` and ``pdserve_decode_batch_size``
+from its /metrics, and again before the first request is ``--skip`` tokens
+from its end: the difference is the node's mean step over that window, and
+the batch-size sums prove every step in it ran the whole batch.
 
-    python benchmarks/overhead.py [--threads 1] [--output-len 96] [--rounds 3]
+The same prompts then run through an in-process ``LLMEngine`` in this
+process (same thread count) while the cluster idles: its whole
+``LLMEngine.step`` (schedule, forward, sampling, detokenization, stop checks:
+a superset of what the node's metric times) is timed for the steps whose
+context lies in the node's window. Rounds alternate node, engine; the figure
+is the median of the rounds' ratios.
+
+    python benchmarks/overhead.py [--rounds 5] [--batch 16] [--threads 1]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import re
 import statistics
 import time
+import urllib.request
 from datetime import datetime
 
 import torch
 
-from pdserve.bench import datasets, metrics, runner
-from pdserve.bench.backends import IngressBackend, OpenAIBackend
 from pdserve.bench.cluster import launched, machine
+from pdserve.client import AsyncQueueClient, Done
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 
+SAMPLING = {"temperature": 0.0, "ignore_eos": True}
 
-def bare_forward(batch: int, context: int, threads: int):
-    """A function timing ``steps`` bare forwards (ms each) on ``batch`` sequences that have
-    ``context`` tokens in the cache."""
-    engine = LLMEngine(EngineConfig(model=None, threads=threads))
-    vocab = engine.model_config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(str(i), torch.randint(3, vocab, (context,), generator=gen).tolist(),
-                           params)
-    while engine.scheduler.waiting or any(
-            s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
+
+def metrics_url(log_path: str, role: str = "decode-0", timeout_s: float = 30.0) -> str:
+    """The node's /metrics address, from the table ``pdserve launch`` prints when ready."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        m = re.search(r"(http://\S+/metrics)\s+\(" + re.escape(role) + r"\)",
+                      open(log_path, errors="replace").read())
+        if m:
+            return m.group(1)
+        time.sleep(0.2)
+    raise RuntimeError(f"no metrics address for {role} in {log_path}")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The decode step histogram's sum and count and the batch-size histogram's sum."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    out = {}
+    for name in ("pdserve_decode_step_seconds_sum", "pdserve_decode_step_seconds_count",
+                 "pdserve_decode_batch_size_sum"):
+        m = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+        out[name] = float(m.group(1)) if m else 0.0
+    return out
+
+
+async def node_round(ingress: str, url: str, prompts: list[list[int]], output_len: int,
+                     skip: int) -> tuple[float, int, tuple[int, int]]:
+    """(mean step ms, steps, (first, last) context) over the window where all decode."""
+    counts = [0] * len(prompts)
+    marks: dict[str, dict] = {}
+    ctx = {}
+    loop = asyncio.get_running_loop()
+
+    async def mark(name: str) -> None:
+        if name not in marks:
+            marks[name] = {}  # claimed before the await: scraped once
+            ctx[name] = (min(counts), max(counts))
+            marks[name] = await loop.run_in_executor(None, scrape, url)
+
+    async with AsyncQueueClient(ingress) as client:
+        async def one(i: int) -> None:
+            rid = await client.submit(prompt_token_ids=prompts[i], max_tokens=output_len,
+                                      **SAMPLING)
+            async for ev in client.stream(rid, timeout_s=600):
+                if isinstance(ev, Done):
+                    return
+                counts[i] += len(ev.token_ids)
+                if min(counts) >= skip:
+                    await mark("start")
+                if counts[i] >= output_len - skip and marks.get("start"):
+                    await mark("end")
+        await asyncio.gather(*(one(i) for i in range(len(prompts))))
+    if not marks.get("end"):
+        raise RuntimeError("no window with every request decoding: raise --output-len")
+    a, b = marks["start"], marks["end"]
+    steps = int(b["pdserve_decode_step_seconds_count"] - a["pdserve_decode_step_seconds_count"])
+    seqs = b["pdserve_decode_batch_size_sum"] - a["pdserve_decode_batch_size_sum"]
+    if steps <= 0 or seqs != steps * len(prompts):
+        raise RuntimeError(f"the window held {steps} steps with {seqs} sequences, not all "
+                           f"{len(prompts)} in each: raise --output-len")
+    ms = (b["pdserve_decode_step_seconds_sum"] - a["pdserve_decode_step_seconds_sum"]) \
+        / steps * 1e3
+    plen = len(prompts[0])
+    return ms, steps, (plen + ctx["start"][0], plen + ctx["end"][1])
+
+
+def engine_round(engine: LLMEngine, prompts: list[list[int]], output_len: int,
+                 context: tuple[int, int]) -> tuple[float, int]:
+    """(median step ms, steps) of the in-process engine over the same context range."""
+    params = SamplingParams(max_tokens=output_len, **SAMPLING)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{time.monotonic_ns()}-{i}", p, params)
+    times = []
+    while engine.has_unfinished():
+        running = engine.scheduler.running
+        batch_ok = len(running) == len(prompts) and not engine.scheduler.waiting and all(
+            s.num_computed_tokens == s.num_tokens - 1 for s in running)
+        ctx = min(s.num_tokens for s in running) if running else 0
+        t0 = time.perf_counter()
         engine.step()
-    step = engine.scheduler.schedule()
-    assert len(step) == batch and set(step.num_new_tokens) == {1}
-    inputs = engine.runner.prepare(step)
-
-    def time_it(steps: int) -> float:
-        with torch.inference_mode():
-            engine.runner.forward(inputs).argmax(-1)
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                engine.runner.forward(inputs).argmax(-1)
-        return (time.perf_counter() - t0) / steps * 1e3
-    return time_it
-
-
-def steady_ms_per_token(records) -> tuple[float, int] | None:
-    """Time per output token while every request is decoding (the window from the last
-    request's second token to the first request's last one), from exact per-message token
-    counts: (ms, fewest tokens a request made in the window); None if there is no window."""
-    t0 = max(r.chunk_times[1] for r in records)
-    t1 = min(r.chunk_times[-1] for r in records)
-    if t1 <= t0:
-        return None  # the router dispatched one request ahead, and it finished first
-    per = []
-    for r in records:
-        inside = [(t, n) for t, n in zip(r.chunk_times, r.chunk_tokens) if t0 <= t <= t1]
-        tokens = sum(n for _, n in inside[1:])
-        if tokens:
-            per.append(((inside[-1][0] - inside[0][0]) / tokens, tokens))
-    if not per:
-        return None
-    return statistics.mean(p for p, _ in per) * 1e3, min(n for _, n in per)
+        if batch_ok and context[0] <= ctx <= context[1]:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), len(times)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=255)
-    ap.add_argument("--output-len", type=int, default=96)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads, per node and bare")
-    ap.add_argument("--rounds", type=int, default=3, help="serving rounds")
-    ap.add_argument("--bare-steps", type=int, default=24)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--skip", type=int, default=8,
+                    help="tokens left out at each end of the node's window")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads, node and engine")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--node-arg", action="append", default=[],
+                    help="extra flag for the nodes (pdserve launch --node-arg)")
+    ap.add_argument("--no-malloc-tuning", action="store_true",
+                    help="PDSERVE_MALLOC_TUNING=0 for the nodes and this process: glibc's "
+                         "defaults, to measure what the tuning does")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    if args.no_malloc_tuning:
+        os.environ["PDSERVE_MALLOC_TUNING"] = "0"  # inherited by pdserve launch's nodes
 
-    context = args.prompt_len + args.output_len // 2
-    time_bare = bare_forward(args.batch, context, args.threads)
-    bare_ms = [time_bare(args.bare_steps)]
-    launch = ["--prefill", "1", "--decode", "1", "--threads", str(args.threads)]
-    steady, tpots, windows, ratios, failed = [], [], [], [], 0
+    engine = LLMEngine(EngineConfig(model=None, threads=args.threads))
+    vocab = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    launch = ["--prefill", "1", "--decode", "1", "--threads", str(args.threads),
+              *[f"--node-arg={a}" for a in args.node_arg]]
+    rows = []
     with launched(*launch) as c:
-        from pdserve.model.default_model import default_model_dir
-        from pdserve.model.loader import model_name
-        tok = datasets.load_tokenizer(default_model_dir())
-        sampling = {"temperature": 0.0, "ignore_eos": True}
-
-        async def serve(backend, n_out: int, seed: int):
-            reqs = datasets.random_requests(tok, args.batch, args.prompt_len, n_out, seed=seed)
-            records, duration = await runner.run_requests(backend, reqs, progress=False)
-            await backend.aclose()
-            return records, metrics.compute_metrics(records, duration, [50, 99])
-
-        def http():
-            return OpenAIBackend(c.http_url, "/v1/completions", model_name(default_model_dir()),
-                                 sampling, args.batch)
-
-        asyncio.run(serve(http(), 8, 99))  # warm-up: imports, first prefill, connections
-        asyncio.run(serve(IngressBackend(c.ingress, sampling), 8, 98))
+        url = metrics_url(c.log_path)
+        warm = [torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist()
+                for _ in range(args.batch)]
+        try:  # warm-up: first prefill, connections, allocator
+            asyncio.run(node_round(c.ingress, url, warm, args.output_len, args.skip))
+        except RuntimeError as exc:
+            print(f"warm-up: {exc}")
+        engine_round(engine, warm, args.output_len, (0, 1 << 30))
         for r in range(args.rounds):
-            _, m = asyncio.run(serve(http(), args.output_len, r))
-            for attempt in range(3):
-                records, mi = asyncio.run(serve(IngressBackend(c.ingress, sampling),
-                                                args.output_len, 10 * r + attempt))
-                failed += mi.failed
-                if steady_ms_per_token(records) is not None:
-                    break
-                print("  (no moment with every request decoding: one ran ahead; again)")
-            else:
-                raise SystemExit("never had every request decoding at once: raise --output-len")
-            failed += m.failed
-            tpots.append(m.stats["tpot"].mean)
-            ms, window = steady_ms_per_token(records)
-            steady.append(ms)
-            windows.append(window)
-            bare_ms.append(time_bare(args.bare_steps))
-            # Each round against the bare rounds just before and after it: the machine is
-            # shared, and its load drifts on the scale of a round.
-            ratios.append(ms / statistics.mean(bare_ms[-2:]))
-            print(f"round {r + 1}: HTTP TPOT mean {tpots[-1]:.2f} ms; ingress, all "
-                  f"{args.batch} decoding: {ms:.2f} ms/token ({window} tokens each); bare "
-                  f"forward {bare_ms[-1]:.2f} ms; ratio {ratios[-1]:.3f}", flush=True)
-
-    bare = statistics.median(bare_ms)
+            prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist()
+                       for _ in range(args.batch)]
+            node_ms, node_steps, ctx = asyncio.run(
+                node_round(c.ingress, url, prompts, args.output_len, args.skip))
+            eng_ms, eng_steps = engine_round(engine, prompts, args.output_len, ctx)
+            rows.append((node_ms, eng_ms, node_ms / eng_ms))
+            print(f"round {r + 1}: context {ctx[0]}-{ctx[1]}: decode node {node_ms:.2f} ms "
+                  f"(mean of {node_steps} steps), in-process engine {eng_ms:.2f} ms (median "
+                  f"of {eng_steps}), ratio {rows[-1][2]:.3f}", flush=True)
     print(f"{datetime.now():%Y-%m-%d %H:%M}; {machine()}")
-    print(f"pdserve launch {' '.join(launch)} (bundled default model, float32); "
-          f"{args.batch} concurrent streamed requests, {args.prompt_len}-token prompts, "
-          f"{args.output_len} output tokens; torch threads {args.threads}; medians of "
-          f"{args.rounds} rounds; failed requests {failed}")
-    print(f"through launch, all {args.batch} decoding : {statistics.median(steady):8.2f} "
-          f"ms/token (ingress; >= {min(windows)} tokens per request in the window)")
-    print(f"through launch, HTTP TPOT mean    : {statistics.median(tpots):8.2f} ms "
-          f"(includes steps with fewer than {args.batch} requests)")
-    print(f"bare forward, batch {args.batch}, ctx {context} : {bare:8.2f} ms")
-    print(f"ratio launch/bare                 : {statistics.median(ratios):8.3f}  (median of "
-          f"the rounds' ratios; goal <= 1.10)")
+    print(f"pdserve launch {' '.join(launch)} (bundled default model, float32); batch "
+          f"{args.batch}, {args.prompt_len}-token prompts, {args.output_len} output tokens; "
+          f"torch threads {args.threads}; medians of {args.rounds} rounds; malloc tuning "
+          f"{'off' if args.no_malloc_tuning else 'on'}")
+    print(f"decode node step     : {statistics.median(r[0] for r in rows):8.2f} ms")
+    print(f"in-process engine step: {statistics.median(r[1] for r in rows):8.2f} ms")
+    print(f"ratio node/engine    : {statistics.median(r[2] for r in rows):8.3f}  (rounds "
+          f"{min(r[2] for r in rows):.3f}-{max(r[2] for r in rows):.3f}; goal <= 1.10)")
 
 
 if __name__ == "__main__":

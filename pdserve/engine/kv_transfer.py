@@ -80,6 +80,23 @@ def _contiguous_run(block_ids: torch.Tensor) -> tuple[int, int] | None:
     return (first, first + n) if torch.equal(block_ids, expected) else None
 
 
+def block_runs(block_ids: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Runs of consecutive ascending block ids: (index in block_ids, first block, length)."""
+    ids = block_ids.tolist()
+    runs: list[tuple[int, int, int]] = []
+    for i, b in enumerate(ids):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            at, first, n = runs[-1]
+            runs[-1] = (at, first, n + 1)
+        else:
+            runs.append((i, b, 1))
+    return runs
+
+
+# Place by slice copies when the runs average at least this many blocks; index_copy_ else.
+MIN_MEAN_RUN = 4
+
+
 def layer_groups(num_layers: int, layers_per_chunk: int) -> list[tuple[int, int]]:
     return [(s, min(s + layers_per_chunk, num_layers))
             for s in range(0, num_layers, layers_per_chunk)]
@@ -93,6 +110,12 @@ class InboundTransfer:
     first_block: int = 0         # leading blocks of the prompt already cached here
     state: TransferState = TransferState.RESERVED
     layers_done: set[int] = field(default_factory=set)
+    runs: list[tuple[int, int, int]] | None = None  # block_runs(block_ids), when worth it
+
+    def __post_init__(self):
+        runs = block_runs(self.block_ids)
+        if runs and len(runs) * MIN_MEAN_RUN <= self.block_ids.numel():
+            self.runs = runs
 
 
 class KVReceiver:
@@ -138,7 +161,13 @@ class KVReceiver:
             k_cache, v_cache = self.kv_caches[layer]
             k = chunk.tensors[f"k{layer}"].to(k_cache.device, non_blocking=True)
             v = chunk.tensors[f"v{layer}"].to(v_cache.device, non_blocking=True)
-            kernels.scatter_kv(k_cache, v_cache, transfer.block_ids, k, v)
+            if transfer.runs is not None:
+                # Consecutive pages are one slice: one memcpy per run, no index arithmetic.
+                for at, first, n in transfer.runs:
+                    k_cache[first:first + n].copy_(k[at:at + n])
+                    v_cache[first:first + n].copy_(v[at:at + n])
+            else:
+                kernels.scatter_kv(k_cache, v_cache, transfer.block_ids, k, v)
             transfer.layers_done.add(layer)
         if chunk.last:
             if len(transfer.layers_done) != self.layout.num_layers:

@@ -24,6 +24,7 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
                  device: torch.device | str, dtype: torch.dtype, compute: str = "model"):
         cfg = model.config
+        model.fuse_projections()
         self.model = model
         self.compute = compute
         # compute="none": the token every sampled sequence gets, never an EOS

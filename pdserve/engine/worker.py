@@ -12,6 +12,7 @@ import torch
 from pdserve.common.protocol import KVLayout, ModelIdentity, NodeStats
 from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.host_memory import tune_malloc
 from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -21,6 +22,7 @@ from pdserve.model.loader import load_model, model_identity_hash, model_name, re
 class Worker:
     def __init__(self, config: EngineConfig):
         self.config = config
+        tune_malloc()  # before the model's and the first step's allocations
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         model_dir = config.model

@@ -1,0 +1,65 @@
+"""glibc malloc settings for a process that runs the model on the CPU.
+
+A CPU forward allocates and frees tensors of a few MB in every layer of every
+step (page gathers, attention and MLP temporaries). With glibc's defaults such
+a block is either mmap'ed and munmap'ed each time, or taken from the heap top,
+which is trimmed back to the kernel as soon as it is freed: either way every
+layer page-faults its memory in again, and the copies into it (the decode
+attention's page gather above all) run at page-fault speed. Measured on the
+decode node (``benchmarks/overhead.py``): 54 % of a step's samples in the
+gather's memcpy, the step 1.5x the same engine's step in a process whose
+heap happened to stay warm.
+
+``tune_malloc`` keeps freed blocks under 32 MiB in the process for reuse: the
+mmap threshold is fixed at 32 MiB (glibc's largest; bigger blocks such as the
+KV cache are still mapped and returned on free) and the heap is trimmed only
+when 1 GiB lies free at its top. The price is RSS: the heap keeps the peak of
+one step's temporaries. Settings given in the environment (MALLOC_*_ or
+GLIBC_TUNABLES) are left alone, and PDSERVE_MALLOC_TUNING=0 turns this off (to
+measure its effect); on other C libraries this does nothing.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import sys
+
+log = logging.getLogger(__name__)
+
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 32 << 20   # glibc's maximum on 64-bit (HEAP_MAX_SIZE / 2)
+TRIM_THRESHOLD = 1 << 30
+
+_done: bool | None = None
+
+
+def _user_set() -> bool:
+    env = os.environ
+    return ("MALLOC_MMAP_THRESHOLD_" in env or "MALLOC_TRIM_THRESHOLD_" in env
+            or "glibc.malloc" in env.get("GLIBC_TUNABLES", ""))
+
+
+def tune_malloc() -> bool:
+    """Applies the settings once per process; True if they are in force."""
+    global _done
+    if _done is not None:
+        return _done
+    _done = False
+    if (not sys.platform.startswith("linux") or _user_set()
+            or os.environ.get("PDSERVE_MALLOC_TUNING", "1") == "0"):
+        return _done
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # musl and others: no mallopt
+        return _done
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    _done = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+                 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    if not _done:
+        log.warning("mallopt refused the malloc settings: CPU steps may run slower")
+    return _done
