@@ -293,3 +293,34 @@ def test_decode_node_killed_while_its_requests_share_cached_blocks(tiny_model, t
         h.wait(lambda: survivor.stats.num_free_blocks == survivor.stats.num_total_blocks)
     finally:
         h.close()
+
+
+def test_kv_after_the_cached_blocks_lands_after_them_and_a_wrong_start_is_refused():
+    import torch
+
+    from pdserve.common import protocol as P
+    from pdserve.engine.kv_transfer import (InboundTransfer, KVReceiver, KVTransferError,
+                                            TransferState, kv_chunk)
+    from tests.test_kv_transfer import LAYOUT, MODEL, caches
+
+    src, dst = caches(fill=True), caches(fill=False)
+    src_ids, dst_ids = list(range(4, 10)), [20, 21, 5, 6, 7, 30]   # 6 blocks, 2 cached
+    num_tokens = 6 * LAYOUT.block_size - 1
+    cached_before = [(k[dst_ids[:2]].clone(), v[dst_ids[:2]].clone()) for k, v in dst]
+    transfer = InboundTransfer("r", torch.tensor(dst_ids[2:]), num_tokens, first_block=2)
+    receiver = KVReceiver(MODEL, LAYOUT, dst)
+    chunk = kv_chunk("r", MODEL, LAYOUT, src, torch.tensor(src_ids[2:]), num_tokens, 0,
+                     LAYOUT.num_layers, checksums=True, last=True, first_token=1, first_block=2)
+    receiver.place(P.decode(P.encode(chunk)), transfer)
+    assert transfer.state is TransferState.DONE
+    for (sk, sv), (dk, dv), (ck, cv) in zip(src, dst, cached_before):
+        assert torch.equal(dk[dst_ids[2:]], sk[src_ids[2:]])
+        assert torch.equal(dk[dst_ids[:2]], ck) and torch.equal(dv[dst_ids[:2]], cv)
+    wrong = kv_chunk("q", MODEL, LAYOUT, src, torch.tensor(src_ids), num_tokens, 0,
+                     LAYOUT.num_layers, checksums=False, last=True, first_token=1)
+    with pytest.raises(KVTransferError, match="starts at block 0; this decode node holds 2"):
+        receiver.place(wrong, InboundTransfer("q", torch.tensor(dst_ids[2:]), num_tokens,
+                                              first_block=2))
+    with pytest.raises(P.ProtocolError, match="leaves no block"):
+        P.encode(kv_chunk("z", MODEL, LAYOUT, src, torch.tensor([], dtype=torch.int64),
+                          num_tokens, 0, 1, checksums=False, last=False, first_block=6))
