@@ -299,8 +299,13 @@ def test_kv_after_the_cached_blocks_lands_after_them_and_a_wrong_start_is_refuse
     import torch
 
     from pdserve.common import protocol as P
-    from pdserve.engine.kv_transfer import (InboundTransfer, KVReceiver, KVTransferError,
-                                            TransferState, kv_chunk)
+    from pdserve.engine.kv_transfer import (
+        InboundTransfer,
+        KVReceiver,
+        KVTransferError,
+        TransferState,
+        kv_chunk,
+    )
     from tests.test_kv_transfer import LAYOUT, MODEL, caches
 
     src, dst = caches(fill=True), caches(fill=False)
