@@ -11,12 +11,18 @@ on a cluster started with --no-enable-prefix-caching.
 Part 2 (2P1D): --groups prefixes, --per-group requests each, shuffled, --concurrency
 in flight; TTFT, requests/s and the prefill nodes' hit ratio, per policy.
 
+Part 3 (1P1D, chat): --conversations chats in parallel, --turns turns each, over
+/v1/chat/completions: every turn sends the whole conversation so far (a system
+prompt, the earlier questions and the model's answers) plus a new question; TTFT of
+the later turns with caching on and off.
+
     python benchmarks/prefix_cache.py [--rounds 8] [--prefix-len 400]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import re
 import statistics
@@ -111,6 +117,59 @@ def policies(model_dir, a) -> dict[str, dict]:
     return out
 
 
+def corpus_sentences() -> list[str]:
+    from importlib.resources import files
+
+    text = files("pdserve.model").joinpath("data/corpus.txt").read_text()
+    return [s.strip() + "." for s in text.replace("\n", " ").split(".") if len(s.strip()) > 20]
+
+
+async def conversation(client: httpx.AsyncClient, model: str, system: str, questions: list[str],
+                       answer_tokens: int) -> list[float]:
+    """One chat, turn after turn; the TTFT of each turn (streamed, first content chunk)."""
+    messages = [{"role": "system", "content": system}]
+    ttfts = []
+    for q in questions:
+        messages.append({"role": "user", "content": q})
+        start, first, answer = time.perf_counter(), None, []
+        async with client.stream("POST", "/v1/chat/completions", json={
+                "model": model, "messages": messages, "max_tokens": answer_tokens,
+                "temperature": 0, "stream": True}) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                delta = json.loads(line[6:])["choices"][0]["delta"].get("content")
+                if delta:
+                    first = first or time.perf_counter()
+                    answer.append(delta)
+        ttfts.append((first or time.perf_counter()) - start)
+        messages.append({"role": "assistant", "content": "".join(answer)})
+    return ttfts
+
+
+def multi_turn(model_dir, a, caching: bool) -> dict:
+    rng = random.Random(3)
+    sentences = corpus_sentences()
+    system = " ".join(rng.sample(sentences, 12))
+    chats = [[" ".join(rng.sample(sentences, 2)) for _ in range(a.turns)]
+             for _ in range(a.conversations)]
+    flags = ["--model", str(model_dir), "--prefill", "1", "--decode", "1", "--threads", "1"]
+    if not caching:
+        flags.append("--no-enable-prefix-caching")
+
+    async def go(url):
+        async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+            return await asyncio.gather(*(conversation(client, model_dir.name, system, q,
+                                                       a.answer_tokens) for q in chats))
+    with launched(*flags) as c:
+        per_chat = asyncio.run(go(c.http_url))
+        m = prefill_metrics(c)
+    first = [t[0] for t in per_chat]
+    later = [x for t in per_chat for x in t[1:]]
+    return {"first": statistics.median(first), "later": statistics.median(later), **m}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=8)
@@ -118,6 +177,9 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=6)
     ap.add_argument("--per-group", type=int, default=6)
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--conversations", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--answer-tokens", type=int, default=24)
     ap.add_argument("--preset", default="small", choices=("tiny", "small"))
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -125,6 +187,7 @@ def main() -> None:
         on = cold_vs_warm(model_dir, a, caching=True)
         off = cold_vs_warm(model_dir, a, caching=False)
         pol = policies(model_dir, a)
+        chat = {on_off: multi_turn(model_dir, a, caching=on_off) for on_off in (True, False)}
     print(f"{datetime.now():%Y-%m-%d %H:%M}; {machine()}")
     print(f"random llama preset {a.preset}, float32, --threads 1 per node; prompts of "
           f"{a.prefix_len} + 4 tokens, max_tokens 1; medians of {a.rounds} rounds")
@@ -141,6 +204,14 @@ def main() -> None:
     ll, ca = pol["least_loaded"], pol["cache_aware"]
     print(f"cache_aware / least_loaded: TTFT mean {ca['ttft_mean'] / ll['ttft_mean']:.3f}, "
           f"req/s {ca['rps'] / ll['rps']:.3f}")
+    print(f"1P1D chat, {a.conversations} conversations x {a.turns} turns, {a.answer_tokens}-token "
+          f"answers, medians:")
+    for on_off, r in chat.items():
+        ratio = r["hits"] / r["queries"] if r["queries"] else 0.0
+        print(f"  caching {'on ' if on_off else 'off'}: first turn TTFT {r['first'] * 1e3:7.1f} ms,"
+              f" later turns {r['later'] * 1e3:7.1f} ms; hit ratio {ratio:.3f}; KV bytes shipped "
+              f"{r['kv_bytes']:.0f}")
+    print(f"later-turn TTFT, caching on / off: {chat[True]['later'] / chat[False]['later']:.3f}")
 
 
 if __name__ == "__main__":
