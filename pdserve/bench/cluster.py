@@ -1,4 +1,4 @@
-"""``pdserve launch`` on free loopback ports, for the benchmark scripts.
+"""``pdserve launch`` on free loopback ports, for the benchmark scripts and the tests.
 
 The launcher runs in its own session so that everything it started can be
 stopped as one process group, even if the launcher itself is stuck.
@@ -25,15 +25,20 @@ def free_port() -> int:
 
 @dataclass
 class Cluster:
+    proc: subprocess.Popen  # the launcher; its process group holds every process it started
     http_url: str
     ingress: str
+    control: str
     log_path: str
     args: tuple[str, ...]
-    pgid: int  # the launcher's process group: it and every process it started
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU time (user + system) used so far by each process of the cluster, by role."""
-        out = subprocess.run(["ps", "-o", "pid=,args=", "-g", str(self.pgid)],
+        out = subprocess.run(["ps", "-o", "pid=,args=", "-g", str(self.proc.pid)],
                              capture_output=True, text=True).stdout
         tick = os.sysconf("SC_CLK_TCK")
         cpu: dict[str, float] = {}
@@ -50,26 +55,28 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def launched(*args: str, ready_timeout_s: float = 600.0):
-    """Yields a Cluster started with ``pdserve launch ARGS`` (ports are chosen here)."""
+def launched(*args: str, ready_timeout_s: float = 600.0, log_dir: str | None = None,
+             log_level: str = "warning"):
+    """Yields a Cluster started with ``pdserve launch ARGS`` (ports are chosen here); stops
+    the launcher and, by process group, everything it started, on success and failure."""
     http, control, ingress = free_port(), free_port(), free_port()
-    log = tempfile.NamedTemporaryFile("w", prefix="pdserve-bench-", suffix=".log",
-                                      delete=False)
+    log = tempfile.NamedTemporaryFile("w", prefix="pdserve-launch-", suffix=".log",
+                                      dir=log_dir, delete=False)
     cmd = [sys.executable, "-m", "pdserve.cli", "launch", "--http-port", str(http),
            "--control", f"tcp://127.0.0.1:{control}", "--ingress",
-           f"tcp://127.0.0.1:{ingress}", "--log-level", "warning", *args]
+           f"tcp://127.0.0.1:{ingress}", "--log-level", log_level, *args]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     log.close()
-    cluster = Cluster(f"http://127.0.0.1:{http}", f"tcp://127.0.0.1:{ingress}", log.name,
-                      tuple(args), proc.pid)
+    cluster = Cluster(proc, f"http://127.0.0.1:{http}", f"tcp://127.0.0.1:{ingress}",
+                      f"tcp://127.0.0.1:{control}", log.name, tuple(args))
     try:
         deadline = time.monotonic() + ready_timeout_s
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"pdserve launch {' '.join(args)} exited with "
                                    f"{proc.returncode}; its log, {log.name}:\n"
-                                   + open(log.name, errors="replace").read()[-3000:])
+                                   + cluster.log()[-4000:])
             try:
                 with urllib.request.urlopen(cluster.http_url + "/health", timeout=1) as r:
                     if r.status == 200:
@@ -77,8 +84,8 @@ def launched(*args: str, ready_timeout_s: float = 600.0):
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError(f"pdserve launch not healthy in {ready_timeout_s} s; "
-                                   f"see {log.name}")
+                raise TimeoutError(f"pdserve launch not healthy in {ready_timeout_s} s; its "
+                                   f"log, {log.name}:\n" + cluster.log()[-4000:])
             time.sleep(0.2)
         yield cluster
     finally:
