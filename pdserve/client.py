@@ -20,7 +20,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve.common.cli_options import sampling_options
-from pdserve.common.transport import CurveConfig, make_socket
+from pdserve.common.sockets import CurveConfig, make_socket
 
 DEFAULT_INGRESS = "tcp://127.0.0.1:5557"
 MAX_MSG_SIZE = 4 * 1024 * 1024  # the ingress's default limit: bigger frames are refused

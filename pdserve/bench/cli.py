@@ -14,13 +14,13 @@ from pathlib import Path
 
 import click
 
-from pdserve.bench import datasets, metrics, report, runner
-
 AUTO = "\0auto"  # --save-result given without a file name
 CHAT_ENDPOINT = "/v1/chat/completions"
 
 
 def _percentile_args(percentile_metrics: str, metric_percentiles: str):
+    from pdserve.bench import metrics
+
     names = tuple(n.strip() for n in percentile_metrics.split(",") if n.strip())
     bad = [n for n in names if n not in metrics.METRICS]
     if bad or not names:
@@ -71,6 +71,8 @@ def _tokenizer_dir(tokenizer, model, served: str | None) -> Path:
 
 
 async def _run(o: dict) -> dict:
+    # Here, not at the top: `pdserve` loads this module for every command, and numpy with it.
+    from pdserve.bench import datasets, metrics, report, runner
     from pdserve.model.loader import model_name
 
     kind = _backend_kind(o["backend"], o["endpoint"], o["ingress"])
@@ -241,6 +243,7 @@ def _result_path(o: dict, result: dict) -> Path:
 @click.argument("rest", nargs=-1, metavar="")
 def bench_cmd(rest, **o) -> None:
     """Benchmark a running server: requests/s, TTFT, TPOT, ITL, as vllm bench serve."""
+    from pdserve.bench import metrics, report
     # vLLM's --goodput and --metadata take several values (`--goodput ttft:1 tpot:2`);
     # click gives an option one, and leaves the others here.
     more_goodput = [a for a in rest if ":" in a and "=" not in a and o["goodput"]]

@@ -29,7 +29,7 @@ import msgpack
 import zmq
 
 from pdserve.common.block_hash import BlockRemoved, BlockStored
-from pdserve.common.transport import make_socket
+from pdserve.common.sockets import make_socket
 
 log = logging.getLogger(__name__)
 

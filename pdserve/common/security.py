@@ -40,7 +40,7 @@ from zmq.auth.base import Authenticator
 from zmq.utils import z85
 
 if TYPE_CHECKING:
-    from pdserve.common.transport import CurveConfig
+    from pdserve.common.sockets import CurveConfig
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def server_curve(key_dir, domain: bytes, name: str = ROUTER) -> Optional["CurveC
     """The CURVE server config of one socket kind, or None when ``key_dir`` is None (off)."""
     if key_dir is None:
         return None
-    from pdserve.common.transport import CurveConfig
+    from pdserve.common.sockets import CurveConfig
 
     public, secret = load_keypair(key_dir, name)
     allow = ALLOW_CLIENTS if domain == INGRESS_DOMAIN else ALLOW_NODES
@@ -153,7 +153,7 @@ def client_curve(key_dir, name: str = CLIENT, server: str = ROUTER) -> Optional[
     """A client's own keypair ``name`` and the public key of the server ``server``."""
     if key_dir is None:
         return None
-    from pdserve.common.transport import CurveConfig
+    from pdserve.common.sockets import CurveConfig
 
     public, secret = load_keypair(key_dir, name)
     return CurveConfig.client(secret, public, load_public(key_dir, server))
