@@ -109,6 +109,17 @@ def router_options(fn):
                      default=600.0, show_default=True, help="Default deadline of a request (s)."),
         click.option("--max-pending-requests", type=click.IntRange(min=1), default=4096,
                      show_default=True, help="Past this, new requests are refused (429)."),
+        click.option("--reserve-lease", type=click.FloatRange(min=0, min_open=True),
+                     default=30.0, show_default=True, help="Seconds a decode node holds KV "
+                     "blocks for a request's transfer; a prefill node waits as long for the "
+                     "decode node's acknowledgement."),
+        click.option("--max-stop-strings", type=click.IntRange(min=0), default=16,
+                     show_default=True, help="Stop strings per request."),
+        click.option("--max-stop-bytes", type=click.IntRange(min=1), default=256,
+                     show_default=True, help="UTF-8 bytes of one stop string."),
+        click.option("--max-prompt-bytes", type=click.IntRange(min=1), default=4 << 20,
+                     show_default=True, help="UTF-8 bytes of a prompt's text, checked "
+                     "before tokenizing."),
         click.option("--curve-dir", type=click.Path(exists=True, file_okay=False), default=None,
                      help="CurveZMQ key folder (pdserve keys generate): encrypt and "
                           "authenticate the control, ingress and KV sockets [default: off]."),
@@ -139,6 +150,8 @@ def _router_config(kw):
             heartbeat_interval_s=kw.pop("heartbeat_interval"), liveness=kw.pop("liveness"),
             request_timeout_s=kw.pop("request_timeout"),
             max_pending_requests=kw.pop("max_pending_requests"),
+            reserve_lease_s=kw.pop("reserve_lease"), max_stop_strings=kw.pop("max_stop_strings"),
+            max_stop_bytes=kw.pop("max_stop_bytes"), max_prompt_bytes=kw.pop("max_prompt_bytes"),
             curve_dir=kw.pop("curve_dir"), api_key=kw.pop("api_key") or None)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc

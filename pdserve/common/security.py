@@ -206,7 +206,7 @@ def _z85(key: bytes) -> str:
     return (key if len(key) == 40 else z85.encode(key)).decode()
 
 
-class _Throttle:
+class LogThrottle:
     """One log line per key and period: a refused peer retries every 100 ms."""
 
     def __init__(self, period_s: float = 10.0):
@@ -251,7 +251,7 @@ class CurveGuard(threading.Thread):
         self._peer = "?"
         self._new: queue.Queue = queue.Queue()   # sockets handed over to this thread
         self._lock = threading.Lock()
-        self._throttle = _Throttle()
+        self._throttle = LogThrottle()
 
     def allow(self, domain: bytes, keys) -> None:
         """Serve ZAP for ``domain`` (replacing its list); call before the server socket binds."""

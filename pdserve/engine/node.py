@@ -44,7 +44,7 @@ class Node:
         hello = P.Hello(node_id=self.node_id, role=self.role,
                         protocol_version=P.PROTOCOL_VERSION, model=self.identity,
                         kv_layout=self.layout, capacity=self.worker.stats(), pid=os.getpid(),
-                        compute=config.engine.compute)
+                        compute=config.engine.compute, incarnation=os.urandom(8).hex())
         self.io = NodeIO(config.router, hello,
                          kv_bind=config.kv_bind if self.role == "decode" else None,
                          advertise_host=config.advertise_host,
@@ -142,9 +142,7 @@ class Node:
                 if self.io.failure is not None:
                     raise RuntimeError("node I/O thread failed") from self.io.failure
                 self._take_inbox(block=not self.has_work())
-                self.expire()
-                if self.has_work():
-                    self.step()
+                self._turn()
                 self.io.stats = self.stats()
                 self.metrics.node_stats(self.io.stats)
             return 0
@@ -153,6 +151,20 @@ class Node:
             self.io.join(timeout=5)
             if metrics_server is not None:
                 metrics_server.close()
+
+    def _turn(self) -> None:
+        """Expiry and one step. A failure here is a bug or input no check caught: the
+        requests on this node fail with a reason, the node keeps serving."""
+        try:
+            self.expire()
+            if self.has_work():
+                self.step()
+        except Exception:
+            self.metrics.internal_error(f"{self.role}.step", log)
+            for req_id in list(self.jobs):
+                self.drop(req_id, "error")
+                self.error_to_router(req_id, P.INTERNAL, f"node {self.node_id} hit an internal "
+                                     "error while serving it; see the node's log")
 
     def _wait_welcome(self) -> bool:
         timeout = self.config.welcome_timeout_s
@@ -189,8 +201,8 @@ class Node:
                 else:
                     self.handle(item)
             except Exception:  # one bad message must not stop the node
-                log.exception("handling %s from %s failed", type(item.msg).__name__,
-                              item.channel)
+                self.metrics.internal_error(
+                    f"{self.role}.handle.{type(item.msg).__name__}", log)
             try:
                 item = self.io.inbox.get_nowait()
             except queue.Empty:
