@@ -21,7 +21,7 @@ from pdserve.common import protocol as P
 from pdserve.common.config import NodeConfig
 from pdserve.common.metrics import node_metrics, start_metrics_server
 from pdserve.common.node_io import InboxItem, NodeIO
-from pdserve.common.security import node_curves
+from pdserve.common.security import InsecureWarnings, node_curves, node_exposures
 from pdserve.engine.sampling_params import SamplingParams, from_spec
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.worker import Worker
@@ -51,6 +51,7 @@ class Node:
                          heartbeat_interval_s=config.heartbeat_interval_s,
                          curve=node_curves(config.curve_dir, self.role, config.curve_key))
         self._stop = threading.Event()
+        self.insecure_warnings = InsecureWarnings(node_exposures(config))
         self.draining = False
         self.drain_deadline = 0.0
         self.jobs: dict = {}    # the role's requests by wire id
@@ -143,6 +144,7 @@ class Node:
                     raise RuntimeError("node I/O thread failed") from self.io.failure
                 self._take_inbox(block=not self.has_work())
                 self._turn()
+                self.insecure_warnings.tick()
                 self.io.stats = self.stats()
                 self.metrics.node_stats(self.io.stats)
             return 0
@@ -165,6 +167,17 @@ class Node:
                 self.drop(req_id, "error")
                 self.error_to_router(req_id, P.INTERNAL, f"node {self.node_id} hit an internal "
                                      "error while serving it; see the node's log")
+
+    def _fail_requests_of(self, msg: P.Message) -> None:
+        """The requests a message whose handling failed was about end with a reason."""
+        if isinstance(msg, P.PrefillBatch):
+            ids = [r.req_id for r in msg.requests]
+        else:
+            ids = [msg.req_id] if isinstance(msg, (P.Reserve, P.KVChunk)) else []
+        for req_id in ids:
+            self.drop(req_id, "error")
+            self.error_to_router(req_id, P.INTERNAL, f"node {self.node_id} hit an internal "
+                                 "error while taking the request; see the node's log")
 
     def _wait_welcome(self) -> bool:
         timeout = self.config.welcome_timeout_s
@@ -200,9 +213,10 @@ class Node:
                     self.drop_all("router restarted")
                 else:
                     self.handle(item)
-            except Exception:  # one bad message must not stop the node
+            except Exception:  # one bad message must not stop the node: its requests fail
                 self.metrics.internal_error(
                     f"{self.role}.handle.{type(item.msg).__name__}", log)
+                self._fail_requests_of(item.msg)
             try:
                 item = self.io.inbox.get_nowait()
             except queue.Empty:

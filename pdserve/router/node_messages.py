@@ -146,7 +146,8 @@ class NodeMessages:
         if self._bad_tokens(node.node_id, flight, [item.token_id]):
             return
         node.queued_prompt_tokens -= len(flight.wire_prompt)
-        node.requests.discard(item.req_id)
+        if flight.decode_node != node.node_id:  # a colocated node serves it on
+            node.requests.discard(item.req_id)
         flight.state = DECODING
         # A first token that ends the request leaves a decode reservation to release.
         self._deliver(flight, [item.token_id], item.finish_reason, nodes_done=False)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pdserve.common import protocol as P
 
 LIVE, DRAINING = "live", "draining"
+MAX_NODES = 1024   # registered at once: a peer cycling through identities cannot grow it
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9-]{1,63})*$")
 
 
@@ -62,6 +63,8 @@ class Registry:
               keep: bool = False) -> tuple[bool, str]:
         """Checks a node's Hello; on success the node is registered (or re-registered).
         ``keep``: a resync of a node already here: it keeps its requests."""
+        if hello.node_id not in self.nodes and len(self.nodes) >= MAX_NODES:
+            return False, f"the cluster has {len(self.nodes)} nodes, the most this router takes"
         if hello.protocol_version != P.PROTOCOL_VERSION:
             return False, (f"protocol version {hello.protocol_version} is not this router's "
                            f"{P.PROTOCOL_VERSION}")
