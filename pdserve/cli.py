@@ -61,6 +61,8 @@ def node_options(fn):
                      help="This node's keypair in --curve-dir (NAME.key_secret)."),
         click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info",
                      show_default=True),
+        click.option("--insecure", is_flag=True, help="Start even though the KV socket is "
+                     "open to other machines without CURVE (warned every minute)."),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -128,6 +130,9 @@ def router_options(fn):
                           "PDSERVE_API_KEY; prefer it: flags show in ps]."),
         click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info",
                      show_default=True),
+        click.option("--insecure", is_flag=True, help="Start even though sockets or HTTP "
+                     "are open to other machines without CURVE or an API key (warned every "
+                     "minute)."),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -152,7 +157,8 @@ def _router_config(kw):
             max_pending_requests=kw.pop("max_pending_requests"),
             reserve_lease_s=kw.pop("reserve_lease"), max_stop_strings=kw.pop("max_stop_strings"),
             max_stop_bytes=kw.pop("max_stop_bytes"), max_prompt_bytes=kw.pop("max_prompt_bytes"),
-            curve_dir=kw.pop("curve_dir"), api_key=kw.pop("api_key") or None)
+            curve_dir=kw.pop("curve_dir"), api_key=kw.pop("api_key") or None,
+            insecure=kw.pop("insecure"))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
 
@@ -209,8 +215,9 @@ def _run_node(role: str, kw: dict) -> None:
         config = NodeConfig(role=role, engine=_engine_config(kw), router=kw.pop("router"),
                             node_id=kw.pop("node_id"),
                             heartbeat_interval_s=kw.pop("heartbeat_interval"), **kw)
-        from pdserve.common.security import node_curves
+        from pdserve.common.security import node_curves, node_exposures, refuse_insecure
         node_curves(config.curve_dir, role, config.curve_key)  # bad keys: now, not after loading
+        refuse_insecure(node_exposures(config), config.insecure)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     setup_logging(log_level, config.node_id or role)

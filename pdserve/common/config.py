@@ -25,6 +25,7 @@ class NodeConfig:
     curve_key: str = "node"                   # this node's keypair in curve_dir
     metrics_host: str = "127.0.0.1"           # where /metrics listens (0.0.0.0: other machines)
     metrics_port: int = 0                     # Prometheus /metrics port; 0: not served
+    insecure: bool = False                    # allow a KV socket off loopback without CURVE
 
     def __post_init__(self):
         if self.role not in NODE_ROLES:

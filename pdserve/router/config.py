@@ -29,6 +29,7 @@ class RouterConfig:
     max_tokenizing: int = 64                 # requests tokenizing or waiting to; past it: 429
     curve_dir: str | None = None             # CurveZMQ keys (docs/security.md); None: off
     api_key: str | None = field(default=None, repr=False)  # Bearer token for /v1/*; None: open
+    insecure: bool = False                   # allow other machines in without CURVE / API key
 
     def __post_init__(self):
         if self.policy not in POLICIES:
