@@ -71,7 +71,7 @@ class RequestOutputState:
         start = max(len(self.text) - self._hold, self.num_emitted_chars - self._hold, 0)
         best = 0
         for stop in self.params.stop:
-            lo = max(start, len(self.text) - len(stop) + 1)
+            lo = max(start, len(self.text) - len(stop))
             pos = self.text.find(stop[0], lo)
             while pos >= 0 and len(self.text) - pos > best:
                 if stop.startswith(self.text[pos:]):
