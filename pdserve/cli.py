@@ -75,6 +75,8 @@ def node_options(fn):
         click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info",
                      show_default=True),
         kv_events_option,
+        click.option("--insecure", is_flag=True, help="Start even though the KV socket is "
+                     "open to other machines without CURVE (warned every minute)."),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -131,6 +133,17 @@ def router_options(fn):
                      default=600.0, show_default=True, help="Default deadline of a request (s)."),
         click.option("--max-pending-requests", type=click.IntRange(min=1), default=4096,
                      show_default=True, help="Past this, new requests are refused (429)."),
+        click.option("--reserve-lease", type=click.FloatRange(min=0, min_open=True),
+                     default=30.0, show_default=True, help="Seconds a decode node holds KV "
+                     "blocks for a request's transfer; a prefill node waits as long for the "
+                     "decode node's acknowledgement."),
+        click.option("--max-stop-strings", type=click.IntRange(min=0), default=16,
+                     show_default=True, help="Stop strings per request."),
+        click.option("--max-stop-bytes", type=click.IntRange(min=1), default=256,
+                     show_default=True, help="UTF-8 bytes of one stop string."),
+        click.option("--max-prompt-bytes", type=click.IntRange(min=1), default=4 << 20,
+                     show_default=True, help="UTF-8 bytes of a prompt's text, checked "
+                     "before tokenizing."),
         click.option("--curve-dir", type=click.Path(exists=True, file_okay=False), default=None,
                      help="CurveZMQ key folder (pdserve keys generate): encrypt and "
                           "authenticate the control, ingress and KV sockets [default: off]."),
@@ -139,6 +152,9 @@ def router_options(fn):
                           "PDSERVE_API_KEY; prefer it: flags show in ps]."),
         click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info",
                      show_default=True),
+        click.option("--insecure", is_flag=True, help="Start even though sockets or HTTP "
+                     "are open to other machines without CURVE or an API key (warned every "
+                     "minute)."),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -161,7 +177,10 @@ def _router_config(kw):
             heartbeat_interval_s=kw.pop("heartbeat_interval"), liveness=kw.pop("liveness"),
             request_timeout_s=kw.pop("request_timeout"),
             max_pending_requests=kw.pop("max_pending_requests"),
-            curve_dir=kw.pop("curve_dir"), api_key=kw.pop("api_key") or None)
+            reserve_lease_s=kw.pop("reserve_lease"), max_stop_strings=kw.pop("max_stop_strings"),
+            max_stop_bytes=kw.pop("max_stop_bytes"), max_prompt_bytes=kw.pop("max_prompt_bytes"),
+            curve_dir=kw.pop("curve_dir"), api_key=kw.pop("api_key") or None,
+            insecure=kw.pop("insecure"))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
 
@@ -219,8 +238,9 @@ def _run_node(role: str, kw: dict) -> None:
                             node_id=kw.pop("node_id"),
                             kv_events=_kv_events(kw.pop("kv_events_config")),
                             heartbeat_interval_s=kw.pop("heartbeat_interval"), **kw)
-        from pdserve.common.security import node_curves
+        from pdserve.common.security import node_curves, node_exposures, refuse_insecure
         node_curves(config.curve_dir, role, config.curve_key)  # bad keys: now, not after loading
+        refuse_insecure(node_exposures(config), config.insecure)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     setup_logging(log_level, config.node_id or role)

@@ -51,7 +51,12 @@ def _router_cmd(cfg: LaunchConfig) -> list[str]:
            str(r.http_port), "--control", r.control, "--ingress", r.ingress or "none",
            "--policy", r.policy, "--heartbeat-interval", str(r.heartbeat_interval_s),
            "--liveness", str(r.liveness), "--request-timeout", str(r.request_timeout_s),
-           "--max-pending-requests", str(r.max_pending_requests), "--log-level", cfg.log_level]
+           "--max-pending-requests", str(r.max_pending_requests), "--log-level", cfg.log_level,
+           "--reserve-lease", str(r.reserve_lease_s), "--max-stop-strings",
+           str(r.max_stop_strings), "--max-stop-bytes", str(r.max_stop_bytes),
+           "--max-prompt-bytes", str(r.max_prompt_bytes)]
+    if r.insecure:
+        cmd += ["--insecure"]
     if r.model:
         cmd += ["--model", r.model]
     if r.served_model_name:

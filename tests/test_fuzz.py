@@ -331,3 +331,76 @@ def test_http(cluster, still_serves):
                         headers={"content-type": "application/json"})
         assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
     still_serves()
+
+
+# ------------------------------------------------------------------ numbers, with an oracle
+
+def reference_refusal(body: dict, vocab: int, context: int) -> set[str]:
+    """The fields the documented limits (docs/http-api.md) refuse, written independently of
+    the router's checks: seed in [0, 2^63), max_tokens in [1, context], top_k -1 or in
+    [0, vocab], token ids in [0, vocab), temperature in [0, 100], top_p in (0, 1]."""
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def is_num(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    bad = set()
+    if "seed" in body and body["seed"] is not None and not (
+            is_int(body["seed"]) and 0 <= body["seed"] < 2**63):
+        bad.add("seed")
+    if not (is_int(body["max_tokens"]) and 1 <= body["max_tokens"] <= context):
+        bad.add("max_tokens")
+    if "top_k" in body and not (is_int(body["top_k"]) and -1 <= body["top_k"] <= vocab):
+        bad.add("top_k")
+    if "stop_token_ids" in body and not all(is_int(t) and 0 <= t < vocab
+                                            for t in body["stop_token_ids"]):
+        bad.add("stop_token_ids")
+    if "temperature" in body and not (is_num(body["temperature"])
+                                      and 0 <= body["temperature"] <= 100):
+        bad.add("temperature")
+    if "top_p" in body and not (is_num(body["top_p"]) and 0 < body["top_p"] <= 1):
+        bad.add("top_p")
+    if not all(is_int(t) and 0 <= t < vocab for t in body["prompt"]):
+        bad.add("prompt")
+    return bad
+
+
+def test_http_numbers_against_a_reference(cluster, still_serves):
+    from pdserve.model.config import ModelConfig
+
+    model, c = cluster
+    cfg = ModelConfig.from_dir(model)
+    vocab, context = cfg.vocab_size, cfg.max_model_len
+    huge = st.integers(-2**70, 2**70) | st.sampled_from([2**63 - 1, 2**63, 2**64 - 1, 2**64,
+                                                         -2**63, vocab, vocab - 1, context,
+                                                         context + 1])
+    small = st.integers(-2, 4)
+    number = huge | small | st.floats(-1e300, 1e300, allow_nan=False)
+    body = st.fixed_dictionaries(
+        {"max_tokens": small | st.integers(-2**70, 2**70)  # (a valid big one runs long)
+            | st.sampled_from([context + 1, 2**63, 2**64, -2**63]), "prompt": st.lists(small | st.integers(0, vocab) | huge,
+                                                        min_size=1, max_size=4)},
+        optional={"seed": huge | small, "top_k": huge | small,
+                  "stop_token_ids": st.lists(huge | small, max_size=3),
+                  "temperature": number, "top_p": number})
+    name = model.name if hasattr(model, "name") else str(model).rsplit("/", 1)[-1]
+    seen = {"ok": 0, "refused": 0}
+    with httpx.Client(base_url=c.http_url, timeout=60) as http:
+        @settings(max_examples=150, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(body)
+        def fuzz(b):
+            want = reference_refusal(b, vocab, context)
+            r = http.post("/v1/completions", json={"model": name, "ignore_eos": True, **b})
+            if want:
+                assert r.status_code == 400, (b, want, r.text[:300])
+                assert r.json()["error"]["param"] in want, (b, want, r.json())
+                seen["refused"] += 1
+            else:
+                assert r.status_code == 200, (b, r.text[:300])
+                assert r.json()["usage"]["completion_tokens"] <= b["max_tokens"]
+                seen["ok"] += 1
+        fuzz()
+    assert seen["ok"] and seen["refused"], seen
+    still_serves()

@@ -15,9 +15,12 @@ import zmq
 from click.testing import CliRunner
 
 from pdserve.client import AsyncQueueClient, Done, QueueClient, QueueError, submit_cmd
+from pdserve.common.metrics import RouterMetrics
 from pdserve.common.transport import make_socket
+from pdserve.router.config import RouterConfig
 from pdserve.router.ingress import Ingress
 from pdserve.router.streams import BAD_REQUEST, OVERLOADED, RequestError, RequestStream, StreamEvent
+from pdserve.router.tokenizing import TokenizerPool
 
 # ------------------------------------------------------------------ stand-in core
 
@@ -31,10 +34,13 @@ class EchoCore:
     """Stands in for RouterCore: echoes the prompt's ids back, one every 5 ms."""
     tokenizer = ByteTokenizer()
     max_model_len = 64
+    config = RouterConfig()
 
     def __init__(self):
         self.cancelled: list[str] = []
         self._n = 0
+        self.tokenizing = TokenizerPool(1, 64)
+        self.metrics = RouterMetrics("echo")
 
     def submit(self, req):
         ids, params = req.prompt_token_ids, req.params

@@ -74,7 +74,7 @@ def test_bad_requests_are_clear_errors_and_queue_nothing(llm, prompt, params, me
 
 
 def test_max_tokens_below_one_is_refused():
-    with pytest.raises(ValueError, match="max_tokens=0 is invalid: must be an integer >= 1"):
+    with pytest.raises(ValueError, match=r"max_tokens=0 is invalid: must be an integer in \[1, "):
         SamplingParams(max_tokens=0)
 
 

@@ -31,10 +31,12 @@ ROUTER = {
     "pdserve_request_errors": "counter",
     "pdserve_requests_running": "gauge",
     "pdserve_nodes": "gauge",
+    "pdserve_internal_errors": "counter",
 }
 NODE = {"pdserve_kv_cache_usage_ratio": "gauge", "pdserve_requests_waiting": "gauge",
         "pdserve_prefix_cache_queries_tokens": "counter",
-        "pdserve_prefix_cache_hits_tokens": "counter"}
+        "pdserve_prefix_cache_hits_tokens": "counter",
+        "pdserve_internal_errors": "counter"}
 PREFILL = {**NODE, "pdserve_prefill_batch_size": "histogram",
            "pdserve_prefill_time_seconds": "histogram",
            "pdserve_kv_transfer_seconds": "histogram",
@@ -44,8 +46,9 @@ PREFILL = {**NODE, "pdserve_prefill_batch_size": "histogram",
 DECODE = {**NODE, "pdserve_decode_step_seconds": "histogram",
           "pdserve_decode_batch_size": "histogram"}
 # Label keys each process may use besides model_name (le: histogram buckets).
-EXTRA_LABELS = {"router": {"finish_reason", "code", "role", "state", "le"},
-                "prefill-0": {"node", "le"}, "decode-0": {"node", "le"}}
+EXTRA_LABELS = {"router": {"finish_reason", "code", "role", "state", "le", "process", "where"},
+                "prefill-0": {"node", "le", "process", "where"},
+                "decode-0": {"node", "le", "process", "where"}}
 
 # (endpoint, body, max_tokens): completions and chat, streamed and not; max_tokens=1
 # ends at the first token (no KV transfer, no decode).

@@ -122,7 +122,7 @@ def test_every_pdserve_flag_in_deploy_files_and_docs_exists():
     args = {}   # Deployment name -> its container's args
     for path in sorted((DEPLOY / "k8s" / "base").glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
-            if doc and doc.get("kind") == "Deployment":
+            if isinstance(doc, dict) and doc.get("kind") == "Deployment":  # (not a patch)
                 (c,) = doc["spec"]["template"]["spec"]["containers"]
                 args[doc["metadata"]["name"]] = [str(a) for a in c["args"]]
                 uses.append((f"k8s/base/{path.name}", args[doc["metadata"]["name"]]))

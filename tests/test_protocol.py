@@ -185,8 +185,7 @@ def test_garbage_and_truncated_headers():
 def test_version_mismatch_names_both_versions():
     frames = P.encode(hello())
     other = P.PROTOCOL_VERSION + 1
-    err = expect_error(with_header(frames, {**header_of(frames), "v": other}),
-                       P.VERSION_MISMATCH)
+    err = expect_error(with_header(frames, {**header_of(frames), "v": other}), P.VERSION_MISMATCH)
     assert f"version {other}" in err.message and f"version {P.PROTOCOL_VERSION}" in err.message
     expect_error(with_header(frames, {**header_of(frames), "v": None}), P.BAD_MESSAGE, "'v'")
 

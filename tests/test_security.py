@@ -97,20 +97,41 @@ def test_api_key_reaches_the_router_config_but_never_argv(monkeypatch):
     assert CliRunner().invoke(show, []).output.split() == ["None", "None"]
 
 
-def test_router_warns_about_what_it_opens_unprotected(keys, caplog):
+def test_open_to_other_machines_without_keys_refuses_to_start_unless_insecure(keys, caplog):
+    from pdserve.common.config import NodeConfig
+    from pdserve.engine.config import EngineConfig
     from pdserve.router.config import RouterConfig
 
     caplog.set_level(logging.WARNING, logger="pdserve.common.security")
     S.check_router_security(RouterConfig())  # loopback: nothing to say
     assert caplog.text == ""
-    S.check_router_security(RouterConfig(host="0.0.0.0", control="tcp://*:5556",
-                                         ingress="tcp://*:5557"))
-    assert "control socket tcp://*:5556 is open to other machines without CURVE" in caplog.text
-    assert "ingress socket" in caplog.text and "set --api-key" in caplog.text
+    exposed = dict(host="0.0.0.0", control="tcp://*:5556", ingress="tcp://*:5557")
+    with pytest.raises(ValueError, match="refusing to start") as info:
+        S.check_router_security(RouterConfig(**exposed))
+    assert "control socket tcp://*:5556 is open to other machines without CURVE" in \
+        str(info.value) and "ingress socket" in str(info.value) and "--api-key" in \
+        str(info.value) and "--insecure" in str(info.value)
+    S.check_router_security(RouterConfig(**exposed, insecure=True))  # starts, and says so
+    assert caplog.text.count("INSECURE (--insecure)") == 3
     caplog.clear()
     S.check_router_security(RouterConfig(host="0.0.0.0", control="tcp://*:5556",
                                          curve_dir=str(keys), api_key="k"))
     assert caplog.text == ""
+    # A decode node's KV socket off loopback: the same rule.
+    decode = NodeConfig(role="decode", engine=EngineConfig(), kv_bind="tcp://*:5600")
+    with pytest.raises(ValueError, match="KV socket tcp://\\*:5600"):
+        S.refuse_insecure(S.node_exposures(decode), decode.insecure)
+    assert S.node_exposures(NodeConfig(role="decode", engine=EngineConfig(),
+                                       kv_bind="tcp://*:5600", curve_dir=str(keys))) == []
+    assert S.node_exposures(NodeConfig(role="prefill", engine=EngineConfig())) == []
+    # --insecure: the warning comes back every period.
+    warnings = S.InsecureWarnings(["exposed"], period_s=0.05)
+    caplog.clear()
+    warnings.tick()
+    assert "INSECURE" not in caplog.text
+    time.sleep(0.06)
+    warnings.tick()
+    assert "INSECURE (--insecure): exposed" in caplog.text
 
 
 # ------------------------------------------------------------------ ZAP on real sockets

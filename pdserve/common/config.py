@@ -27,6 +27,7 @@ class NodeConfig:
     metrics_host: str = "127.0.0.1"           # where /metrics listens (0.0.0.0: other machines)
     metrics_port: int = 0                     # Prometheus /metrics port; 0: not served
     kv_events: KVEventsConfig | None = None   # vLLM-format KV-cache events; None: off
+    insecure: bool = False                    # allow a KV socket off loopback without CURVE
 
     def __post_init__(self):
         if self.role not in NODE_ROLES:

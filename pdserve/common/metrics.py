@@ -35,6 +35,7 @@ bounds, so a p99 compared with them is not an interpolation artefact):
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -68,13 +69,42 @@ NODE_ROLES = ("prefill", "decode", "colocated")
 NODE_STATES = ("live", "draining")
 
 
+INTERNAL_LOG_PERIOD_S = 60.0  # one traceback per (where, error type) and period
+
+
 class _Metrics:
     """A registry of its own (never the global default) and the constant labels."""
 
-    def __init__(self, **labels: str):
+    def __init__(self, process: str, **labels: str):
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)   # process_cpu_seconds_total, memory, fds
         self.labels = labels
+        self.process = process
+        self.internal_errors = self._counter(
+            "pdserve_internal_errors_total", "Failures of a handler (a bug, or input no check "
+            "caught) contained to one request or peer, by process and where.", "process",
+            "where")
+        self._logged: dict[tuple[str, str], tuple[float, int]] = {}
+
+    def internal_error(self, where: str, log: logging.Logger) -> None:
+        """Call from an ``except`` block: counts the failure and logs it with its traceback,
+        once per (where, error type) and minute (a peer repeating it must not flood the log);
+        the rest are counted and summed up in the next line."""
+        import sys
+
+        self.internal_errors.labels(**self.labels, process=self.process, where=where).inc()
+        exc = sys.exc_info()[1]
+        key = (where, type(exc).__name__)
+        now = time.monotonic()
+        if len(self._logged) > 1000:
+            self._logged.clear()
+        last, quiet = self._logged.get(key, (-1e9, 0))
+        if now - last < INTERNAL_LOG_PERIOD_S:
+            self._logged[key] = (last, quiet + 1)
+            return
+        self._logged[key] = (now, 0)
+        log.error("internal error in %s (contained; %d more of this kind not logged in the "
+                  "last minute)", where, quiet, exc_info=exc is not None)
 
     def _histogram(self, name: str, doc: str, buckets) -> Histogram:
         return Histogram(name, doc, list(self.labels), registry=self.registry,
@@ -94,7 +124,7 @@ class RouterMetrics(_Metrics):
     dropped at the request's end), so the router core only reports events."""
 
     def __init__(self, model_name: str, error_codes: Iterable[str] = ()):
-        super().__init__(model_name=model_name)
+        super().__init__("router", model_name=model_name)
         self.ttft = self._histogram("pdserve_time_to_first_token_seconds",
                                     "Submit to the first token reaching the router.",
                                     TTFT_BUCKETS)
@@ -210,8 +240,8 @@ class _RouterGauges:
 class NodeMetrics(_Metrics):
     """What both node kinds export: gauges from the stats they also heartbeat."""
 
-    def __init__(self, model_name: str, node: str):
-        super().__init__(model_name=model_name, node=node)
+    def __init__(self, model_name: str, node: str, process: str = "node"):
+        super().__init__(process, model_name=model_name, node=node)
         self.kv_cache_usage = self._gauge("pdserve_kv_cache_usage_ratio",
                                           "Used KV cache blocks / all blocks (0..1).")
         self.waiting = self._gauge("pdserve_requests_waiting", "Requests accepted by the "
@@ -314,7 +344,9 @@ class DecodeMetrics(NodeMetrics):
 def node_metrics(role: str, model_name: str, node: str) -> NodeMetrics:
     """A colocated node's steps are decode steps (with prompt chunks in them)."""
     cls = {"prefill": PrefillMetrics, "decode": DecodeMetrics, "colocated": DecodeMetrics}[role]
-    return cls(model_name, node)
+    metrics = cls(model_name, node)
+    metrics.process = role
+    return metrics
 
 
 class MetricsServer:

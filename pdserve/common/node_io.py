@@ -45,6 +45,10 @@ from pdserve.common.transport import (
 log = logging.getLogger(__name__)
 
 CONTROL, KV_IN, KV_OUT = "control", "kv_in", "kv_out"
+INBOX_MAX = 10_000        # received messages not yet taken: past it, sockets are not read
+OUTBOX_MAX = 100_000      # messages to send: past it, the compute loop waits (backpressure)
+KV_OUT_IDLE_S = 120.0     # a KV socket to a decode node unused this long is closed
+MAX_KV_OUT = 256          # KV sockets open at once; past it, the least recently used closes
 # What each channel may carry to a node; anything else is answered with an Error.
 CONTROL_IN = (P.Welcome, P.Heartbeat, P.PrefillBatch, P.Reserve, P.Abort, P.Drain, P.Error)
 KV_IN_TYPES = (P.KVChunk,)
@@ -81,14 +85,16 @@ class NodeIO(threading.Thread):
         self.advertise_host = advertise_host
         self.heartbeat_interval_s = heartbeat_interval_s
         self.welcome_timeout_s = welcome_timeout_s
-        self.inbox: queue.Queue[InboxItem] = queue.Queue()
+        self.inbox: queue.Queue[InboxItem] = queue.Queue(INBOX_MAX)
         self.stats: P.NodeStats = hello.capacity   # replaced (atomically) by the compute loop
         self.welcome: P.Welcome | None = None
         self.welcomed = threading.Event()
         self.failure: BaseException | None = None
-        self._outbox: queue.Queue[tuple[str, object, P.Message]] = queue.Queue()
+        self._outbox: queue.Queue[tuple[str, object, P.Message]] = queue.Queue(OUTBOX_MAX)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
+        self._pipe_lock = threading.Lock()   # no write to the pipe once it is closed
+        self._kv_used: dict[str, float] = {}  # KV address -> last send
         self._stopping = threading.Event()
         self.last_router_message = time.monotonic()
 
@@ -107,14 +113,24 @@ class NodeIO(threading.Thread):
         self._wake()
 
     def _put(self, channel: str, peer, msg: P.Message) -> None:
-        self._outbox.put((channel, peer, msg))
+        while True:
+            try:
+                self._outbox.put((channel, peer, msg), timeout=0.5)
+                break
+            except queue.Full:  # the I/O thread is behind: wait for it, unless it is gone
+                self._wake()
+                if not self.is_alive():
+                    return
         self._wake()
 
     def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except BlockingIOError:
-            pass  # the pipe is full: the thread is awake already
+        with self._pipe_lock:
+            if self._wake_w is None:
+                return  # the thread has ended and closed the pipe
+            try:
+                os.write(self._wake_w, b"x")
+            except BlockingIOError:
+                pass  # the pipe is full: the thread is awake already
 
     # -- the thread ----------------------------------------------------------------------
     def run(self) -> None:
@@ -143,16 +159,21 @@ class NodeIO(threading.Thread):
             poller.register(self._wake_r, zmq.POLLIN)
             send_message(control, self.hello)
             next_beat = time.monotonic() + self.heartbeat_interval_s
+            paused = zmq.Poller()  # while the inbox is full: only the wake pipe
+            paused.register(self._wake_r, zmq.POLLIN)
             while not self._stopping.is_set():
                 timeout_ms = max(0, int((next_beat - time.monotonic()) * 1000))
-                events = dict(poller.poll(min(timeout_ms, 500)))
+                if self.inbox.full():  # backpressure: peers meet their high-water marks
+                    events = dict(paused.poll(min(timeout_ms, 10)))
+                else:
+                    events = dict(poller.poll(min(timeout_ms, 500)))
                 if self._wake_r in events:
                     os.read(self._wake_r, 4096)
                 if control in events:
                     self._drain(control, CONTROL, CONTROL_IN)
                 if kv_in is not None and kv_in in events:
                     self._drain(kv_in, KV_IN, KV_IN_TYPES, routed=True)
-                for address, sock in kv_out.items():
+                for address, sock in list(kv_out.items()):
                     if sock in events:
                         self._drain(sock, KV_OUT, KV_OUT_TYPES, peer=address)
                 self._flush(control, kv_in, kv_out, ctx, poller, socks)
@@ -160,6 +181,7 @@ class NodeIO(threading.Thread):
                     self._heartbeat(control)
                     next_beat = time.monotonic() + self.heartbeat_interval_s
                     self._check_router(control)
+                    self._close_idle(kv_out, poller, socks)
             # Tell the router we are going, if it is still there.
             try:
                 send_message(control, P.Bye(node_id=self.hello.node_id, reason="shutdown"),
@@ -174,8 +196,24 @@ class NodeIO(threading.Thread):
             for s in socks:
                 s.close()
             ctx.term()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            with self._pipe_lock:
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+                self._wake_w = None
+
+    def _close_idle(self, kv_out: dict, poller, socks, keep: int = MAX_KV_OUT) -> None:
+        """Closes KV sockets of decode nodes not sent to for KV_OUT_IDLE_S (gone, most
+        likely), and the least recently used past ``keep`` open ones."""
+        now = time.monotonic()
+        by_age = sorted(kv_out, key=lambda a: self._kv_used.get(a, 0.0))
+        for i, address in enumerate(by_age):
+            if now - self._kv_used.get(address, 0.0) > KV_OUT_IDLE_S or len(by_age) - i > keep:
+                sock = kv_out.pop(address)
+                self._kv_used.pop(address, None)
+                poller.unregister(sock)
+                socks.remove(sock)
+                sock.close()
+                log.info("closed the idle KV socket to %s", address)
 
     def _check_router(self, control: zmq.Socket) -> None:
         """A router silent for ``liveness`` intervals is gone (or restarted): say Hello again,
@@ -214,16 +252,27 @@ class NodeIO(threading.Thread):
             if channel == CONTROL:
                 self.last_router_message = time.monotonic()
                 if isinstance(msg, P.Welcome):
-                    again = self.welcome is not None
+                    before = self.welcome
                     self.welcome = msg
                     self.welcomed.set()
-                    if not again:
-                        continue
+                    if before is None or (msg.accepted and msg.router_incarnation
+                                          and msg.router_incarnation == before.router_incarnation):
+                        continue  # first welcome, or the same router after a stall: resync
                     # Registered anew (the router restarted): the compute loop must drop
                     # the work the old router gave it, which nobody is waiting for now.
                 if isinstance(msg, P.Heartbeat):
                     continue
-            self.inbox.put(InboxItem(channel, peer, msg))
+            self._inbox_put(InboxItem(channel, peer, msg))
+            if self.inbox.full():
+                return  # the rest waits in the socket (backpressure)
+
+    def _inbox_put(self, item: InboxItem) -> None:
+        """Never blocks the I/O thread: the bound is kept by not reading the sockets while
+        the inbox is full, so the few items past it (send failures) are let in."""
+        with self.inbox.mutex:
+            self.inbox.queue.append(item)
+            self.inbox.unfinished_tasks += 1
+            self.inbox.not_empty.notify()
 
     def _answer_error(self, sock, channel, err: P.ProtocolError) -> None:
         try:
@@ -248,6 +297,7 @@ class NodeIO(threading.Thread):
                 else:
                     sock = kv_out.get(peer)
                     if sock is None:
+                        self._close_idle(kv_out, poller, socks, keep=MAX_KV_OUT - 1)
                         sock = make_socket(ctx, zmq.DEALER, connect=peer,
                                            identity=self.hello.node_id,
                                            max_msg_size=KV_ACK_MAX_MSG_BYTES,
@@ -255,11 +305,17 @@ class NodeIO(threading.Thread):
                         kv_out[peer] = sock
                         socks.append(sock)
                         poller.register(sock, zmq.POLLIN)
+                    self._kv_used[peer] = time.monotonic()
                     send_message(sock, msg, flags=zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # e.g. an address that cannot be connected to
+                log.warning("cannot connect to %r for %s: %s", peer, type(msg).__name__, exc)
+                self._inbox_put(InboxItem(channel, peer, P.Error(
+                    req_id=getattr(msg, "req_id", None), code=P.UNREACHABLE,
+                    message=f"cannot connect to {peer!r}: {exc}")))
             except SendError as exc:
                 # Never silent: the compute loop learns the send failed and ends the request.
                 log.warning("send on %s to %r failed: %s", channel, peer, exc)
                 req_id = getattr(msg, "req_id", None)
-                self.inbox.put(InboxItem(channel, peer, P.Error(
+                self._inbox_put(InboxItem(channel, peer, P.Error(
                     req_id=req_id, code=P.TIMEOUT if exc.reason == "full" else P.INTERNAL,
                     message=f"send to {peer or 'router'} failed: {exc}")))

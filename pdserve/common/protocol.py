@@ -26,8 +26,15 @@ import msgpack
 import torch
 import xxhash
 
-PROTOCOL_VERSION = 2  # 2: decode-side prefix reuse (cached_blocks / skip_blocks)
+PROTOCOL_VERSION = 2  # 2: Hello.incarnation, Welcome.router_incarnation, SamplingSpec.seed_offset,
+                      # decode-side prefix reuse (cached_blocks / skip_blocks / first_block)
 MAX_HEADER_BYTES = 16 * 1024 * 1024  # a header is metadata; KV travels in frames
+# Decoded MessagePack may hold at most one container (map or array) per this many bytes of
+# input: a header of empty maps ({} is 1 byte, a dict 64) cannot grow 70x in memory.
+BYTES_PER_CONTAINER = 16
+MIN_CONTAINERS = 256
+MAX_SEED = 2**63        # seeds are in [0, 2^63): a signed 64-bit value on every side
+MAX_WIRE_INT = 2**63    # the most any count or id on the wire may be (msgpack packs up to 2^64)
 
 # Error codes: the `code` of ProtocolError and of the Error message.
 BAD_MESSAGE = "bad_message"
@@ -43,9 +50,10 @@ LEASE_EXPIRED = "lease_expired"
 TIMEOUT = "timeout"
 ABORTED = "aborted"
 INTERNAL = "internal"
+UNREACHABLE = "unreachable"  # a peer's address cannot be connected to
 ERROR_CODES = (BAD_MESSAGE, VERSION_MISMATCH, UNKNOWN_TYPE, UNEXPECTED_TYPE, TOO_LARGE,
                LAYOUT_MISMATCH, MODEL_MISMATCH, CHECKSUM_MISMATCH, NO_CAPACITY,
-               LEASE_EXPIRED, TIMEOUT, ABORTED, INTERNAL)
+               LEASE_EXPIRED, TIMEOUT, ABORTED, INTERNAL, UNREACHABLE)
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -136,6 +144,9 @@ class SamplingSpec:
     seed: Optional[int] = None
     stop_token_ids: list[int]
     ignore_eos: bool
+    # Tokens this request already sampled in earlier attempts (failover): a seeded request's
+    # random stream resumes at this index instead of starting over.
+    seed_offset: int = 0
 
 
 @_struct
@@ -180,6 +191,9 @@ class Hello(Message):
     kv_address: Optional[str] = None  # decode nodes: where prefill nodes connect
     pid: int
     compute: str = "model"  # "none": a benchmark node that skips the forward (fixed tokens)
+    # Random per process start: the same id again after a silence is a resync (the router
+    # stalled), a new one a restart (its work is gone).
+    incarnation: str = ""
 
     def _validate(self) -> None:
         if self.role not in ROLES:
@@ -193,6 +207,7 @@ class Welcome(Message):
     reason: str
     heartbeat_interval_s: float
     liveness: int
+    router_incarnation: str = ""  # a node welcomed again by the same router keeps its work
 
 
 @_message("heartbeat")
@@ -222,6 +237,7 @@ class Reserve(Message):
     sampling: SamplingSpec
     prefill_node_id: str
     lease_s: float
+    timeout_s: float = 0.0  # the request's time left; the node ends it past that (0: none)
 
 
 @_message("reserve_reply")
@@ -528,6 +544,22 @@ def encode(msg: Message) -> list[Union[bytes, memoryview]]:
     return [packed, *frames]
 
 
+def unpack_bounded(data) -> Any:
+    """msgpack.unpackb with a bound on how far the result may outgrow ``data``: at most one
+    map or array per BYTES_PER_CONTAINER bytes (ProtocolError TOO_LARGE past it); strings,
+    bins and arrays cannot be longer than the input either (msgpack's own limits)."""
+    budget = [max(MIN_CONTAINERS, len(data) // BYTES_PER_CONTAINER)]
+
+    def count(obj):
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise ProtocolError(TOO_LARGE, f"a {len(data)}-byte MessagePack value holds more "
+                                f"than one map or array per {BYTES_PER_CONTAINER} bytes")
+        return obj
+
+    return msgpack.unpackb(data, raw=False, list_hook=count, object_hook=count)
+
+
 def decode(frames: Sequence[FrameLike], expected: Optional[tuple[type, ...]] = None) -> Message:
     """Rebuild a message from its frames (tensors zero-copy over the frame buffers).
 
@@ -551,7 +583,9 @@ def _decode(frames: Sequence[FrameLike], expected: Optional[tuple[type, ...]]) -
         raise ProtocolError(TOO_LARGE, f"header is {head.nbytes} bytes, over "
                             f"MAX_HEADER_BYTES={MAX_HEADER_BYTES}")
     try:
-        header = msgpack.unpackb(head, raw=False)
+        header = unpack_bounded(head)
+    except ProtocolError:
+        raise
     except Exception as e:
         raise ProtocolError(BAD_MESSAGE, f"header is not valid MessagePack ({type(e).__name__}: "
                             f"{str(e)[:200]})") from None

@@ -181,22 +181,70 @@ def _is_loopback(address: str) -> bool:
     return address.startswith(("ipc://", "inproc://")) or host in ("127.0.0.1", "localhost", "::1")
 
 
+INSECURE_WARN_PERIOD_S = 60.0
+
+
+def router_exposures(config) -> list[str]:
+    """What the router's config opens to other machines without protection."""
+    out = []
+    if config.curve_dir is None:
+        for what, address in (("control", config.control), ("ingress", config.ingress)):
+            if address and not _is_loopback(address):
+                out.append(f"the {what} socket {address} is open to other machines without "
+                           f"CURVE: anyone who reaches it can "
+                           f"{'join as a node' if what == 'control' else 'submit work'} "
+                           "(--curve-dir)")
+    if not _is_loopback(f"tcp://{config.host}:0") and config.api_key is None:
+        out.append(f"the HTTP API on {config.host} takes requests from anyone who reaches it "
+                   "(--api-key)")
+    return out
+
+
+def node_exposures(config) -> list[str]:
+    """What a node's config opens to other machines without protection."""
+    if config.role == "decode" and config.curve_dir is None and config.kv_bind \
+            and not _is_loopback(config.kv_bind):
+        return [f"the KV socket {config.kv_bind} is open to other machines without CURVE: "
+                "anyone who reaches it can feed this node KV (--curve-dir)"]
+    return []
+
+
+def refuse_insecure(exposures: list[str], insecure: bool) -> None:
+    """Secure by default off loopback: ValueError naming each exposure unless ``insecure``
+    (then they are logged now, and by ``InsecureWarnings`` every minute)."""
+    if not exposures:
+        return
+    if not insecure:
+        raise ValueError("refusing to start: " + "; ".join(exposures) + ". Set the keys, or "
+                         "pass --insecure to run unprotected (docs/security.md)")
+    for line in exposures:
+        log.warning("INSECURE (--insecure): %s", line)
+
+
+class InsecureWarnings:
+    """``due()`` turns true once a minute while an --insecure process runs exposed."""
+
+    def __init__(self, exposures: list[str], period_s: float = INSECURE_WARN_PERIOD_S):
+        self.exposures = exposures
+        self.period_s = period_s
+        self.next = time.monotonic() + period_s
+
+    def tick(self) -> None:
+        if self.exposures and time.monotonic() >= self.next:
+            self.next = time.monotonic() + self.period_s
+            for line in self.exposures:
+                log.warning("INSECURE (--insecure): %s", line)
+
+
 def check_router_security(config) -> None:
     """Loads the router's keys (a clear ValueError now, not at the first connection) and
-    warns about whatever the config opens to other machines without protection."""
+    refuses what the config opens to other machines without protection, unless
+    ``config.insecure``."""
     if config.curve_dir is not None:
         for domain in (CONTROL_DOMAIN, INGRESS_DOMAIN):
             server_curve(config.curve_dir, domain)
-    else:
-        for what, address in (("control", config.control), ("ingress", config.ingress)):
-            if address and not _is_loopback(address):
-                log.warning("the %s socket %s is open to other machines without CURVE: anyone "
-                            "who reaches it can %s (--curve-dir; docs/security.md)", what,
-                            address, "join as a node" if what == "control" else "submit work")
+    refuse_insecure(router_exposures(config), config.insecure)
     if not _is_loopback(f"tcp://{config.host}:0"):
-        if config.api_key is None:
-            log.warning("the HTTP API on %s takes requests from anyone who reaches it: set "
-                        "--api-key (docs/security.md)", config.host)
         log.info("HTTP is plain text: put a TLS proxy in front of it between machines")
 
 
@@ -206,7 +254,7 @@ def _z85(key: bytes) -> str:
     return (key if len(key) == 40 else z85.encode(key)).decode()
 
 
-class _Throttle:
+class LogThrottle:
     """One log line per key and period: a refused peer retries every 100 ms."""
 
     def __init__(self, period_s: float = 10.0):
@@ -251,7 +299,7 @@ class CurveGuard(threading.Thread):
         self._peer = "?"
         self._new: queue.Queue = queue.Queue()   # sockets handed over to this thread
         self._lock = threading.Lock()
-        self._throttle = _Throttle()
+        self._throttle = LogThrottle()
 
     def allow(self, domain: bytes, keys) -> None:
         """Serve ZAP for ``domain`` (replacing its list); call before the server socket binds."""

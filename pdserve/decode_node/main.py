@@ -34,6 +34,7 @@ class DecodeJob:
     transfer: InboundTransfer | None     # None: prefilled here (a colocated node)
     lease_s: float = 0.0
     lease_deadline: float = 0.0
+    deadline: float = float("inf")       # the request's own: past it the job ends here
 
     @property
     def placed(self) -> bool:
@@ -91,8 +92,9 @@ class DecodeNode(Node):
                                    len(msg.prompt_token_ids), first_block=cached)
         out = RequestOutputState(None, msg.prompt_token_ids, params,
                                  self.worker.model_config.eos_token_ids, self.worker.max_model_len)
-        self.jobs[msg.req_id] = DecodeJob(seq, out, transfer, msg.lease_s,
-                                          time.monotonic() + msg.lease_s)
+        now = time.monotonic()
+        self.jobs[msg.req_id] = DecodeJob(seq, out, transfer, msg.lease_s, now + msg.lease_s,
+                                          now + msg.timeout_s if msg.timeout_s else float("inf"))
         return P.ReserveReply(req_id=msg.req_id, ok=True, reason="",
                               num_blocks=len(seq.block_table), cached_blocks=cached)
 
@@ -104,6 +106,8 @@ class DecodeNode(Node):
             self.io.send_kv_reply(peer, P.KVAck(req_id=chunk.req_id, ok=False, reason=reason))
             return
         try:
+            if chunk.last:
+                self._check_first_token(chunk)
             self.receiver.place(chunk, job.transfer)
         except KVTransferError as exc:
             job.transfer.state = TransferState.FAILED
@@ -119,6 +123,13 @@ class DecodeNode(Node):
             job.out.add([chunk.first_token])  # counted toward max_tokens; the router has it
             self.worker.scheduler.add_running(seq)
             self.io.send_kv_reply(peer, P.KVAck(req_id=chunk.req_id, ok=True, reason=""))
+
+    def _check_first_token(self, chunk: P.KVChunk) -> None:
+        vocab = self.worker.model_config.vocab_size
+        if chunk.first_token is None or not 0 <= chunk.first_token < vocab:
+            raise KVTransferError(P.BAD_MESSAGE, f"the last KV chunk of {chunk.req_id!r} "
+                                  f"carries first_token={chunk.first_token!r}, not a token id "
+                                  f"in [0, {vocab})")
 
     def drop(self, req_id: str, reason: str) -> None:
         job = self.jobs.pop(req_id, None)
@@ -162,6 +173,11 @@ class DecodeNode(Node):
 
     def expire(self) -> None:
         now = time.monotonic()
+        for job in [j for j in self.jobs.values() if now > j.deadline]:
+            # Its Abort may have been lost: it must not run on to max_tokens.
+            self.drop(job.seq.seq_id, "error")
+            self.error_to_router(job.seq.seq_id, P.TIMEOUT, "the request passed its deadline "
+                                 "on the decode node")
         late = [j for j in self.jobs.values() if not j.placed and now > j.lease_deadline]
         for job in late:
             req_id = job.seq.seq_id
@@ -191,7 +207,8 @@ class ColocatedNode(DecodeNode):
             out = RequestOutputState(None, req.prompt_token_ids, seq.params,
                                      self.worker.model_config.eos_token_ids,
                                      self.worker.max_model_len)
-            self.jobs[req.req_id] = DecodeJob(seq, out, transfer=None)
+            self.jobs[req.req_id] = DecodeJob(seq, out, transfer=None,
+                                              deadline=time.monotonic() + req.timeout_s)
             self.worker.scheduler.add(seq)
 
 

@@ -22,7 +22,7 @@ from pdserve.common.config import NodeConfig
 from pdserve.common.kv_events import KVEventPublisher
 from pdserve.common.metrics import node_metrics, start_metrics_server
 from pdserve.common.node_io import InboxItem, NodeIO
-from pdserve.common.security import node_curves
+from pdserve.common.security import InsecureWarnings, node_curves, node_exposures
 from pdserve.engine.sampling_params import SamplingParams, from_spec
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.worker import Worker
@@ -45,13 +45,14 @@ class Node:
         hello = P.Hello(node_id=self.node_id, role=self.role,
                         protocol_version=P.PROTOCOL_VERSION, model=self.identity,
                         kv_layout=self.layout, capacity=self.worker.stats(), pid=os.getpid(),
-                        compute=config.engine.compute)
+                        compute=config.engine.compute, incarnation=os.urandom(8).hex())
         self.io = NodeIO(config.router, hello,
                          kv_bind=config.kv_bind if self.role == "decode" else None,
                          advertise_host=config.advertise_host,
                          heartbeat_interval_s=config.heartbeat_interval_s,
                          curve=node_curves(config.curve_dir, self.role, config.curve_key))
         self._stop = threading.Event()
+        self.insecure_warnings = InsecureWarnings(node_exposures(config))
         self.draining = False
         self.drain_deadline = 0.0
         self.jobs: dict = {}    # the role's requests by wire id
@@ -158,9 +159,8 @@ class Node:
                 if self.io.failure is not None:
                     raise RuntimeError("node I/O thread failed") from self.io.failure
                 self._take_inbox(block=not self.has_work())
-                self.expire()
-                if self.has_work():
-                    self.step()
+                self._turn()
+                self.insecure_warnings.tick()
                 self.io.stats = self.stats()
                 self.metrics.node_stats(self.io.stats)
                 sched = self.worker.scheduler
@@ -176,6 +176,31 @@ class Node:
             self.io.join(timeout=5)
             if metrics_server is not None:
                 metrics_server.close()
+
+    def _turn(self) -> None:
+        """Expiry and one step. A failure here is a bug or input no check caught: the
+        requests on this node fail with a reason, the node keeps serving."""
+        try:
+            self.expire()
+            if self.has_work():
+                self.step()
+        except Exception:
+            self.metrics.internal_error(f"{self.role}.step", log)
+            for req_id in list(self.jobs):
+                self.drop(req_id, "error")
+                self.error_to_router(req_id, P.INTERNAL, f"node {self.node_id} hit an internal "
+                                     "error while serving it; see the node's log")
+
+    def _fail_requests_of(self, msg: P.Message) -> None:
+        """The requests a message whose handling failed was about end with a reason."""
+        if isinstance(msg, P.PrefillBatch):
+            ids = [r.req_id for r in msg.requests]
+        else:
+            ids = [msg.req_id] if isinstance(msg, (P.Reserve, P.KVChunk)) else []
+        for req_id in ids:
+            self.drop(req_id, "error")
+            self.error_to_router(req_id, P.INTERNAL, f"node {self.node_id} hit an internal "
+                                 "error while taking the request; see the node's log")
 
     def _wait_welcome(self) -> bool:
         timeout = self.config.welcome_timeout_s
@@ -211,9 +236,10 @@ class Node:
                     self.drop_all("router restarted")
                 else:
                     self.handle(item)
-            except Exception:  # one bad message must not stop the node
-                log.exception("handling %s from %s failed", type(item.msg).__name__,
-                              item.channel)
+            except Exception:  # one bad message must not stop the node: its requests fail
+                self.metrics.internal_error(
+                    f"{self.role}.handle.{type(item.msg).__name__}", log)
+                self._fail_requests_of(item.msg)
             try:
                 item = self.io.inbox.get_nowait()
             except queue.Empty:

@@ -65,12 +65,20 @@ class RequestOutputState:
         return TextDelta(new_ids, delta, self.finish_reason)
 
     def _undecided_tail(self) -> int:
-        """Length of the longest end of the text that begins some stop string."""
-        for k in range(min(self._hold, len(self.text)), 0, -1):
-            tail = self.text[-k:]
-            if any(s.startswith(tail) for s in self.params.stop):
-                return k
-        return 0
+        """Length of the longest end of the text that begins some stop string. Only
+        positions holding a stop string's first character are tried, in C (str.find),
+        so the cost follows the held text, not hold x number of stop strings."""
+        start = max(len(self.text) - self._hold, self.num_emitted_chars - self._hold, 0)
+        best = 0
+        for stop in self.params.stop:
+            lo = max(start, len(self.text) - len(stop))
+            pos = self.text.find(stop[0], lo)
+            while pos >= 0 and len(self.text) - pos > best:
+                if stop.startswith(self.text[pos:]):
+                    best = len(self.text) - pos
+                    break
+                pos = self.text.find(stop[0], pos + 1)
+        return best
 
     def _cut_at_stop_string(self) -> bool:
         window = self.text[max(0, self.num_emitted_chars - self._hold):]

@@ -12,25 +12,46 @@ import torch
 
 from pdserve.engine.sampling_params import SamplingParams
 
+_MASK64 = 2**64 - 1
+
+
+def _mix(seed: int, index: int) -> int:
+    """splitmix64 of (seed, index): a well-spread 63-bit seed for token ``index``."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+class SeededStream:
+    """A seeded request's random stream, counter-based: the noise of its n-th sampled token
+    comes from a generator seeded with (seed, n). Any engine can so resume the stream at
+    any n (after a failover, n = the tokens sampled elsewhere), in O(1)."""
+
+    def __init__(self, seed: int, start: int, device: torch.device | str):
+        self.seed = seed
+        self.index = start
+        self._gen = torch.Generator(device=device)
+
+    def next(self) -> torch.Generator:
+        self._gen.manual_seed(_mix(self.seed, self.index))
+        self.index += 1
+        return self._gen
+
 
 def make_generator(params: SamplingParams, device: torch.device | str, vocab_size: int = 0,
-                   num_drawn: int = 0) -> torch.Generator | None:
-    """The request's own generator, advanced past the ``num_drawn`` tokens already sampled
-    (elsewhere: a prefill node, a node that died), so a seeded request continues exactly
-    as if one engine had sampled all of it."""
+                   num_drawn: int = 0) -> SeededStream | None:
+    """The request's own random stream, positioned after the ``params.seed_offset`` tokens
+    sampled in earlier attempts and the ``num_drawn`` sampled in this one (on a prefill
+    node), so a seeded request continues exactly as if one engine had sampled all of it.
+    ``vocab_size`` is unused (kept for callers)."""
     if params.seed is None or params.greedy:
         return None
-    gen = torch.Generator(device=device)
-    gen.manual_seed(params.seed)
-    if num_drawn:
-        skip = torch.empty(vocab_size, device=device)
-        for _ in range(num_drawn):  # each sampled token draws one row of noise in sample()
-            skip.exponential_(generator=gen)
-    return gen
+    return SeededStream(params.seed, params.seed_offset + num_drawn, device)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
+           generators: list[SeededStream | None]) -> list[int]:
     """logits [S, V] float32 → one token id per row."""
     greedy = [p.greedy for p in params]
     if all(greedy):
@@ -57,7 +78,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     probs = scaled.softmax(dim=-1)                                        # [S, V]
     noise = torch.empty_like(probs)
     for i, gen in enumerate(generators):
-        noise[i].exponential_(generator=gen)
+        noise[i].exponential_(generator=gen.next() if gen is not None else None)
     sampled = (probs / noise).argmax(dim=-1)
     out = torch.where(torch.tensor(greedy, device=device), logits.argmax(dim=-1), sampled)
     return out.tolist()

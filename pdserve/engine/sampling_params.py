@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_INT = 2**31      # bound of counts and token ids (the model's own bounds are checked later)
+MAX_SEED = 2**63     # seeds are signed 64-bit on every side
+
 
 @dataclass
 class SamplingParams:
@@ -20,6 +23,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Set by the router on failover, not by users: tokens already sampled in earlier
+    # attempts, so a seeded request's random stream resumes where it stopped.
+    seed_offset: int = 0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -34,23 +40,25 @@ class SamplingParams:
         def bad(name, allowed):
             raise ValueError(f"{name}={getattr(self, name)!r} is invalid: {allowed}")
 
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
-                or self.max_tokens < 1:
-            bad("max_tokens", "must be an integer >= 1")
+        def is_int(v, lo, hi):
+            return isinstance(v, int) and not isinstance(v, bool) and lo <= v < hi
+
+        if not is_int(self.max_tokens, 1, MAX_INT):
+            bad("max_tokens", f"must be an integer in [1, {MAX_INT})")
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
             bad("temperature", "must be a number in [0, 100]")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             bad("top_p", "must be a number in (0, 1]")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            bad("top_k", "must be an integer >= 0 (0 or -1 disables it)")
-        if self.seed is not None and (isinstance(self.seed, bool)
-                                      or not isinstance(self.seed, int)):
-            bad("seed", "must be an integer or None")
+        if not is_int(self.top_k, 0, MAX_INT):
+            bad("top_k", f"must be an integer in [0, {MAX_INT}) (0 or -1 disables it)")
+        if self.seed is not None and not is_int(self.seed, 0, MAX_SEED):
+            bad("seed", "must be an integer in [0, 2^63) or None")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be a list of non-empty strings")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                   for t in self.stop_token_ids):
-            bad("stop_token_ids", "must be a list of non-negative integers")
+        if not all(is_int(t, 0, MAX_INT) for t in self.stop_token_ids):
+            bad("stop_token_ids", f"must be a list of integers in [0, {MAX_INT})")
+        if not is_int(self.seed_offset, 0, MAX_INT):
+            bad("seed_offset", f"must be an integer in [0, {MAX_INT})")
 
     @property
     def greedy(self) -> bool:
@@ -63,11 +71,13 @@ def to_spec(params: SamplingParams):
 
     return SamplingSpec(max_tokens=params.max_tokens, temperature=float(params.temperature),
                         top_p=float(params.top_p), top_k=params.top_k, seed=params.seed,
-                        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos)
+                        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+                        seed_offset=params.seed_offset)
 
 
 def from_spec(spec) -> SamplingParams:
     """Raises ValueError when a peer sent values a user could not have."""
     return SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature,
                           top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed,
-                          stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos)
+                          stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos,
+                          seed_offset=spec.seed_offset)

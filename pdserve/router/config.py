@@ -21,8 +21,15 @@ class RouterConfig:
     request_timeout_s: float = 600.0         # default deadline of a request
     reserve_lease_s: float = 30.0            # how long a decode node holds a reservation
     max_pending_requests: int = 4096         # past this, new requests get "overloaded"
+    max_stop_strings: int = 16               # stop strings per request
+    max_stop_bytes: int = 256                # UTF-8 bytes of one stop string
+    max_prompt_bytes: int = 4 << 20          # prompt text (all messages for chat), before
+    #                                          tokenizing
+    tokenizer_threads: int = 2               # tokenization and chat templates run here
+    max_tokenizing: int = 64                 # requests tokenizing or waiting to; past it: 429
     curve_dir: str | None = None             # CurveZMQ keys (docs/security.md); None: off
     api_key: str | None = field(default=None, repr=False)  # Bearer token for /v1/*; None: open
+    insecure: bool = False                   # allow other machines in without CURVE / API key
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -34,5 +41,9 @@ class RouterConfig:
         for name in ("heartbeat_interval_s", "request_timeout_s", "reserve_lease_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.liveness < 1 or self.max_pending_requests < 1:
-            raise ValueError("liveness and max_pending_requests must be >= 1")
+        for name in ("liveness", "max_pending_requests", "max_stop_bytes", "max_prompt_bytes",
+                     "tokenizer_threads", "max_tokenizing"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_stop_strings < 0:
+            raise ValueError(f"max_stop_strings must be >= 0, got {self.max_stop_strings}")

@@ -29,6 +29,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,28 +39,34 @@ import zmq.asyncio
 
 from pdserve.common import protocol as P
 from pdserve.common.metrics import RouterMetrics
-from pdserve.common.security import CONTROL_DOMAIN, server_curve
-from pdserve.common.transport import SendError, async_recv_routed, make_socket, send_routed_nowait
+from pdserve.common.security import CONTROL_DOMAIN, LogThrottle, server_curve
+from pdserve.common.transport import SendError, make_socket, send_routed_nowait
 from pdserve.engine.output import RequestOutputState
 from pdserve.engine.sampling_params import to_spec
 from pdserve.model.config import ModelConfig
 from pdserve.model.loader import model_identity_hash, model_name
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.router import streams as S
+from pdserve.router.batching import MAX_BATCH_BYTES, prefill_timeout, request_bytes, split_by_size
+from pdserve.router.clock import Clock
 from pdserve.router.config import RouterConfig
+from pdserve.router.limits import check_request
+from pdserve.router.node_messages import (  # noqa: F401 (CONTROL_IN: part of this API)
+    CONTROL_IN,
+    DECODING,
+    PREFILLING,
+    RESERVING,
+    NodeMessages,
+)
 from pdserve.router.policies import make_policy
-from pdserve.router.registry import DRAINING, NodeInfo, Registry
+from pdserve.router.registry import NodeInfo, Registry
+from pdserve.router.tokenizing import TokenizerPool
 
 log = logging.getLogger(__name__)
 
-RESERVING, PREFILLING, DECODING = "reserving", "prefilling", "decoding"
-CONTROL_IN = (P.Hello, P.Heartbeat, P.FirstTokens, P.ReserveReply, P.TokenBatch, P.Error,
-              P.Drain, P.Bye)
 RETRY_RESERVE_S = 0.05     # how soon a request no decode node had room for tries again
+MAX_WAIT_RETRY_S = 1.0     # the longest pause between looks for a prefill node
 MAX_ATTEMPTS = 4           # dispatches of one request before its failure is final
-# Node errors another attempt can fix (a lost or corrupted transfer, a node gone quiet).
-RETRYABLE = (P.LEASE_EXPIRED, P.TIMEOUT, P.CHECKSUM_MISMATCH, P.NO_CAPACITY)
-TICK_S = 0.05              # deadlines, heartbeats and dead nodes are checked this often
 
 
 @dataclass
@@ -82,9 +89,10 @@ class Flight:
     failures: int = 0           # of them, the ones that failed (MAX_ATTEMPTS caps these)
     wire_prompt: list[int] = field(default_factory=list)  # prompt + tokens of earlier attempts
     skip_blocks: int = 0        # leading KV blocks the reserving decode node has cached
+    waits: int = 0              # looks for a live prefill node that found none
 
 
-class RouterCore:
+class RouterCore(NodeMessages, Clock):
     def __init__(self, config: RouterConfig):
         from pdserve.model.default_model import default_model_dir
 
@@ -111,25 +119,16 @@ class RouterCore:
         self._ctx: zmq.asyncio.Context | None = None
         self._sock = None
         self._tasks: list[asyncio.Task] = []
+        self.incarnation = os.urandom(8).hex()
+        self.loop_ticks = {"receive": 0, "tick": 0}   # turns of each loop (/health reads them)
+        self.last_tick = time.monotonic()
+        self._refusal_log = LogThrottle(period_s=10.0)
+        self.tokenizing = TokenizerPool(config.tokenizer_threads, config.max_tokenizing)
 
     # -- front-end API ------------------------------------------------------------------------
     def check(self, req: S.GenerationRequest) -> None:
-        ids, vocab = req.prompt_token_ids, self.model_config.vocab_size
-        if not ids:
-            raise S.RequestError(S.BAD_REQUEST, "the prompt is empty: it needs at least one "
-                                 "token", "prompt")
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise S.RequestError(S.BAD_REQUEST, f"prompt token ids must be integers in "
-                                 f"[0, {vocab})", "prompt")
-        if len(ids) >= self.max_model_len:
-            raise S.RequestError(S.BAD_REQUEST, (
-                f"the prompt has {len(ids)} tokens but the model's context is "
-                f"{self.max_model_len} tokens, leaving no room for output"), "prompt")
-        try:
-            req.params.validate()
-        except ValueError as exc:
-            raise S.RequestError(S.BAD_REQUEST, str(exc),
-                                 str(exc).split("=", 1)[0]) from None
+        """RequestError(BAD_REQUEST) naming the field, for what this model and config refuse."""
+        check_request(req, self.model_config.vocab_size, self.max_model_len, self.config)
 
     def submit(self, req: S.GenerationRequest) -> S.RequestStream:
         try:
@@ -155,6 +154,7 @@ class RouterCore:
         out = RequestOutputState(self.tokenizer, req.prompt_token_ids, req.params,
                                  self.model_config.eos_token_ids, self.max_model_len)
         timeout = req.timeout_s or self.config.request_timeout_s
+        # Everything that can fail runs before the flight is registered.
         flight = Flight(req_id, req_id, list(req.prompt_token_ids), to_spec(req.params), out,
                         stream, time.monotonic() + timeout,
                         wire_prompt=list(req.prompt_token_ids))
@@ -171,6 +171,12 @@ class RouterCore:
             self._finish(flight, S.StreamEvent([], "", finish_reason="abort"), abort=True)
 
     def health(self) -> tuple[bool, str]:
+        dead = [t.get_name() for t in self._tasks if t.done()]
+        if dead:
+            return False, f"the router's loop(s) {', '.join(dead)} stopped; see its log"
+        if self._tasks and time.monotonic() - self.last_tick > 2.0:
+            return False, (f"the router's clock has not ticked for "
+                           f"{time.monotonic() - self.last_tick:.1f} s")
         return self.registry.health()
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -179,14 +185,16 @@ class RouterCore:
         self._sock = make_socket(self._ctx, zmq.ROUTER, bind=self.config.control,
                                  max_msg_size=64 * 2**20,
                                  curve=server_curve(self.config.curve_dir, CONTROL_DOMAIN))
-        self._tasks = [asyncio.create_task(self._receive_loop()),
-                       asyncio.create_task(self._tick_loop())]
+        self.last_tick = time.monotonic()
+        self._tasks = [asyncio.create_task(self._receive_loop(), name="receive"),
+                       asyncio.create_task(self._tick_loop(), name="tick")]
         log.info("router control socket on %s, model %s", self.config.control, self.model_name)
 
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.tokenizing.close()
         for flight in list(self.requests.values()):
             self._fail(flight, S.NO_NODES, "the router is shutting down")
         if self._sock is not None:
@@ -202,6 +210,9 @@ class RouterCore:
         try:
             send_routed_nowait(self._sock, peer, msg)
             return True
+        except P.ProtocolError as exc:  # cannot be encoded: the caller fails what it carried
+            log.error("%s to node %s not sent: %s", type(msg).__name__, node_id, exc)
+            return False
         except SendError as exc:
             log.warning("send of %s to node %s failed: %s", type(msg).__name__, node_id, exc)
             if exc.reason == "unreachable":
@@ -214,11 +225,13 @@ class RouterCore:
             return False
 
     def _reserve(self, flight: Flight) -> None:
+        flight.retry_at = 0.0
         colocated = self.registry.live("colocated")
         flight.skip_blocks = 0
         if colocated:  # one engine does both: no reservation, no KV transfer
-            node = self.policy.pick("prefill", colocated, flight.prompt)
+            node = self.policy.pick("prefill", colocated, flight.wire_prompt)
             flight.decode_node = node.node_id
+            node.requests.add(flight.wire_id)
             self._to_prefill(flight, node)
             return
         candidates = [n for n in self.registry.live("decode")
@@ -232,7 +245,8 @@ class RouterCore:
         node.requests.add(flight.wire_id)
         if not self._send(node.node_id, P.Reserve(
                 req_id=flight.wire_id, prompt_token_ids=flight.wire_prompt, sampling=flight.spec,
-                prefill_node_id="", lease_s=self.config.reserve_lease_s)):
+                prefill_node_id="", lease_s=self.config.reserve_lease_s,
+                timeout_s=max(1.0, flight.deadline - time.monotonic()))):
             self._refused(flight, node.node_id, "unreachable")
 
     def _refused(self, flight: Flight, node_id: str, reason: str) -> None:
@@ -248,8 +262,11 @@ class RouterCore:
         nodes = self.registry.live("prefill")
         decode = self.registry.nodes.get(flight.decode_node)
         if node is None and (not nodes or decode is None):
-            # Wait for a prefill node (one may join) until the deadline says otherwise.
-            self._retry(flight, "no live prefill node", delay=RETRY_RESERVE_S, count=False)
+            # Wait for a prefill node (one may join) until the deadline says otherwise,
+            # looking less often the longer it takes; the deadline's error says how long.
+            flight.waits += 1
+            self._retry(flight, "no live prefill node", count=False,
+                        delay=min(MAX_WAIT_RETRY_S, RETRY_RESERVE_S * 2 ** flight.waits))
             return
         node = node or self.policy.pick("prefill", nodes, flight.wire_prompt)
         flight.prefill_node, flight.state = node.node_id, PREFILLING
@@ -258,115 +275,42 @@ class RouterCore:
         self._batches.setdefault(node.node_id, []).append(P.PrefillRequest(
             req_id=flight.wire_id, prompt_token_ids=flight.wire_prompt, sampling=flight.spec,
             decode_node_id=decode.node_id, kv_address=decode.hello.kv_address or "",
-            timeout_s=max(1.0, flight.deadline - time.monotonic()),
+            timeout_s=prefill_timeout(flight.deadline, self.config.reserve_lease_s,
+                                      colocated=node is decode),
             skip_blocks=flight.skip_blocks))
         if not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
-        """Everything bound for one prefill node in this loop turn leaves as one message."""
+        """Everything bound for one prefill node in this loop turn leaves as one message
+        (several when that would pass MAX_BATCH_BYTES)."""
         self._flush_scheduled = False
         batches, self._batches = self._batches, {}
         for node_id, requests in batches.items():
-            self.metrics.dispatched(self.flights[r.req_id].req_id for r in requests
-                                    if r.req_id in self.flights)
-            if not self._send(node_id, P.PrefillBatch(requests=requests)):
-                for r in requests:
-                    if r.req_id in self.flights:
-                        self._retry(self.flights[r.req_id],
-                                    f"prefill node {node_id} could not be reached")
-
-    # -- what nodes send -----------------------------------------------------------------------
-    async def _receive_loop(self) -> None:
-        while True:
-            try:
-                peer, msg = await async_recv_routed(self._sock, CONTROL_IN)
-            except P.ProtocolError as err:
-                log.warning("bad message from node %r: %s", err.peer, err)
-                if err.peer is not None:
-                    self._send(err.peer, err.to_message())
-                continue
-            try:
-                self._handle(peer.decode(errors="replace"), msg)
-            except Exception:  # one bad message must not stop the router
-                log.exception("handling %s from %r failed", type(msg).__name__, peer)
-
-    def _handle(self, node_id: str, msg: P.Message) -> None:
-        if isinstance(msg, P.Hello):
-            if msg.node_id != node_id:  # one node may not speak for another
-                log.warning("hello refused: node_id %r differs from its socket identity %r",
-                            msg.node_id, node_id)
-                self._send(node_id, P.Welcome(
-                    accepted=False, liveness=self.config.liveness,
-                    reason=f"node_id {msg.node_id!r} must equal the socket identity {node_id!r}",
-                    heartbeat_interval_s=self.config.heartbeat_interval_s))
-                return
-            if node_id in self.registry.nodes:  # restarted: its old work is gone with it
-                self._node_gone(self.registry.remove(node_id), f"node {node_id} restarted")
-            ok, reason = self.registry.admit(msg)
-            (log.info if ok else log.warning)("%s node %s %s%s", msg.role, node_id,
-                                              "joined" if ok else "refused: ", reason)
-            self._send(node_id, P.Welcome(accepted=ok, reason=reason,
-                                          heartbeat_interval_s=self.config.heartbeat_interval_s,
-                                          liveness=self.config.liveness))
-            return
-        node = self.registry.seen(node_id, getattr(msg, "stats", None))
-        if node is None:
-            if not isinstance(msg, (P.Heartbeat, P.Bye)):
-                log.warning("%s from unregistered node %s ignored", type(msg).__name__, node_id)
-            return
-        if isinstance(msg, P.ReserveReply):
-            flight = self.flights.get(msg.req_id)
-            if flight is None or flight.decode_node != node_id or flight.state != RESERVING:
-                # (a reply for an earlier attempt, or for a request already gone)
-                if msg.ok:  # nobody wants it any more: give the blocks back
-                    self._send(node_id, P.Abort(req_ids=[msg.req_id], reason="not needed"))
-                return
-            if msg.ok:
-                flight.skip_blocks = msg.cached_blocks
-                self._to_prefill(flight)
-            elif msg.reason.startswith(P.BAD_MESSAGE):  # no node will take it: say why now
-                self._fail(flight, S.BAD_REQUEST, f"decode node {node_id} refused the "
-                           f"request: {msg.reason.split(': ', 1)[-1]}")
-            else:
-                self._refused(flight, node_id, msg.reason)
-        elif isinstance(msg, P.FirstTokens):
-            for item in msg.items:
-                flight = self.flights.get(item.req_id)
-                if flight is None:
+            for part in split_by_size(requests, MAX_BATCH_BYTES):
+                if request_bytes(part[0]) > MAX_BATCH_BYTES:  # alone, and still too big
+                    self._fail(self.flights[part[0].req_id], S.BAD_REQUEST, (
+                        f"the request needs a {request_bytes(part[0])}-byte message to its "
+                        f"prefill node, over the {MAX_BATCH_BYTES}-byte limit"))
                     continue
-                node.queued_prompt_tokens -= len(flight.wire_prompt)
-                node.requests.discard(item.req_id)
-                flight.state = DECODING
-                # A first token that ends the request leaves a decode reservation to release.
-                self._deliver(flight, [item.token_id], item.finish_reason, nodes_done=False)
-                for early in flight.early_tokens:
-                    if item.req_id in self.flights:
-                        self._deliver(flight, early.token_ids, early.finish_reason)
-                flight.early_tokens.clear()
-        elif isinstance(msg, P.TokenBatch):
-            for item in msg.items:
-                flight = self.flights.get(item.req_id)
-                if flight is None:
-                    continue
-                if flight.state != DECODING:
-                    flight.early_tokens.append(item)
-                else:
-                    self._deliver(flight, item.token_ids, item.finish_reason)
-        elif isinstance(msg, P.Error):
-            flight = self.flights.get(msg.req_id) if msg.req_id else None
-            if flight is None:
-                log.warning("error from node %s: %s %s", node_id, msg.code, msg.message)
-            elif msg.code in RETRYABLE:
-                self._retry(flight, f"node {node_id}: {msg.message} ({msg.code})")
-            else:
-                self._fail(flight, S.NODE_ERROR, f"node {node_id}: {msg.message} ({msg.code})")
-        elif isinstance(msg, P.Drain):
-            node.state = DRAINING
-            log.info("node %s is draining: %s", node_id, msg.reason)
-        elif isinstance(msg, P.Bye):
-            self._node_gone(self.registry.remove(node_id), f"node {node_id} left: {msg.reason}")
+                try:
+                    self._send_batch(node_id, part)
+                except Exception:  # these requests fail; the other batches still leave
+                    self.metrics.internal_error("router.flush", log)
+                    for r in part:
+                        if r.req_id in self.flights:
+                            self._fail(self.flights[r.req_id], S.INTERNAL,
+                                       "internal error while dispatching; see the router's log")
+
+    def _send_batch(self, node_id: str, requests: list[P.PrefillRequest]) -> None:
+        self.metrics.dispatched(self.flights[r.req_id].req_id for r in requests
+                                if r.req_id in self.flights)
+        if not self._send(node_id, P.PrefillBatch(requests=requests)):
+            for r in requests:
+                if r.req_id in self.flights:
+                    self._retry(self.flights[r.req_id],
+                                f"prefill node {node_id} could not be reached")
 
     def _deliver(self, flight: Flight, token_ids: list[int], node_reason: str | None,
                  nodes_done: bool = True) -> None:
@@ -429,7 +373,7 @@ class RouterCore:
         flight.wire_id = f"{flight.req_id}~{flight.attempt}"
         flight.wire_prompt = flight.prompt + flight.out.token_ids
         flight.spec = dataclasses.replace(
-            flight.spec, max_tokens=flight.out.params.max_tokens - done)
+            flight.spec, max_tokens=flight.out.params.max_tokens - done, seed_offset=done)
         flight.prefill_node = flight.decode_node = None
         flight.refused_by.clear()
         flight.early_tokens.clear()
@@ -456,24 +400,3 @@ class RouterCore:
             flight = self.flights.get(wire_id)
             if flight is not None:
                 self._retry(flight, why)
-
-    # -- the clock -------------------------------------------------------------------------------
-    async def _tick_loop(self) -> None:
-        next_beat = 0.0
-        while True:
-            await asyncio.sleep(TICK_S)
-            now = time.monotonic()
-            for node in self.registry.expire(now):
-                self._node_gone(node, f"node {node.node_id} missed {self.config.liveness} "
-                                "heartbeats")
-            if now >= next_beat:
-                next_beat = now + self.config.heartbeat_interval_s
-                for node_id in list(self.registry.nodes):
-                    self._send(node_id, P.Heartbeat(node_id="router", stats=None))
-            for flight in list(self.requests.values()):
-                if now > flight.deadline:
-                    waiting = "no node could take it" if flight.retry_at else flight.state
-                    self._fail(flight, S.TIMEOUT, f"the request passed its deadline "
-                               f"({flight.deadline - flight.created:.0f} s) while {waiting}")
-                elif flight.retry_at and now >= flight.retry_at:
-                    self._reserve(flight)

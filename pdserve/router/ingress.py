@@ -26,8 +26,11 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from pdserve.common.protocol import unpack_bounded
 from pdserve.common.transport import CurveConfig, endpoint_of, make_socket
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.limits import check_prompt_bytes
+from pdserve.router.openai_schema import encode_text
 from pdserve.router.streams import (
     BAD_REQUEST,
     INTERNAL,
@@ -49,7 +52,7 @@ SUBMIT_FIELDS = ("type", "id", "prompt", "prompt_token_ids", "max_tokens", "temp
 
 @dataclass
 class _Flight:
-    stream: RequestStream
+    stream: RequestStream | None = None  # None while its prompt is being tokenized
     task: asyncio.Task | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -83,7 +86,7 @@ class Ingress:
                 try:
                     self._handle(frames[0], frames[1:])
                 except Exception:  # a bug must not stop the ingress
-                    log.exception("ingress: message from %r", frames[0])
+                    self.core.metrics.internal_error("router.ingress", log)
         finally:
             self.close()
 
@@ -103,7 +106,7 @@ class Ingress:
             return self._reject(peer, None, f"expected one frame (a MessagePack map), got "
                                             f"{len(frames)}")
         try:
-            msg = msgpack.unpackb(frames[0], raw=False)
+            msg = unpack_bounded(frames[0])
         except Exception as e:
             return self._reject(peer, None, f"not valid MessagePack: {e}")
         if not isinstance(msg, dict):
@@ -127,20 +130,26 @@ class Ingress:
             self._send_error(peer, rid, DUPLICATE_ID,
                              f"request id {rid!r} is already in flight from this producer")
             return
+        flight = _Flight()  # holds the id while the prompt is tokenized off the loop
+        self._flights[(peer, rid)] = flight
+        flight.task = asyncio.get_running_loop().create_task(self._start(peer, rid, msg, flight))
+
+    async def _start(self, peer: bytes, rid: str, msg: dict, flight: _Flight) -> None:
         try:
-            stream = self.core.submit(self._request(msg))  # core.check runs inside
+            stream = self.core.submit(await self._request(msg))  # core.check runs inside
         except RequestError as e:
+            self._flights.pop((peer, rid), None)
             self._send_error(peer, rid, e.code, e.message)
             return
         except Exception as e:
-            log.exception("ingress: submit %r from %r", rid, peer)
+            self._flights.pop((peer, rid), None)
+            self.core.metrics.internal_error("router.ingress.submit", log)
             self._send_error(peer, rid, INTERNAL, f"internal error: {e}")
             return
-        flight = _Flight(stream, prompt_tokens=len(stream.prompt_token_ids))
-        self._flights[(peer, rid)] = flight
-        flight.task = asyncio.get_running_loop().create_task(self._forward(peer, rid, flight))
+        flight.stream, flight.prompt_tokens = stream, len(stream.prompt_token_ids)
+        await self._forward(peer, rid, flight)
 
-    def _request(self, msg: dict) -> GenerationRequest:
+    async def _request(self, msg: dict) -> GenerationRequest:
         """The GenerationRequest of a submit map; RequestError(bad_request) naming the field."""
         unknown = sorted(str(k) for k in msg if k not in SUBMIT_FIELDS)
         if unknown:
@@ -153,7 +162,9 @@ class Ingress:
         if has_text:
             if not isinstance(msg["prompt"], str):
                 _bad_type("prompt", "a string", msg["prompt"])
-            ids = self.core.tokenizer.encode(msg["prompt"]) if msg["prompt"] else []
+            check_prompt_bytes(msg["prompt"], self.core.config)
+            ids = await self.core.tokenizing.run(encode_text, self.core.tokenizer,
+                                                 msg["prompt"]) if msg["prompt"] else []
         else:
             ids = msg["prompt_token_ids"]
             if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
@@ -170,7 +181,7 @@ class Ingress:
         try:
             params = SamplingParams(**kwargs)
         except ValueError as e:
-            raise RequestError(BAD_REQUEST, str(e)) from None
+            raise RequestError(BAD_REQUEST, str(e), str(e).split("=", 1)[0]) from None
         return GenerationRequest(prompt_token_ids=list(ids), params=params)
 
     def _cancel(self, peer: bytes, rid: str) -> None:
@@ -235,12 +246,14 @@ class Ingress:
         current = asyncio.current_task()
         for key in mine:
             flight = self._flights.pop(key)
-            flight.stream.cancel()
+            if flight.stream is not None:
+                flight.stream.cancel()
             if flight.task is not None and flight.task is not current:
                 flight.task.cancel()
 
     def _abort(self, flight: _Flight) -> None:
-        flight.stream.cancel()
+        if flight.stream is not None:
+            flight.stream.cancel()
         if flight.task is not None and flight.task is not asyncio.current_task():
             flight.task.cancel()
 

@@ -13,7 +13,13 @@ import signal
 import uvicorn
 
 from pdserve.common.metrics import metrics_endpoint, start_metrics_server
-from pdserve.common.security import INGRESS_DOMAIN, check_router_security, server_curve
+from pdserve.common.security import (
+    INGRESS_DOMAIN,
+    InsecureWarnings,
+    check_router_security,
+    router_exposures,
+    server_curve,
+)
 from pdserve.router.config import RouterConfig
 from pdserve.router.core import RouterCore
 
@@ -50,6 +56,13 @@ async def serve(config: RouterConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     log.info("router ready: http://%s:%d (OpenAI API), control %s, ingress %s",
              config.host, config.http_port, config.control, config.ingress or "off")
+    warnings = InsecureWarnings(router_exposures(config))
+    if warnings.exposures:  # --insecure: said again every minute
+        async def warn():
+            while True:
+                await asyncio.sleep(5)
+                warnings.tick()
+        tasks.append(asyncio.create_task(warn()))
     stopper = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
     try:

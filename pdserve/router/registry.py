@@ -5,12 +5,35 @@ and the clock, and acts on what it answers.
 """
 from __future__ import annotations
 
+import ipaddress
+import re
 import time
 from dataclasses import dataclass, field
 
 from pdserve.common import protocol as P
 
 LIVE, DRAINING = "live", "draining"
+MAX_NODES = 1024   # registered at once: a peer cycling through identities cannot grow it
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9-]{1,63})*$")
+
+
+def kv_address_problem(address: str | None) -> str | None:
+    """Why a decode node's announced KV address cannot be connected to, or None.
+    Accepted: ``tcp://HOST:PORT`` (a host name, IPv4 or [IPv6]; port 1..65535)."""
+    if not address:
+        return "a decode node must announce its kv_address"
+    m = re.fullmatch(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^:/\[\]]+):(\d{1,5})", address)
+    if m is None or len(address) > 300:
+        return f"kv_address {address[:80]!r} is not tcp://HOST:PORT"
+    host, port = m.group(1), int(m.group(2))
+    if not 0 < port < 65536:
+        return f"kv_address {address!r}: port {port} is not in [1, 65535]"
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        if host.startswith("[") or not _HOSTNAME.match(host) or host.replace(".", "").isdigit():
+            return f"kv_address {address!r}: {host!r} is neither an IP address nor a host name"
+    return None
 
 
 @dataclass
@@ -36,8 +59,12 @@ class Registry:
         # (KV moves between them page for page): the first node admitted sets them.
         self.cluster_kv: tuple[str, int] | None = None
 
-    def admit(self, hello: P.Hello, now: float | None = None) -> tuple[bool, str]:
-        """Checks a node's Hello; on success the node is registered (or re-registered)."""
+    def admit(self, hello: P.Hello, now: float | None = None,
+              keep: bool = False) -> tuple[bool, str]:
+        """Checks a node's Hello; on success the node is registered (or re-registered).
+        ``keep``: a resync of a node already here: it keeps its requests."""
+        if hello.node_id not in self.nodes and len(self.nodes) >= MAX_NODES:
+            return False, f"the cluster has {len(self.nodes)} nodes, the most this router takes"
         if hello.protocol_version != P.PROTOCOL_VERSION:
             return False, (f"protocol version {hello.protocol_version} is not this router's "
                            f"{P.PROTOCOL_VERSION}")
@@ -52,8 +79,9 @@ class Registry:
         if shape != self.shape:
             return False, (f"KV shape {shape} (layers, kv heads, head dim) is not the model's "
                            f"{self.shape}")
-        if hello.role == "decode" and not hello.kv_address:
-            return False, "a decode node must announce its kv_address"
+        problem = kv_address_problem(hello.kv_address) if hello.role == "decode" else None
+        if problem:
+            return False, problem
         others = [n for n in self.nodes.values() if n.node_id != hello.node_id]
         kv = (lay.dtype, lay.block_size)
         if self.cluster_kv is not None and others and kv != self.cluster_kv:
@@ -62,8 +90,12 @@ class Registry:
                            "move between this node and the others")
         self.cluster_kv = (lay.dtype, lay.block_size)
         now = time.monotonic() if now is None else now
-        self.nodes[hello.node_id] = NodeInfo(hello.node_id, hello.role, hello, hello.capacity,
-                                             now)
+        old = self.nodes.get(hello.node_id)
+        node = NodeInfo(hello.node_id, hello.role, hello, hello.capacity, now)
+        if keep and old is not None and old.role == hello.role:
+            node.state, node.requests = old.state, old.requests
+            node.queued_prompt_tokens = old.queued_prompt_tokens
+        self.nodes[hello.node_id] = node
         return True, ""
 
     def seen(self, node_id: str, stats: P.NodeStats | None = None,
