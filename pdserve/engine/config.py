@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None             # checkpoint folder; None = the bundled default model
+    model: str | None = None             # checkpoint folder or .gguf; None = the default model
     dtype: str = "float32"               # float32 | bfloat16 | float16 | auto
     device: str = "cpu"
     block_size: int = 16

@@ -193,8 +193,8 @@ def iter_tensors(path: str | Path, cfg: ModelConfig, dtype: torch.dtype
         if name is None:
             yield None, t.name, None
             continue
-        array = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type))
-        tensor = torch.from_numpy(array.astype(np.float32, copy=True))
+        # torch.tensor copies into torch's (aligned) memory: F32 data is the file's mmap.
+        tensor = torch.tensor(gguf.quants.dequantize(t.data, t.tensor_type), dtype=torch.float32)
         if permuted and ".q_proj." in name:
             tensor = unpermute_rows(tensor, cfg.num_attention_heads)
         elif permuted and ".k_proj." in name:

@@ -8,8 +8,8 @@ POLICIES = ("round_robin", "least_loaded", "cache_aware")
 
 @dataclass(frozen=True)
 class RouterConfig:
-    model: str | None = None                 # checkpoint folder (config + tokenizer are read)
-    served_model_name: str | None = None     # the name clients use; default: folder name
+    model: str | None = None                 # checkpoint folder or .gguf (config + tokenizer)
+    served_model_name: str | None = None     # the name clients use; default: model_name()
     host: str = "127.0.0.1"                  # HTTP bind host
     http_port: int = 8000
     metrics_port: int | None = None          # /metrics on its own port too; None: HTTP port only
