@@ -27,6 +27,7 @@ from pdserve.client import AsyncQueueClient
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence
 
 SAMPLING = {"temperature": 0.0, "ignore_eos": True}
 
@@ -49,7 +50,6 @@ def bare_ttfts(engine: LLMEngine, prompts: list[list[int]]) -> list[float]:
     """Seconds from the start to each prompt's first token, prefilled in this process."""
     runner, sched = engine.runner, engine.scheduler
     params = SamplingParams(max_tokens=1, **SAMPLING)
-    from pdserve.engine.sequence import Sequence
     seqs = [Sequence(f"b{time.monotonic_ns()}-{i}", p, params) for i, p in enumerate(prompts)]
     done: dict[str, float] = {}
     t0 = time.perf_counter()
