@@ -30,11 +30,13 @@ def main() -> int:
     import transformers
 
     from pdserve import LLM, SamplingParams
-    from pdserve.model.default_model import default_model_dir
+    from pdserve.model.default_model import random_model_dir
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    model_dir = args.model or str(default_model_dir())
+    # The random model by default: its weights are scaled for clear greedy margins, where a
+    # real model's near-ties on random-token prompts would flip on a rounding difference.
+    model_dir = args.model or str(random_model_dir())
     llm = LLM(model=model_dir, device=args.device, dtype="float32")
     vocab = llm.engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)

@@ -480,3 +480,47 @@ def test_client_going_away_and_failures_mid_stream(model_dir):
             await core.stop()
 
     asyncio.run(main())
+
+
+# -- vLLM's /tokenize, /detokenize and /version ---------------------------------------------
+def test_tokenize_and_detokenize_agree_with_the_tokenizer(cluster, tokenizer, model_dir):
+    text = "Serving systems batch requests"
+    r = httpx.post(f"{cluster.http_url}/tokenize", json={"model": model_dir.name,
+                                                          "prompt": text}, timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tokenizer.encode(text) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] > 0 and body["token_strs"] is None
+    r = httpx.post(f"{cluster.http_url}/tokenize", timeout=30, json={
+        "prompt": text, "add_special_tokens": False, "return_token_strs": True})
+    assert r.json()["tokens"] == tokenizer.encode(text, add_special_tokens=False)
+    assert "".join(r.json()["token_strs"]) == tokenizer.decode(r.json()["tokens"],
+                                                              skip_special_tokens=False)
+    messages = [{"role": "user", "content": "Hi there"}]
+    r = httpx.post(f"{cluster.http_url}/tokenize", json={"messages": messages}, timeout=30)
+    chat_ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    assert r.json()["tokens"] == chat_ids
+    r = httpx.post(f"{cluster.http_url}/detokenize", json={"tokens": body["tokens"]}, timeout=30)
+    assert r.status_code == 200 and r.json() == {"prompt": tokenizer.decode(body["tokens"])}
+    r = httpx.get(f"{cluster.http_url}/version", timeout=30)
+    from pdserve import __version__
+    assert r.json() == {"version": __version__}
+
+
+@pytest.mark.parametrize("path, body, fragment", [
+    ("/tokenize", {}, "exactly one of 'prompt' and 'messages'"),
+    ("/tokenize", {"prompt": "a", "messages": []}, "exactly one"),
+    ("/tokenize", {"prompt": "a", "truncate": 3}, "unsupported field(s) ['truncate']"),
+    ("/tokenize", {"prompt": "a", "model": "other"}, "other"),
+    ("/tokenize", {"prompt": [1, 2 ** 70]}, "outside [0,"),
+    ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, "must be a boolean"),
+    ("/detokenize", {"tokens": []}, "non-empty list"),
+    ("/detokenize", {"tokens": [1, -1, 2 ** 64]}, "outside [0,"),
+    ("/detokenize", {"tokens": [1] * 100_000}, "at most"),
+    ("/detokenize", {"tokens": [1.5]}, "outside [0,"),
+])
+def test_tokenizer_endpoints_refuse_bad_input_by_name(cluster, path, body, fragment):
+    r = httpx.post(cluster.http_url + path, json=body, timeout=30)
+    assert r.status_code in (400, 404), r.text
+    assert fragment in r.json()["error"]["message"]
+    assert httpx.get(cluster.http_url + "/health", timeout=30).status_code == 200

@@ -23,6 +23,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from pdserve.router.http_tokens import add_token_routes
 from pdserve.router.limits import check_prompt_bytes
 from pdserve.router.openai_schema import (  # noqa: F401 (re-exported: the app's API)
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -309,6 +310,8 @@ def build_app(core, api_key: str | None = None) -> FastAPI:
         except RequestError as e:
             return error_response(e)
         return JSONResponse(model_card())
+
+    add_token_routes(app, core, authorize, read_json, error_response)
 
     @app.get("/health")
     async def health() -> Response:
