@@ -136,8 +136,9 @@ def test_a_raising_handler_stops_no_router_loop(model, tmp_path):
         h.wait(lambda: not any(failures.values()), 10)
         h.wait(lambda: core.loop_ticks["tick"] > before["tick"] + 10
                and core.loop_ticks["receive"] > before["receive"] + 10, 10)
-        tokens, _, last = h.run(collect(core.submit(S.GenerationRequest([1, 2, 3],
-                                                                         greedy(5)))))
+        async def go():  # the core is its loop's: submit from there
+            return await collect(core.submit(S.GenerationRequest([1, 2, 3], greedy(5))))
+        tokens, _, last = h.run(go())
         assert last.finish_reason == "length" and len(tokens) == 5
         errors = core.metrics.internal_errors
         assert errors.labels(model_name=core.model_name, process="router",
@@ -179,7 +180,10 @@ def test_a_raising_handler_or_step_stops_no_node_loop(model, tmp_path):
 
         def run():
             req = S.GenerationRequest([1, 2, 3, 4], greedy(4), timeout_s=30)
-            return h.run(collect(h.core.submit(req)))[2]
+
+            async def go():  # the core is its loop's: submit from there
+                return await collect(h.core.submit(req))
+            return h.run(go())[2]
         first = run()                                     # its PrefillBatch's handler
         assert first.error.code == S.NODE_ERROR and "internal error" in first.error.message
         faults["step"] = 1

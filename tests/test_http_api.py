@@ -345,7 +345,8 @@ def test_models_and_health(cluster, model_name, model_dir):
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
     r = httpx.get(cluster.http_url + "/health")
-    assert (r.status_code, r.json()) == (200, {"status": "ok"})
+    assert (r.status_code, r.json()["status"]) == (200, "ok")
+    assert set(r.json()["loops"]) == {"receive", "tick"}  # the router's loops, turning
 
 
 def bad_requests(model_name):

@@ -54,6 +54,7 @@ class Node:
         self._stop = threading.Event()
         self.insecure_warnings = InsecureWarnings(node_exposures(config))
         self.draining = False
+        self._drain_asked = False   # set by the signal handler, acted on by the loop
         self.drain_deadline = 0.0
         self.jobs: dict = {}    # the role's requests by wire id
         self.kv_events = None
@@ -113,10 +114,15 @@ class Node:
     # -- the loop ----------------------------------------------------------------------------
     def stop(self, *_args) -> None:
         """First SIGTERM/SIGINT: drain (no new work; running requests finish, then exit 0).
-        A second one, or one before the router welcomed us: stop now."""
-        if self.draining or not self.io.welcomed.is_set():
+        A second one, or one before the router welcomed us: stop now. Only flags are set
+        here: a signal handler runs inside whatever the loop was doing (holding a queue's
+        or the wake pipe's lock, say), so the loop itself starts the drain."""
+        if self._drain_asked or not self.io.welcomed.is_set():
             self._stop.set()
             return
+        self._drain_asked = True
+
+    def _start_drain(self) -> None:
         self.draining = True
         self.drain_deadline = time.monotonic() + self.config.drain_timeout_s
         log.info("draining: no new work; %d requests to finish (at most %.0f s)",
@@ -153,6 +159,8 @@ class Node:
                      self.config.router,
                      f", KV socket {self.io.hello.kv_address}" if self.io.hello.kv_address else "")
             while not self._stop.is_set():
+                if self._drain_asked and not self.draining:
+                    self._start_drain()
                 if self.draining and (not self.jobs or time.monotonic() > self.drain_deadline):
                     log.info("drained: %d requests left", len(self.jobs))
                     break
