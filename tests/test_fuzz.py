@@ -379,8 +379,8 @@ def test_http_numbers_against_a_reference(cluster, still_serves):
     number = huge | small | st.floats(-1e300, 1e300, allow_nan=False)
     body = st.fixed_dictionaries(
         {"max_tokens": small | st.integers(-2**70, 2**70)  # (a valid big one runs long)
-            | st.sampled_from([context + 1, 2**63, 2**64, -2**63]), "prompt": st.lists(small | st.integers(0, vocab) | huge,
-                                                        min_size=1, max_size=4)},
+            | st.sampled_from([context + 1, 2**63, 2**64, -2**63]),
+         "prompt": st.lists(small | st.integers(0, vocab) | huge, min_size=1, max_size=4)},
         optional={"seed": huge | small, "top_k": huge | small,
                   "stop_token_ids": st.lists(huge | small, max_size=3),
                   "temperature": number, "top_p": number})

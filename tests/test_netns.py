@@ -109,7 +109,8 @@ def test_cutting_a_decode_link_mid_stream_fails_over(hosts, tiny_model, tmp_path
         for d in ("d0", "d1"):
             procs.append(in_ns(ns[d], *py, "decode", "--router", router, "--model", str(model),
                                "--node-id", d, "--kv-bind", f"tcp://{NET}.{HOSTS[d]}:5600",
-                               "--insecure", "--threads", "1", *hb, log=open(tmp_path / f"{d}.log", "w")))
+                               "--insecure", "--threads", "1", *hb,
+                               log=open(tmp_path / f"{d}.log", "w")))
         deadline = time.monotonic() + 120
         while True:  # the router's /health, asked from inside its namespace
             ok = subprocess.run(["ip", "netns", "exec", ns["r"], sys.executable, "-c",

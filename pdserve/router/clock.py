@@ -8,9 +8,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from pdserve.common import protocol as P
 from pdserve.router import streams as S
+
+if TYPE_CHECKING:
+    from pdserve.router.core import Flight
 
 log = logging.getLogger(__name__)
 

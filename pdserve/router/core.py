@@ -12,9 +12,8 @@ A request's way::
       --> PREFILLING (joins its prefill node's batch; one PrefillBatch per node per
           loop turn) --> first token from the prefill node --> DECODING (TokenBatch
           per decode step) --> finished: done event; or error / cancel / deadline:
-          Abort to the nodes, terminal event.
-
-Text, stop strings and usage are the router's: nodes only see token ids.
+          Abort to the nodes, terminal event. Text, stop strings and usage are the
+          router's: nodes only see token ids.
 
 Failover: when a node dies or leaves, or a transfer fails in a way another try
 can fix, the request goes round again under a new wire id (``<id>~<attempt>``):
@@ -225,9 +224,8 @@ class RouterCore(NodeMessages, Clock):
             return False
 
     def _reserve(self, flight: Flight) -> None:
-        flight.retry_at = 0.0
+        flight.retry_at, flight.skip_blocks = 0.0, 0
         colocated = self.registry.live("colocated")
-        flight.skip_blocks = 0
         if colocated:  # one engine does both: no reservation, no KV transfer
             node = self.policy.pick("prefill", colocated, flight.wire_prompt)
             flight.decode_node = node.node_id
