@@ -440,6 +440,34 @@ def test_kv_inside_an_open_reservation(cluster, model_dir):
     still_serving(cluster)
 
 
+def test_kv_only_from_the_prefill_node_the_reservation_names(cluster, model_dir):
+    """Another peer sends a valid last chunk for a reservation it was not named in: refused,
+    and the reservation stands, so the named prefill node's KV is then placed and the
+    request completes."""
+    fake = FakeNode(cluster, model_dir, "fake-named", "prefill")
+    try:
+        assert fake.wait_for(P.Welcome).accepted
+
+        async def attack():
+            async with httpx.AsyncClient(base_url=cluster.http_url, timeout=60) as client:
+                replies = asyncio.gather(*(client.post("/v1/completions", json={
+                    "model": cluster.model, **NORMAL}) for _ in range(2)))
+                req = (await asyncio.to_thread(fake.wait_for, P.PrefillBatch)).requests[0]
+                intruder = await asyncio.to_thread(kv_send, req.kv_address, "intruder",
+                                                   fake.last_chunk(req, 7))
+                fake.send(P.FirstTokens(items=[P.FirstToken(req_id=req.req_id, token_id=7)]))
+                named = await asyncio.to_thread(kv_send, req.kv_address, "fake-named",
+                                                fake.last_chunk(req, 7))
+                return intruder, named, await replies
+        intruder, named, replies = asyncio.run(attack())
+        assert not intruder.ok and "only from prefill node 'fake-named'" in intruder.reason
+        assert named.ok, named.reason
+        assert sorted(r.status_code for r in replies) == [200, 200], [r.text for r in replies]
+    finally:
+        fake.close()
+    still_serving(cluster)
+
+
 def test_injected_tokens_never_reach_a_client(cluster, model_dir):
     """A registered node sends tokens for requests it does not serve (ingress request ids
     on the wire are guessable: req-N), and a first token twice for one it does."""

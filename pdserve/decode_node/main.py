@@ -35,6 +35,7 @@ class DecodeJob:
     lease_s: float = 0.0
     lease_deadline: float = 0.0
     deadline: float = float("inf")       # the request's own: past it the job ends here
+    sender: str = ""                     # the one prefill node whose KV is taken ("": any)
 
     @property
     def placed(self) -> bool:
@@ -94,7 +95,8 @@ class DecodeNode(Node):
                                  self.worker.model_config.eos_token_ids, self.worker.max_model_len)
         now = time.monotonic()
         self.jobs[msg.req_id] = DecodeJob(seq, out, transfer, msg.lease_s, now + msg.lease_s,
-                                          now + msg.timeout_s if msg.timeout_s else float("inf"))
+                                          now + msg.timeout_s if msg.timeout_s else float("inf"),
+                                          sender=msg.prefill_node_id)
         return P.ReserveReply(req_id=msg.req_id, ok=True, reason="",
                               num_blocks=len(seq.block_table), cached_blocks=cached)
 
@@ -104,6 +106,13 @@ class DecodeNode(Node):
                 TransferState.RESERVED, TransferState.TRANSFERRING):
             reason = f"no reservation here for {chunk.req_id!r} (expired, aborted or never made)"
             self.io.send_kv_reply(peer, P.KVAck(req_id=chunk.req_id, ok=False, reason=reason))
+            return
+        if job.sender and peer != job.sender.encode():  # refused; the reservation stands
+            log.warning("KV for %s from %r refused: the reservation names prefill node %s",
+                        chunk.req_id, peer, job.sender)
+            self.io.send_kv_reply(peer, P.KVAck(req_id=chunk.req_id, ok=False, reason=(
+                f"{P.BAD_MESSAGE}: KV for {chunk.req_id!r} is taken only from prefill node "
+                f"{job.sender!r}, the one its reservation names")))
             return
         try:
             if chunk.last:

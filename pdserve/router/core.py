@@ -46,7 +46,7 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.loader import model_identity_hash, model_name
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.router import streams as S
-from pdserve.router.batching import MAX_BATCH_BYTES, prefill_timeout, request_bytes, split_by_size
+from pdserve.router.batching import PrefillDispatch
 from pdserve.router.clock import Clock
 from pdserve.router.config import RouterConfig
 from pdserve.router.limits import check_request
@@ -64,7 +64,6 @@ from pdserve.router.tokenizing import TokenizerPool
 log = logging.getLogger(__name__)
 
 RETRY_RESERVE_S = 0.05     # how soon a request no decode node had room for tries again
-MAX_WAIT_RETRY_S = 1.0     # the longest pause between looks for a prefill node
 MAX_ATTEMPTS = 4           # dispatches of one request before its failure is final
 
 
@@ -91,7 +90,7 @@ class Flight:
     waits: int = 0              # looks for a live prefill node that found none
 
 
-class RouterCore(NodeMessages, Clock):
+class RouterCore(NodeMessages, Clock, PrefillDispatch):
     def __init__(self, config: RouterConfig):
         from pdserve.model.default_model import default_model_dir
 
@@ -232,6 +231,9 @@ class RouterCore(NodeMessages, Clock):
             node.requests.add(flight.wire_id)
             self._to_prefill(flight, node)
             return
+        prefill = self._pick_prefill(flight)  # first: the reservation names it
+        if prefill is None:
+            return
         candidates = [n for n in self.registry.live("decode")
                       if n.node_id not in flight.refused_by]
         if not candidates:
@@ -239,11 +241,12 @@ class RouterCore(NodeMessages, Clock):
             flight.retry_at = time.monotonic() + RETRY_RESERVE_S
             return
         node = self.policy.pick("decode", candidates, flight.wire_prompt)
-        flight.decode_node, flight.state, flight.retry_at = node.node_id, RESERVING, 0.0
+        flight.decode_node, flight.prefill_node = node.node_id, prefill.node_id
+        flight.state = RESERVING
         node.requests.add(flight.wire_id)
         if not self._send(node.node_id, P.Reserve(
                 req_id=flight.wire_id, prompt_token_ids=flight.wire_prompt, sampling=flight.spec,
-                prefill_node_id="", lease_s=self.config.reserve_lease_s,
+                prefill_node_id=prefill.node_id, lease_s=self.config.reserve_lease_s,
                 timeout_s=max(1.0, flight.deadline - time.monotonic()))):
             self._refused(flight, node.node_id, "unreachable")
 
@@ -255,60 +258,6 @@ class RouterCore(NodeMessages, Clock):
         flight.decode_node = None
         log.debug("decode node %s refused %s: %s", node_id, flight.req_id, reason)
         self._reserve(flight)
-
-    def _to_prefill(self, flight: Flight, node: NodeInfo | None = None) -> None:
-        nodes = self.registry.live("prefill")
-        decode = self.registry.nodes.get(flight.decode_node)
-        if node is None and (not nodes or decode is None):
-            # Wait for a prefill node (one may join) until the deadline says otherwise,
-            # looking less often the longer it takes; the deadline's error says how long.
-            flight.waits += 1
-            self._retry(flight, "no live prefill node", count=False,
-                        delay=min(MAX_WAIT_RETRY_S, RETRY_RESERVE_S * 2 ** flight.waits))
-            return
-        node = node or self.policy.pick("prefill", nodes, flight.wire_prompt)
-        flight.prefill_node, flight.state = node.node_id, PREFILLING
-        node.requests.add(flight.wire_id)
-        node.queued_prompt_tokens += len(flight.wire_prompt)
-        self._batches.setdefault(node.node_id, []).append(P.PrefillRequest(
-            req_id=flight.wire_id, prompt_token_ids=flight.wire_prompt, sampling=flight.spec,
-            decode_node_id=decode.node_id, kv_address=decode.hello.kv_address or "",
-            timeout_s=prefill_timeout(flight.deadline, self.config.reserve_lease_s,
-                                      colocated=node is decode),
-            skip_blocks=flight.skip_blocks))
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self) -> None:
-        """Everything bound for one prefill node in this loop turn leaves as one message
-        (several when that would pass MAX_BATCH_BYTES)."""
-        self._flush_scheduled = False
-        batches, self._batches = self._batches, {}
-        for node_id, requests in batches.items():
-            for part in split_by_size(requests, MAX_BATCH_BYTES):
-                if request_bytes(part[0]) > MAX_BATCH_BYTES:  # alone, and still too big
-                    self._fail(self.flights[part[0].req_id], S.BAD_REQUEST, (
-                        f"the request needs a {request_bytes(part[0])}-byte message to its "
-                        f"prefill node, over the {MAX_BATCH_BYTES}-byte limit"))
-                    continue
-                try:
-                    self._send_batch(node_id, part)
-                except Exception:  # these requests fail; the other batches still leave
-                    self.metrics.internal_error("router.flush", log)
-                    for r in part:
-                        if r.req_id in self.flights:
-                            self._fail(self.flights[r.req_id], S.INTERNAL,
-                                       "internal error while dispatching; see the router's log")
-
-    def _send_batch(self, node_id: str, requests: list[P.PrefillRequest]) -> None:
-        self.metrics.dispatched(self.flights[r.req_id].req_id for r in requests
-                                if r.req_id in self.flights)
-        if not self._send(node_id, P.PrefillBatch(requests=requests)):
-            for r in requests:
-                if r.req_id in self.flights:
-                    self._retry(self.flights[r.req_id],
-                                f"prefill node {node_id} could not be reached")
 
     def _deliver(self, flight: Flight, token_ids: list[int], node_reason: str | None,
                  nodes_done: bool = True) -> None:
