@@ -87,8 +87,10 @@ def test_router_stalled_5s_fails_nothing_over(model, tmp_path):
     body = {"model": os.path.basename(model), "prompt": [3, 1, 4, 1, 5], "max_tokens": 150,
             "temperature": 0, "ignore_eos": True, "stream": True}
     with launched(model, 1, 1, log_dir=tmp_path) as c:
+        # The router's argv holds the word "router"; a node's only "--router" (a substring
+        # test picked a node now and then, and the test stopped the wrong process).
         router = next(p for p in process_tree(c.proc.pid) - {c.proc.pid}
-                      if b"router" in open(f"/proc/{p}/cmdline", "rb").read())
+                      if b"router" in open(f"/proc/{p}/cmdline", "rb").read().split(b"\0"))
 
         def stream(stall: bool) -> str:
             text = ""
