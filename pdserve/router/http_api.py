@@ -165,14 +165,14 @@ async def sse_events(reply: Reply, stream: RequestStream, watch: ClientWatch,
                     yield sse(error_body(_ended_early()))
                     yield SSE_DONE
                 return
+            num_tokens += len(event.token_ids)
+            if event.text:  # an event may carry the last tokens and the end together
+                yield sse(reply.chunk(event.text))
             if event.error is not None:
                 logger.warning("request %s failed mid-stream (%s): %s", stream.request_id,
                                event.error.code, event.error.message)
                 yield sse(error_body(event.error))
                 break
-            num_tokens += len(event.token_ids)
-            if event.text:
-                yield sse(reply.chunk(event.text))
             if event.finish_reason is not None:
                 yield sse(reply.chunk(finish_reason=event.finish_reason))
                 if reply.include_usage:
