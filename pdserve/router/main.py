@@ -11,6 +11,7 @@ import logging
 import signal
 
 import uvicorn
+import uvloop
 
 from pdserve.common.metrics import metrics_endpoint, start_metrics_server
 from pdserve.common.security import (
@@ -40,7 +41,8 @@ async def serve(config: RouterConfig) -> None:
     app.add_route("/metrics", metrics_endpoint(core.metrics.registry), methods=["GET"])
     server = uvicorn.Server(uvicorn.Config(app, host=config.host,
                                            port=config.http_port, log_level="warning",
-                                           lifespan="off", access_log=False))
+                                           lifespan="off", access_log=False,
+                                           http="httptools"))
     server.install_signal_handlers = lambda: None  # ours below stop everything together
     ingress = None
     tasks = [asyncio.create_task(server.serve())]
@@ -82,5 +84,5 @@ async def serve(config: RouterConfig) -> None:
 
 
 def run_router(config: RouterConfig) -> int:
-    asyncio.run(serve(config))
+    uvloop.run(serve(config))  # libuv's loop: less CPU per socket event than asyncio's own
     return 0

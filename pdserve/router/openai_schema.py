@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 
 import jinja2
+import orjson
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.streams import BAD_REQUEST, NOT_FOUND, RequestError
@@ -235,7 +236,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {orjson.dumps(obj).decode()}\n\n"  # compact, UTF-8 as is
 
 
 SSE_DONE = "data: [DONE]\n\n"
