@@ -12,6 +12,8 @@ from typing import Iterable, Optional, Union
 import zmq
 import zmq.asyncio
 
+from pdserve.common.curve_guard import curve_guard
+
 DEFAULT_SNDHWM = 1000  # messages, not bytes; with NOBLOCK a full queue raises SendError
 DEFAULT_RCVHWM = 1000
 DEFAULT_LINGER_MS = 0  # data sockets drop unsent messages on close; pass more to flush a Bye
@@ -55,10 +57,8 @@ class CurveConfig:
 
 def start_zap_authenticator(ctx: zmq.Context, curve: CurveConfig):
     """Enforces ``curve.allowed_client_keys`` on ``curve.zap_domain`` for every socket of
-    ``ctx``: starts the context's one ZAP handler (security.CurveGuard) on first use. Must run
+    ``ctx``: starts the context's one ZAP handler (curve_guard.CurveGuard) on first use. Must run
     before the server socket binds; make_socket calls it for every CURVE server socket."""
-    from pdserve.common.security import curve_guard
-
     guard = curve_guard(ctx)
     guard.allow(curve.zap_domain, curve.allowed_client_keys)
     return guard
@@ -150,7 +150,6 @@ def _apply_curve(sock: zmq.Socket, curve: CurveConfig) -> None:
         guard = start_zap_authenticator(sock.context, curve)
     else:
         sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server_public_key)
-        from pdserve.common.security import curve_guard
         guard = curve_guard(sock.context)
     guard.watch(sock, curve)  # logs this socket's failed handshakes
 

@@ -37,8 +37,9 @@ import zmq
 import zmq.asyncio
 
 from pdserve.common import protocol as P
+from pdserve.common.logs import LogThrottle
 from pdserve.common.metrics import RouterMetrics
-from pdserve.common.security import CONTROL_DOMAIN, LogThrottle, server_curve
+from pdserve.common.security import CONTROL_DOMAIN, server_curve
 from pdserve.common.transport import SendError, make_socket, send_routed_nowait
 from pdserve.engine.output import RequestOutputState
 from pdserve.engine.sampling_params import to_spec
