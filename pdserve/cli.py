@@ -7,16 +7,37 @@ import sys
 import click
 
 from pdserve.common.cli_options import sampling_options
+from pdserve.common.config import NodeConfig
+from pdserve.common.logs import DEFAULT_LEVEL
+from pdserve.common.logs import LEVELS as LOG_LEVELS
+from pdserve.engine.config import COMPUTE_MODES, DTYPES, EngineConfig
+from pdserve.launch import LaunchConfig
+from pdserve.router.config import POLICIES, RouterConfig
 
 ARCHES = ("llama", "qwen2", "mistral")
 PRESETS = ("tiny", "small")
-DTYPES = ("float32", "bfloat16", "float16", "auto")
-LOG_LEVELS = ("debug", "info", "warning", "error")
-POLICIES = ("round_robin", "least_loaded", "cache_aware")
+
+
+def _default(config_class, name: str):
+    """A config dataclass field's default: each default is written once, in the dataclass."""
+    return config_class.__dataclass_fields__[name].default
+
+
+def _e(name: str):
+    return _default(EngineConfig, name)
+
+
+def _n(name: str):
+    return _default(NodeConfig, name)
+
+
+def _r(name: str):
+    return _default(RouterConfig, name)
 
 
 prefix_caching_option = click.option(
-    "--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
+    "--enable-prefix-caching/--no-enable-prefix-caching",
+    default=_e("enable_prefix_caching"), show_default=True,
     help="Reuse the KV cache of full blocks that earlier prompts computed.")
 
 
@@ -32,21 +53,24 @@ def engine_options(fn):
     opts = [
         click.option("--model", "model_dir", type=click.Path(exists=True), default=None,
                      help="Checkpoint folder or .gguf file [default: the bundled model]."),
-        click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True),
-        click.option("--device", default="cpu", show_default=True),
-        click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True),
+        click.option("--dtype", type=click.Choice(DTYPES), default=_e("dtype"),
+                     show_default=True),
+        click.option("--device", default=_e("device"), show_default=True),
+        click.option("--block-size", type=click.IntRange(min=1), default=_e("block_size"),
+                     show_default=True),
         click.option("--num-kv-blocks", type=click.IntRange(min=1), default=None,
                      help="KV cache size in blocks [default: from --kv-cache-memory-gb]."),
         click.option("--kv-cache-memory-gb", type=click.FloatRange(min=0, min_open=True),
-                     default=0.5, show_default=True),
-        click.option("--max-num-seqs", type=click.IntRange(min=1), default=64,
+                     default=_e("kv_cache_memory_gb"), show_default=True),
+        click.option("--max-num-seqs", type=click.IntRange(min=1), default=_e("max_num_seqs"),
                      show_default=True),
-        click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048,
+        click.option("--max-num-batched-tokens", type=click.IntRange(min=1),
+                     default=_e("max_num_batched_tokens"),
                      show_default=True, help="Token budget of one step; longer prompts are "
                      "prefilled in chunks."),
         click.option("--threads", type=click.IntRange(min=1), default=None,
                      help="torch CPU threads [default: torch's choice]."),
-        click.option("--compute", type=click.Choice(("model", "none")), default="model",
+        click.option("--compute", type=click.Choice(COMPUTE_MODES), default=_e("compute"),
                      show_default=True, help="'none' is a BENCHMARK mode: skip the forward "
                      "and emit a fixed token, to measure everything around the model."),
         prefix_caching_option,
@@ -58,21 +82,23 @@ def engine_options(fn):
 
 def node_options(fn):
     opts = [
-        click.option("--router", default="tcp://127.0.0.1:5556", show_default=True,
+        click.option("--router", default=_n("router"), show_default=True,
                      help="The router's control socket."),
         click.option("--node-id", default=None, help="[default: ROLE-HOST-PID]"),
         click.option("--heartbeat-interval", type=click.FloatRange(min=0, min_open=True),
-                     default=1.0, show_default=True, help="Seconds, until the router says."),
-        click.option("--metrics-port", type=click.IntRange(0, 65535), default=0,
+                     default=_n("heartbeat_interval_s"), show_default=True,
+                     help="Seconds, until the router says."),
+        click.option("--metrics-port", type=click.IntRange(0, 65535),
+                     default=_n("metrics_port"),
                      show_default=True, help="Serve Prometheus /metrics on this port; 0: off."),
-        click.option("--metrics-host", default="127.0.0.1", show_default=True,
+        click.option("--metrics-host", default=_n("metrics_host"), show_default=True,
                      help="Bind host of /metrics; 0.0.0.0 lets other machines scrape it."),
         click.option("--curve-dir", type=click.Path(exists=True, file_okay=False), default=None,
                      help="CurveZMQ key folder (pdserve keys generate): encrypt and "
                           "authenticate the control and KV sockets [default: off]."),
-        click.option("--curve-key", default="node", show_default=True,
+        click.option("--curve-key", default=_n("curve_key"), show_default=True,
                      help="This node's keypair in --curve-dir (NAME.key_secret)."),
-        click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info",
+        click.option("--log-level", type=click.Choice(LOG_LEVELS), default=DEFAULT_LEVEL,
                      show_default=True),
         kv_events_option,
         click.option("--insecure", is_flag=True, help="Start even though the KV socket is "
@@ -91,7 +117,6 @@ def _kv_events(text: str | None):
 
 def _engine_config(kw):
     """An EngineConfig from the engine flags (popped from kw)."""
-    from pdserve.engine.config import EngineConfig
 
     return EngineConfig(model=kw.pop("model_dir"), dtype=kw.pop("dtype"),
                         device=kw.pop("device"), block_size=kw.pop("block_size"),
@@ -111,10 +136,10 @@ def router_options(fn):
         click.option("--served-model-name", default=None,
                      help="The model name clients send [default: the folder's name, or the "
                           "file's without .gguf]."),
-        click.option("--host", default="127.0.0.1", show_default=True,
+        click.option("--host", default=_r("host"), show_default=True,
                      help="HTTP bind host; 0.0.0.0 opens it (and --control/--ingress defaults) "
                           "to other machines."),
-        click.option("--http-port", type=click.IntRange(0, 65535), default=8000,
+        click.option("--http-port", type=click.IntRange(0, 65535), default=_r("http_port"),
                      show_default=True),
         click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
                      help="Also serve Prometheus /metrics on this port [default: only on "
@@ -123,25 +148,33 @@ def router_options(fn):
                      help="Control socket nodes connect to [default: tcp://HOST:5556]."),
         click.option("--ingress", default=None,
                      help="Queue-producer socket, or 'none' [default: tcp://HOST:5557]."),
-        click.option("--policy", type=click.Choice(POLICIES), default="round_robin",
+        click.option("--policy", type=click.Choice(POLICIES), default=_r("policy"),
                      show_default=True),
         click.option("--heartbeat-interval", type=click.FloatRange(min=0, min_open=True),
-                     default=1.0, show_default=True, help="Seconds between heartbeats."),
-        click.option("--liveness", type=click.IntRange(min=1), default=3, show_default=True,
+                     default=_r("heartbeat_interval_s"), show_default=True,
+                     help="Seconds between heartbeats."),
+        click.option("--liveness", type=click.IntRange(min=1), default=_r("liveness"),
+                     show_default=True,
                      help="Missed heartbeats before a node is dead."),
         click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True),
-                     default=600.0, show_default=True, help="Default deadline of a request (s)."),
-        click.option("--max-pending-requests", type=click.IntRange(min=1), default=4096,
+                     default=_r("request_timeout_s"), show_default=True,
+                     help="Default deadline of a request (s)."),
+        click.option("--max-pending-requests", type=click.IntRange(min=1),
+                     default=_r("max_pending_requests"),
                      show_default=True, help="Past this, new requests are refused (429)."),
         click.option("--reserve-lease", type=click.FloatRange(min=0, min_open=True),
-                     default=30.0, show_default=True, help="Seconds a decode node holds KV "
+                     default=_r("reserve_lease_s"), show_default=True,
+                     help="Seconds a decode node holds KV "
                      "blocks for a request's transfer; a prefill node waits as long for the "
                      "decode node's acknowledgement."),
-        click.option("--max-stop-strings", type=click.IntRange(min=0), default=16,
+        click.option("--max-stop-strings", type=click.IntRange(min=0),
+                     default=_r("max_stop_strings"),
                      show_default=True, help="Stop strings per request."),
-        click.option("--max-stop-bytes", type=click.IntRange(min=1), default=256,
+        click.option("--max-stop-bytes", type=click.IntRange(min=1),
+                     default=_r("max_stop_bytes"),
                      show_default=True, help="UTF-8 bytes of one stop string."),
-        click.option("--max-prompt-bytes", type=click.IntRange(min=1), default=4 << 20,
+        click.option("--max-prompt-bytes", type=click.IntRange(min=1),
+                     default=_r("max_prompt_bytes"),
                      show_default=True, help="UTF-8 bytes of a prompt's text, checked "
                      "before tokenizing."),
         click.option("--curve-dir", type=click.Path(exists=True, file_okay=False), default=None,
@@ -150,7 +183,7 @@ def router_options(fn):
         click.option("--api-key", envvar="PDSERVE_API_KEY", default=None,
                      help="Require 'Authorization: Bearer KEY' on /v1/* [env: "
                           "PDSERVE_API_KEY; prefer it: flags show in ps]."),
-        click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info",
+        click.option("--log-level", type=click.Choice(LOG_LEVELS), default=DEFAULT_LEVEL,
                      show_default=True),
         click.option("--insecure", is_flag=True, help="Start even though sockets or HTTP "
                      "are open to other machines without CURVE or an API key (warned every "
@@ -163,7 +196,6 @@ def router_options(fn):
 
 def _router_config(kw):
     """A RouterConfig from the router flags (popped from kw)."""
-    from pdserve.router.config import RouterConfig
 
     host = kw.pop("host")
     bind_host = "*" if host in ("0.0.0.0", "*") else host
@@ -229,7 +261,6 @@ def generate_cmd(prompts, max_tokens, temperature, top_p, top_k, seed, **kw) -> 
 
 
 def _run_node(role: str, kw: dict) -> None:
-    from pdserve.common.config import NodeConfig
     from pdserve.common.logs import setup_logging
 
     log_level = kw.pop("log_level")
@@ -257,9 +288,11 @@ def _run_node(role: str, kw: dict) -> None:
 
 @main.command("prefill")
 @node_options
-@click.option("--kv-checksums/--no-kv-checksums", "kv_checksums", default=True,
+@click.option("--kv-checksums/--no-kv-checksums", "kv_checksums",
+              default=_n("kv_checksums"),
               show_default=True, help="A 64-bit checksum on every KV frame sent.")
-@click.option("--kv-layers-per-chunk", type=click.IntRange(min=1), default=4, show_default=True,
+@click.option("--kv-layers-per-chunk", type=click.IntRange(min=1),
+              default=_n("kv_layers_per_chunk"), show_default=True,
               help="Layers per KV message: smaller overlaps transfer with compute more.")
 def prefill_cmd(**kw) -> None:
     """Run a prefill node: batch prefill, first token, KV straight to decode nodes."""
@@ -268,7 +301,7 @@ def prefill_cmd(**kw) -> None:
 
 @main.command("decode")
 @node_options
-@click.option("--kv-bind", default="tcp://127.0.0.1:*", show_default=True,
+@click.option("--kv-bind", default=_n("kv_bind"), show_default=True,
               help="Where prefill nodes send KV (tcp://*:PORT to accept other machines).")
 @click.option("--advertise-host", default=None,
               help="Host prefill nodes should connect to [default: the bound host, or this "
@@ -304,9 +337,11 @@ def router_cmd(**kw) -> None:
 
 @main.command("launch")
 @router_options
-@click.option("--prefill", "num_prefill", type=click.IntRange(min=1), default=1,
+@click.option("--prefill", "num_prefill", type=click.IntRange(min=1),
+              default=_default(LaunchConfig, "num_prefill"),
               show_default=True, help="Prefill nodes to start.")
-@click.option("--decode", "num_decode", type=click.IntRange(min=1), default=1,
+@click.option("--decode", "num_decode", type=click.IntRange(min=1),
+              default=_default(LaunchConfig, "num_decode"),
               show_default=True, help="Decode nodes to start.")
 @click.option("--node-arg", "node_args", multiple=True,
               help="An extra flag for every node, e.g. --node-arg=--num-kv-blocks=512.")
@@ -316,7 +351,7 @@ def router_cmd(**kw) -> None:
 @click.option("--dtype", type=click.Choice(DTYPES), default=None, help="Nodes' dtype.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="torch threads per node [default: cores / nodes].")
-@click.option("--compute", type=click.Choice(("model", "none")), default="model",
+@click.option("--compute", type=click.Choice(COMPUTE_MODES), default=_e("compute"),
               show_default=True, help="'none': BENCHMARK mode, nodes skip the forward and "
               "emit a fixed token.")
 @prefix_caching_option
@@ -324,7 +359,7 @@ def router_cmd(**kw) -> None:
 def launch_cmd(num_prefill, num_decode, node_args, colocated, dtype, threads, compute,
                enable_prefix_caching, kv_events_config, **kw) -> None:
     """Start a router and its prefill and decode nodes on this machine."""
-    from pdserve.launch import LaunchConfig, run_launch
+    from pdserve.launch import run_launch
 
     log_level = kw.pop("log_level")
     if kw["model_dir"] is None:  # resolved once here (and built, if it is the random one),

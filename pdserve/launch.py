@@ -19,6 +19,8 @@ import urllib.request
 from dataclasses import dataclass
 
 from pdserve.common.kv_events import KVEventsConfig
+from pdserve.common.logs import DEFAULT_LEVEL
+from pdserve.engine.config import EngineConfig
 from pdserve.router.config import RouterConfig
 
 STOP_TIMEOUT_S = 10.0
@@ -30,9 +32,9 @@ class LaunchConfig:
     num_prefill: int = 1
     num_decode: int = 1
     colocated: bool = False               # one colocated node instead of prefill + decode
-    compute: str = "model"                # "none": benchmark mode (fixed tokens)
+    compute: str = EngineConfig.compute   # "none": benchmark mode (fixed tokens)
     node_args: tuple[str, ...] = ()       # engine flags passed to every node
-    log_level: str = "info"
+    log_level: str = DEFAULT_LEVEL
     ready_timeout_s: float = 600.0
     kv_events: KVEventsConfig | None = None  # each node gets its own free port(s)
 

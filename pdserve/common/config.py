@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pdserve.common.kv_events import KVEventsConfig
-from pdserve.engine.config import EngineConfig
+if TYPE_CHECKING:  # the types of two fields; imported by whoever builds a NodeConfig
+    from pdserve.common.kv_events import KVEventsConfig
+    from pdserve.engine.config import EngineConfig
 
 NODE_ROLES = ("prefill", "decode", "colocated")
 

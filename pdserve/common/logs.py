@@ -7,6 +7,7 @@ import time
 from typing import Optional
 
 LEVELS = ("debug", "info", "warning", "error")
+DEFAULT_LEVEL = "info"
 
 
 def setup_logging(level: str, name: str) -> None:

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+DTYPES = ("float32", "bfloat16", "float16", "auto")   # auto: the checkpoint's own
+COMPUTE_MODES = ("model", "none")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -31,8 +34,10 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
-        if self.compute not in ("model", "none"):
-            raise ValueError(f"compute must be 'model' or 'none', got {self.compute!r}")
+        if self.compute not in COMPUTE_MODES:
+            raise ValueError(f"compute must be one of {COMPUTE_MODES}, got {self.compute!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.max_model_len is not None and self.max_model_len < 2:
