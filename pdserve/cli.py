@@ -41,6 +41,12 @@ prefix_caching_option = click.option(
     help="Reuse the KV cache of full blocks that earlier prompts computed.")
 
 
+config_env_option = click.option(
+    "--config-env", is_flag=True, hidden=True,
+    help="Take the whole config from $PDSERVE_CONFIG (JSON), as pdserve launch hands it to "
+         "its children; the other flags are not read.")
+
+
 kv_events_option = click.option(
     "--kv-events-config", default=None, metavar="JSON",
     help="Publish KV-cache events in vLLM's format, with vLLM's keys, e.g. "
@@ -103,6 +109,7 @@ def node_options(fn):
         kv_events_option,
         click.option("--insecure", is_flag=True, help="Start even though the KV socket is "
                      "open to other machines without CURVE (warned every minute)."),
+        config_env_option,
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -260,15 +267,44 @@ def generate_cmd(prompts, max_tokens, temperature, top_p, top_k, seed, **kw) -> 
         click.echo(f"--- {len(out.token_ids)} tokens, finish_reason={out.finish_reason}")
 
 
+def _node_config(role: str, kw: dict) -> tuple[NodeConfig, str]:
+    """(NodeConfig, log level) from a node command's flags."""
+    log_level = kw.pop("log_level")
+    kw.pop("config_env", None)
+    try:
+        return NodeConfig(role=role, engine=_engine_config(kw), router=kw.pop("router"),
+                          node_id=kw.pop("node_id"),
+                          kv_events=_kv_events(kw.pop("kv_events_config")),
+                          heartbeat_interval_s=kw.pop("heartbeat_interval"), **kw), log_level
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+def parse_node_args(role: str, args) -> tuple[NodeConfig, str, set[str]]:
+    """(NodeConfig, log level, the parameters ``args`` set) of ``pdserve ROLE ARGS``: how
+    ``pdserve launch`` reads its --node-arg flags."""
+    from click.core import ParameterSource
+
+    ctx = main.commands[role].make_context(role, list(args))
+    given = {name for name in ctx.params
+             if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT}
+    return (*_node_config(role, dict(ctx.params)), given)
+
+
 def _run_node(role: str, kw: dict) -> None:
+    from pdserve.common import config_io
+    from pdserve.common.kv_events import KVEventsConfig
     from pdserve.common.logs import setup_logging
 
-    log_level = kw.pop("log_level")
+    if kw.get("config_env"):
+        try:
+            config, log_level = config_io.from_env(
+                NodeConfig, {"engine": EngineConfig, "kv_events": KVEventsConfig})
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from exc
+    else:
+        config, log_level = _node_config(role, kw)
     try:
-        config = NodeConfig(role=role, engine=_engine_config(kw), router=kw.pop("router"),
-                            node_id=kw.pop("node_id"),
-                            kv_events=_kv_events(kw.pop("kv_events_config")),
-                            heartbeat_interval_s=kw.pop("heartbeat_interval"), **kw)
         from pdserve.common.security import node_curves, node_exposures, refuse_insecure
         node_curves(config.curve_dir, role, config.curve_key)  # bad keys: now, not after loading
         refuse_insecure(node_exposures(config), config.insecure)
@@ -321,13 +357,21 @@ def colocated_cmd(**kw) -> None:
 
 @main.command("router")
 @router_options
-def router_cmd(**kw) -> None:
+@config_env_option
+def router_cmd(config_env, **kw) -> None:
     """Run the router: OpenAI HTTP API, queue ingress, dispatch to prefill/decode nodes."""
+    from pdserve.common import config_io
     from pdserve.common.logs import setup_logging
     from pdserve.router.main import run_router
 
-    log_level = kw.pop("log_level")
-    config = _router_config(kw)
+    if config_env:
+        try:
+            config, log_level = config_io.from_env(RouterConfig)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from exc
+    else:
+        log_level = kw.pop("log_level")
+        config = _router_config(kw)
     setup_logging(log_level, "router")
     try:
         sys.exit(run_router(config))
@@ -382,10 +426,11 @@ def launch_cmd(num_prefill, num_decode, node_args, colocated, dtype, threads, co
         args += ["--compute", compute]
     if not enable_prefix_caching:
         args += ["--no-enable-prefix-caching"]
-    sys.exit(run_launch(LaunchConfig(router=router, num_prefill=num_prefill,
-                                     num_decode=num_decode, colocated=colocated,
-                                     compute=compute, node_args=tuple(args),
-                                     log_level=log_level, kv_events=kv_events)))
+    roles = ("colocated",) if colocated else ("prefill", "decode")
+    sys.exit(run_launch(LaunchConfig(
+        router=router, num_prefill=num_prefill, num_decode=num_decode, colocated=colocated,
+        compute=compute, log_level=log_level, kv_events=kv_events,
+        node_configs={role: parse_node_args(role, args) for role in roles})))
 
 
 def _register_plugins() -> None:

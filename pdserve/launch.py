@@ -16,8 +16,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
+from pdserve.common.config import NodeConfig
+from pdserve.common.config_io import child_env
 from pdserve.common.kv_events import KVEventsConfig
 from pdserve.common.logs import DEFAULT_LEVEL
 from pdserve.engine.config import EngineConfig
@@ -33,7 +35,8 @@ class LaunchConfig:
     num_decode: int = 1
     colocated: bool = False               # one colocated node instead of prefill + decode
     compute: str = EngineConfig.compute   # "none": benchmark mode (fixed tokens)
-    node_args: tuple[str, ...] = ()       # engine flags passed to every node
+    # Each role's node config from the --node-arg flags: (config, log level, the flags given)
+    node_configs: dict[str, tuple[NodeConfig, str, set[str]]] = field(default_factory=dict)
     log_level: str = DEFAULT_LEVEL
     ready_timeout_s: float = 600.0
     kv_events: KVEventsConfig | None = None  # each node gets its own free port(s)
@@ -47,53 +50,32 @@ def connect_address(bind: str) -> str:
     return bind
 
 
-def _router_cmd(cfg: LaunchConfig) -> list[str]:
-    r = cfg.router
-    cmd = [sys.executable, "-m", "pdserve.cli", "router", "--host", r.host, "--http-port",
-           str(r.http_port), "--control", r.control, "--ingress", r.ingress or "none",
-           "--policy", r.policy, "--heartbeat-interval", str(r.heartbeat_interval_s),
-           "--liveness", str(r.liveness), "--request-timeout", str(r.request_timeout_s),
-           "--max-pending-requests", str(r.max_pending_requests), "--log-level", cfg.log_level,
-           "--reserve-lease", str(r.reserve_lease_s), "--max-stop-strings",
-           str(r.max_stop_strings), "--max-stop-bytes", str(r.max_stop_bytes),
-           "--max-prompt-bytes", str(r.max_prompt_bytes)]
-    if r.insecure:
-        cmd += ["--insecure"]
-    if r.model:
-        cmd += ["--model", r.model]
-    if r.served_model_name:
-        cmd += ["--served-model-name", r.served_model_name]
-    if r.metrics_port:
-        cmd += ["--metrics-port", str(r.metrics_port)]
-    if r.curve_dir:
-        cmd += ["--curve-dir", r.curve_dir]
-    return cmd
+def _child(role: str) -> list[str]:
+    """A child's argv: its role only; its config comes in its environment (config_io)."""
+    return [sys.executable, "-m", "pdserve.cli", role, "--config-env"]
 
 
-def _router_env(cfg: LaunchConfig) -> dict | None:
-    """The API key goes to the router in its environment: argv is visible to every user."""
-    return {**os.environ, "PDSERVE_API_KEY": cfg.router.api_key} if cfg.router.api_key else None
-
-
-def _node_cmd(cfg: LaunchConfig, role: str, index: int) -> list[str]:
-    cmd = [sys.executable, "-m", "pdserve.cli", role, "--router",
-           connect_address(cfg.router.control), "--node-id", f"{role}-{index}",
-           "--heartbeat-interval", str(cfg.router.heartbeat_interval_s),
-           "--log-level", cfg.log_level, *cfg.node_args]
-    if cfg.router.model and "--model" not in cfg.node_args:
-        cmd += ["--model", cfg.router.model]
-    if cfg.router.curve_dir and not any(a.startswith("--curve-dir") for a in cfg.node_args):
-        cmd += ["--curve-dir", cfg.router.curve_dir]
-    if "--threads" not in cfg.node_args:
-        share = max(1, (os.cpu_count() or 1) // len(_roles(cfg)))
-        cmd += ["--threads", str(share)]
-    if not any(a.startswith("--metrics-port") for a in cfg.node_args):
-        cmd += ["--metrics-port", str(_free_port())]
+def _node_config(cfg: LaunchConfig, role: str, index: int) -> tuple[NodeConfig, str]:
+    """(config, log level) of one node: what its --node-arg flags say, and what the launcher
+    decides unless they say it (model, threads, metrics port, CURVE keys, KV events)."""
+    base, log_level, given = cfg.node_configs[role]
+    engine = {}
+    if cfg.router.model and "model_dir" not in given:
+        engine["model"] = cfg.router.model
+    if "threads" not in given:
+        engine["threads"] = max(1, (os.cpu_count() or 1) // len(_roles(cfg)))
+    node = {"router": connect_address(cfg.router.control), "node_id": f"{role}-{index}",
+            "heartbeat_interval_s": cfg.router.heartbeat_interval_s}
+    if cfg.router.curve_dir and "curve_dir" not in given:
+        node["curve_dir"] = cfg.router.curve_dir
+    if "metrics_port" not in given:
+        node["metrics_port"] = _free_port()
         if _open(cfg):
-            cmd += ["--metrics-host", "0.0.0.0"]
+            node["metrics_host"] = "0.0.0.0"
     if cfg.kv_events is not None:
-        cmd += ["--kv-events-config", _node_kv_events(cfg).to_json()]
-    return cmd
+        node["kv_events"] = _node_kv_events(cfg)
+    return (replace(base, engine=replace(base.engine, **engine), **node),
+            log_level if "log_level" in given else cfg.log_level)
 
 
 def _open(cfg: LaunchConfig) -> bool:
@@ -108,11 +90,9 @@ def _node_kv_events(cfg: LaunchConfig) -> KVEventsConfig:
     return cfg.kv_events.with_endpoints(f"tcp://{host}:{_free_port()}", replay)
 
 
-def _kv_events_lines(cmd: list[str], name: str) -> str:
-    if "--kv-events-config" not in cmd:
-        return ""
-    ev = KVEventsConfig.from_json(cmd[cmd.index("--kv-events-config") + 1])
-    if not ev.active:
+def _kv_events_line(node: NodeConfig, name: str) -> str:
+    ev = node.kv_events
+    if ev is None or not ev.active:
         return ""
     replay = f", replay {connect_address(ev.replay_endpoint)}" if ev.replay_endpoint else ""
     return f"  {'kv events':<14} {connect_address(ev.endpoint)}{replay}   ({name})\n"
@@ -124,15 +104,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _metrics_url(cmd: list[str], host: str) -> str:
-    """Where the process started with ``cmd`` serves /metrics (its last --metrics-port)."""
-    port = None
-    for i, arg in enumerate(cmd):
-        if arg == "--metrics-port" and i + 1 < len(cmd):
-            port = cmd[i + 1]
-        elif arg.startswith("--metrics-port="):
-            port = arg.split("=", 1)[1]
-    return f"http://{host}:{port}/metrics" if port not in (None, "0") else "off"
+def _metrics_url(port: int | None, host: str) -> str:
+    return f"http://{host}:{port}/metrics" if port else "off"
 
 
 def _roles(cfg: LaunchConfig) -> list[tuple[str, int]]:
@@ -172,16 +145,18 @@ def run_launch(cfg: LaunchConfig) -> int:
     children: dict[str, subprocess.Popen] = {}
     host = "127.0.0.1" if _open(cfg) else cfg.router.host
     http = f"http://{host}:{cfg.router.http_port}"
-    metrics = {"router": _metrics_url(_router_cmd(cfg), host)
+    metrics = {"router": _metrics_url(cfg.router.metrics_port, host)
                if cfg.router.metrics_port else f"{http}/metrics"}
     events = ""
     try:
-        children["router"] = subprocess.Popen(_router_cmd(cfg), env=_router_env(cfg))
+        children["router"] = subprocess.Popen(_child("router"),
+                                              env=child_env(cfg.router, cfg.log_level))
         for role, i in _roles(cfg):
-            cmd = _node_cmd(cfg, role, i)
-            children[f"{role}-{i}"] = subprocess.Popen(cmd)
-            metrics[f"{role}-{i}"] = _metrics_url(cmd, host)
-            events += _kv_events_lines(cmd, f"{role}-{i}")
+            node, log_level = _node_config(cfg, role, i)
+            children[f"{role}-{i}"] = subprocess.Popen(_child(role),
+                                                       env=child_env(node, log_level))
+            metrics[f"{role}-{i}"] = _metrics_url(node.metrics_port, host)
+            events += _kv_events_line(node, f"{role}-{i}")
         deadline = time.monotonic() + cfg.ready_timeout_s
         while not _healthy(f"{http}/health"):
             dead = [n for n, p in children.items() if p.poll() is not None]
