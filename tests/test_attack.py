@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -301,21 +302,13 @@ def test_hostile_frames_on_control_and_ingress(cluster):
     still_serving(cluster)
 
 
-def test_a_flooding_stranger_is_held_to_its_budget(cluster):
-    """20,000 bad messages from peers the router does not know, as fast as they go: the
-    router answers only as many as the strangers' shared budget allows (each answer is a
-    decode and a reply it would otherwise owe), drops the rest unread and counts them."""
-    from pdserve.router.node_messages import STRANGER_BURST, STRANGER_MSGS_PER_S
-    from tests.test_metrics import metrics_urls, scrape, value
-
-    router_metrics = metrics_urls(cluster)["router"]
-    dropped = value(scrape(router_metrics)[1], "pdserve_messages_dropped_total",
-                    reason="rate_limit")
+def flood(address: str, n: int = 20_000) -> tuple[int, float]:
+    """``n`` bad messages as fast as they go from a peer nobody knows: (answers, seconds)."""
     ctx = zmq.Context()
     try:
-        sock = make_socket(ctx, zmq.DEALER, connect=cluster.control, identity="flooder")
+        sock = make_socket(ctx, zmq.DEALER, connect=address, identity="flooder")
         started = time.monotonic()
-        for _ in range(20_000):
+        for _ in range(n):
             sock.send(b"not msgpack")
         answers, quiet_since = 0, time.monotonic()
         while time.monotonic() - quiet_since < 1.0:
@@ -327,9 +320,29 @@ def test_a_flooding_stranger_is_held_to_its_budget(cluster):
         sock.close(0)
     finally:
         ctx.term()
-    assert 0 < answers <= STRANGER_BURST + STRANGER_MSGS_PER_S * elapsed + 1, (answers, elapsed)
-    after = value(scrape(router_metrics)[1], "pdserve_messages_dropped_total",
-                  reason="rate_limit")
+    return answers, elapsed
+
+
+@pytest.mark.parametrize("where", ["router control", "decode KV"])
+def test_a_flooding_stranger_is_held_to_its_budget(cluster, where):
+    """20,000 bad messages from a peer the receiver does not know, as fast as they go: it
+    answers only as many as the strangers' shared budget allows (each answer is a decode
+    and a reply it would otherwise owe), drops the rest unread and counts them."""
+    from pdserve.common.node_io import KV_STRANGER_BURST, KV_STRANGER_MSGS_PER_S
+    from pdserve.router.node_messages import STRANGER_BURST, STRANGER_MSGS_PER_S
+    from tests.test_metrics import metrics_urls, scrape, value
+
+    if where == "router control":
+        address, url = cluster.control, metrics_urls(cluster)["router"]
+        burst, rate = STRANGER_BURST, STRANGER_MSGS_PER_S
+    else:
+        address = re.search(r"KV socket (tcp://\S+)", cluster.log()).group(1)
+        url = metrics_urls(cluster)["decode-0"]
+        burst, rate = KV_STRANGER_BURST, KV_STRANGER_MSGS_PER_S
+    dropped = value(scrape(url)[1], "pdserve_messages_dropped_total", reason="rate_limit")
+    answers, elapsed = flood(address)
+    assert 0 < answers <= burst + rate * elapsed + 1, (answers, elapsed)
+    after = value(scrape(url)[1], "pdserve_messages_dropped_total", reason="rate_limit")
     assert after - dropped >= 20_000 - answers, (dropped, after, answers)
     still_serving(cluster)
 

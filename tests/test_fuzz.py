@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from pdserve.client import QueueClient
 from pdserve.common import protocol as P
-from pdserve.common.node_io import KV_IN_TYPES
+from pdserve.common.node_io import KV_IN_TYPES, KV_STRANGER_BURST, KV_STRANGER_MSGS_PER_S
 from pdserve.common.rate_limit import Bucket
 from pdserve.common.security import CONTROL_MAX_MSG_BYTES
 from pdserve.router.core import CONTROL_IN
@@ -222,7 +222,7 @@ def test_control_socket(cluster, still_serves, dealer):
 def test_kv_socket(cluster, still_serves, dealer):
     kv = re.search(r"KV socket (tcp://\S+)", cluster[1].log()).group(1)
     sock = dealer(kv, b"fuzz-kv")
-    probe = Prober(sock)
+    probe = Prober(sock, (KV_STRANGER_MSGS_PER_S, KV_STRANGER_BURST))
 
     @FUZZ
     @given(wire_frames())

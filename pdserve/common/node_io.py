@@ -22,10 +22,13 @@ import socket as pysocket
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import zmq
 
 from pdserve.common import protocol as P
+from pdserve.common.logs import LogThrottle
+from pdserve.common.rate_limit import PeerBudgets
 from pdserve.common.security import (
     CONTROL_MAX_MSG_BYTES,
     KV_ACK_MAX_MSG_BYTES,
@@ -34,6 +37,7 @@ from pdserve.common.security import (
 )
 from pdserve.common.transport import (
     SendError,
+    Throttled,
     endpoint_of,
     make_socket,
     recv_message,
@@ -49,6 +53,10 @@ INBOX_MAX = 10_000        # received messages not yet taken: past it, sockets ar
 OUTBOX_MAX = 100_000      # messages to send: past it, the compute loop waits (backpressure)
 KV_OUT_IDLE_S = 120.0     # a KV socket to a decode node unused this long is closed
 MAX_KV_OUT = 256          # KV sockets open at once; past it, the least recently used closes
+# Message budgets on a decode node's KV socket (rate_limit.py): a prefill node that an open
+# reservation names sends at full speed; every other peer shares one small budget.
+KV_PEER_MSGS_PER_S, KV_PEER_BURST = 20_000.0, 40_000.0
+KV_STRANGER_MSGS_PER_S, KV_STRANGER_BURST = 200.0, 400.0
 # What each channel may carry to a node; anything else is answered with an Error.
 CONTROL_IN = (P.Welcome, P.Heartbeat, P.PrefillBatch, P.Reserve, P.Abort, P.Drain, P.Error)
 KV_IN_TYPES = (P.KVChunk,)
@@ -76,9 +84,19 @@ def advertised(endpoint: str, host: str | None) -> str:
 class NodeIO(threading.Thread):
     def __init__(self, router: str, hello: P.Hello, *, kv_bind: str | None = None,
                  advertise_host: str | None = None, heartbeat_interval_s: float = 1.0,
-                 welcome_timeout_s: float = 30.0, curve: NodeCurves | None = None):
+                 welcome_timeout_s: float = 30.0, curve: NodeCurves | None = None,
+                 dropped: Callable[[str], None] | None = None):
         super().__init__(name=f"io-{hello.node_id}", daemon=True)
         self.curve = curve  # CURVE keys of every socket below; None: plain
+        self.dropped = dropped  # counts a message dropped unread, by reason
+        # Prefill nodes (socket identities) whose KV this decode node expects: replaced
+        # whole by the compute loop, read here.
+        self.expected_kv_peers: frozenset[bytes] = frozenset()
+        self._kv_budgets = PeerBudgets(
+            lambda peer: peer in self.expected_kv_peers, rate=KV_PEER_MSGS_PER_S,
+            burst=KV_PEER_BURST, stranger_rate=KV_STRANGER_MSGS_PER_S,
+            stranger_burst=KV_STRANGER_BURST)
+        self._throttled_log = LogThrottle(period_s=10.0)
         self.router = router
         self.hello = hello
         self.kv_bind = kv_bind
@@ -240,11 +258,18 @@ class NodeIO(threading.Thread):
         while True:
             try:
                 if routed:
-                    peer, msg = recv_routed(sock, expected, flags=zmq.NOBLOCK)
+                    peer, msg = recv_routed(sock, expected, flags=zmq.NOBLOCK,
+                                            admit=self._kv_budgets.admit)
                 else:
                     msg = recv_message(sock, expected, flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
+            except Throttled as err:
+                if self.dropped is not None:
+                    self.dropped("rate_limit")
+                if self._throttled_log(err.peer) is not None:
+                    log.warning("messages on %s from %r dropped: %s", channel, err.peer, err)
+                continue
             except P.ProtocolError as err:
                 log.warning("bad message on %s from %r: %s", channel, err.peer or peer, err)
                 self._answer_error(sock, channel, err)

@@ -50,6 +50,7 @@ class DecodeNode(Node):
         super().__init__(config)
         self.receiver = KVReceiver(self.identity, self.layout, self.worker.runner.kv_caches)
         self.jobs: dict[str, DecodeJob] = {}
+        self._senders_pruned = 0.0
 
     def handle(self, item: InboxItem) -> None:
         msg = item.msg
@@ -97,6 +98,8 @@ class DecodeNode(Node):
         self.jobs[msg.req_id] = DecodeJob(seq, out, transfer, msg.lease_s, now + msg.lease_s,
                                           now + msg.timeout_s if msg.timeout_s else float("inf"),
                                           sender=msg.prefill_node_id)
+        if msg.prefill_node_id:
+            self.io.expected_kv_peers |= {msg.prefill_node_id.encode()}
         return P.ReserveReply(req_id=msg.req_id, ok=True, reason="",
                               num_blocks=len(seq.block_table), cached_blocks=cached)
 
@@ -182,6 +185,10 @@ class DecodeNode(Node):
 
     def expire(self) -> None:
         now = time.monotonic()
+        if now >= self._senders_pruned + 1.0:  # KV budgets: who may still send KV here
+            self._senders_pruned = now
+            self.io.expected_kv_peers = frozenset(
+                j.sender.encode() for j in self.jobs.values() if j.sender and not j.placed)
         for job in [j for j in self.jobs.values() if now > j.deadline]:
             # Its Abort may have been lost: it must not run on to max_tokens.
             self.drop(job.seq.seq_id, "error")

@@ -50,7 +50,8 @@ class Node:
                          kv_bind=config.kv_bind if self.role == "decode" else None,
                          advertise_host=config.advertise_host,
                          heartbeat_interval_s=config.heartbeat_interval_s,
-                         curve=node_curves(config.curve_dir, self.role, config.curve_key))
+                         curve=node_curves(config.curve_dir, self.role, config.curve_key),
+                         dropped=self.metrics.dropped)
         self._stop = threading.Event()
         self.insecure_warnings = InsecureWarnings(node_exposures(config))
         self.draining = False
