@@ -6,6 +6,9 @@ same run, on the same transport: a bare pyzmq PUSH/PULL of the same bytes in
 8 MiB frames, and an in-process memcpy. Ours uses the nodes' own code:
 ``kv_chunk`` (gather blocks + checksum) on the sender, ``KVReceiver.place``
 (checks + checksum + scatter into pages) on the receiver, acknowledged at the end.
+The same-host rows keep the sender's pages in a /dev/shm segment, as a prefill
+node does: the messages carry offsets and the receiver copies the pages from
+the segment (compare them with memcpy).
 
     python benchmarks/kv_transfer.py [--tokens 2048] [--repeats 5]
 """
@@ -21,8 +24,10 @@ import torch
 import zmq
 
 from pdserve.common import protocol as P
+from pdserve.common.shm import Segment
 from pdserve.common.transport import make_socket, recv_message, recv_routed, send_message
 from pdserve.engine.kv_transfer import InboundTransfer, KVReceiver, kv_chunk, layer_groups
+from pdserve.engine.model_runner import kv_tensor_bytes, kv_views
 
 LAYOUT = P.KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16",
                     block_size=16)
@@ -30,8 +35,17 @@ MODEL = P.ModelIdentity(name="llama-3-8b-shaped", config_hash="bench")
 FRAME = 8 * 2**20
 
 
-def make_caches(num_blocks: int, fill: bool):
+def make_caches(num_blocks: int, fill: bool, segment: bool = False):
+    """The KV cache; with segment=True in a /dev/shm segment as a prefill node's is
+    (returns the segment too)."""
     shape = (num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    if segment:
+        seg = Segment.create(2 * LAYOUT.num_layers * kv_tensor_bytes(shape, torch.bfloat16))
+        caches = kv_views(seg.data, LAYOUT.num_layers, shape, torch.bfloat16)
+        for k, v in caches:
+            k.copy_(torch.randn(shape))
+            v.copy_(torch.randn(shape))
+        return caches, seg
     make = (lambda: torch.randn(shape).to(torch.bfloat16)) if fill else \
         (lambda: torch.zeros(shape, dtype=torch.bfloat16))
     return [(make(), make()) for _ in range(LAYOUT.num_layers)]
@@ -63,6 +77,7 @@ def ours_receiver(address_q, args, scattered: bool):
             if chunk.last:
                 break
         sock.send_multipart([peer, *P.encode(P.KVAck(req_id="r", ok=True, reason=""))])
+    receiver.segments.close()
     sock.close()
     ctx.term()
 
@@ -85,14 +100,15 @@ def bare_receiver(address_q, args):
     ctx.term()
 
 
-def run_ours(args, checksums: bool, scattered: bool) -> list[float]:
+def run_ours(args, checksums: bool, scattered: bool, shm: bool = False) -> list[float]:
     q = mp.get_context("spawn").Queue()
     proc = mp.get_context("spawn").Process(target=ours_receiver, args=(q, args, scattered))
     proc.start()
     address = q.get(timeout=60)
     ctx = zmq.Context()
     sock = make_socket(ctx, zmq.DEALER, connect=address, sndhwm=0)
-    caches = make_caches(args.num_blocks, fill=True)
+    caches, segment = make_caches(args.num_blocks, fill=True, segment=True) if shm else \
+        (make_caches(args.num_blocks, fill=True), None)
     ids = block_ids(args.tokens, args.num_blocks, seed=0, scattered=scattered)
     groups = layer_groups(LAYOUT.num_layers, args.layers_per_chunk)
     times = []
@@ -102,7 +118,8 @@ def run_ours(args, checksums: bool, scattered: bool) -> list[float]:
             for start, end in groups:
                 last = end == LAYOUT.num_layers
                 msg = kv_chunk("r", MODEL, LAYOUT, caches, ids, args.tokens, start, end,
-                               checksums=checksums, last=last, first_token=1 if last else None)
+                               checksums=checksums, last=last, first_token=1 if last else None,
+                               segment=segment)
                 send_message(sock, msg)
             ack = recv_message(sock, (P.KVAck,))
             assert ack.ok
@@ -111,6 +128,8 @@ def run_ours(args, checksums: bool, scattered: bool) -> list[float]:
         sock.close(0)
         ctx.term()
         proc.join(timeout=30)
+        if segment is not None:
+            segment.close()
     return times[1:]  # the first run warms the page cache and sockets
 
 
@@ -157,6 +176,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layers-per-chunk", type=int, default=4)
+    ap.add_argument("--paths", choices=("all", "tcp", "shm"), default="all",
+                    help="which of ours to run (memcpy and bare pyzmq always run)")
     args = ap.parse_args()
     args.num_blocks = 2 * -(-args.tokens // LAYOUT.block_size)
     nbytes = args.tokens * 2 * LAYOUT.num_layers * LAYOUT.num_kv_heads * LAYOUT.head_dim * 2
@@ -168,14 +189,19 @@ def main() -> None:
     bare = gbps(run_bare(args))
     rows = [(f"pdserve pages->pages, {'scattered' if sc else 'contiguous'} blocks, "
              f"{'checksum' if ck else 'no check'}", gbps(run_ours(args, ck, sc)))
-            for sc in (True, False) for ck in (True, False)]
+            for sc in (True, False) for ck in (True, False) if args.paths != "shm"]
     print(f"KV of {args.tokens} tokens, {nbytes / 2**20:.0f} MiB (32 layers x 8 kv heads x 128, "
           f"bf16), TCP loopback, {platform.machine()}, {torch.get_num_threads()} threads")
     print(f"{'memcpy (one process)':54s}: {memcpy:6.2f} GB/s")
     print(f"{'bare pyzmq PUSH/PULL, 8 MiB frames':54s}: {bare:6.2f} GB/s")
     for name, value in rows:
         print(f"{name:54s}: {value:6.2f} GB/s  ratio to bare {value / bare:.2f}")
-    print("goal: ratio >= 0.8 (with checksums on, the default)")
+    for sc in (True, False) if args.paths != "tcp" else ():
+        value = gbps(run_ours(args, True, sc, shm=True))
+        name = f"same host, /dev/shm, {'scattered' if sc else 'contiguous'} blocks, checksum"
+        print(f"{name:54s}: {value:6.2f} GB/s  ratio to memcpy {value / memcpy:.2f}")
+    print("goals: ratio to bare >= 0.8 over TCP, to memcpy >= 0.6 through /dev/shm "
+          "(checksums on, the default)")
 
 
 if __name__ == "__main__":

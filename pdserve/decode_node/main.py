@@ -180,8 +180,12 @@ class DecodeNode(Node):
         if items:
             self.io.send_control(P.TokenBatch(items=items))
 
+    def release(self) -> None:
+        self.receiver.segments.close()
+
     def expire(self) -> None:
         now = time.monotonic()
+        self.receiver.segments.sweep(now)
         for job in [j for j in self.jobs.values() if now > j.deadline]:
             # Its Abort may have been lost: it must not run on to max_tokens.
             self.drop(job.seq.seq_id, "error")
