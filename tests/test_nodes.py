@@ -1,6 +1,8 @@
 """Prefill and decode nodes as real processes, started through the CLI, driven over
 real ZeroMQ sockets on 127.0.0.1 by a stand-in for the router's side."""
+import glob
 import json
+import os
 import socket
 import time
 import urllib.request
@@ -10,6 +12,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.common import protocol as P
+from pdserve.common.shm import SWEEP_INTERVAL_S
 from pdserve.engine.sampling_params import to_spec
 from tests.node_driver import RouterDriver, start_node, stop_nodes
 
@@ -160,6 +163,24 @@ def test_corrupt_shm_region_is_caught_by_checksum(cluster):
     assert not any(isinstance(m, P.TokenBatch) and any(i.req_id == "bad-shm" for i in m.items)
                    for _, m in driver.inbox)
     wait_all_free(driver, "d0")
+
+
+def test_segment_of_a_killed_prefill_node_is_removed_by_a_survivor(cluster, tmp_path):
+    """A prefill node killed with SIGKILL cannot remove its /dev/shm segment; the decode
+    nodes' periodic sweep does (its owner no longer runs), so nothing leaks for good."""
+    driver, model, _ = cluster
+    proc = start_node("prefill", driver.address, model, "doomed-p",
+                      log_path=tmp_path / "doomed.log")
+    try:
+        driver.wait_nodes("doomed-p")
+        segments = glob.glob(f"/dev/shm/pdserve-kv-{proc.pid}-*")
+        assert len(segments) == 1, "a CPU prefill node keeps its KV cache in one segment"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert os.path.exists(segments[0])
+    driver.wait(lambda: not os.path.exists(segments[0]), timeout_s=SWEEP_INTERVAL_S + 5,
+                what="a decode node's sweep to remove the dead node's segment")
 
 
 def test_first_token_that_finishes_needs_no_decode(cluster):
