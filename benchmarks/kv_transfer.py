@@ -10,12 +10,13 @@ The same-host rows keep the sender's pages in a /dev/shm segment, as a prefill
 node does: the messages carry offsets and the receiver copies the pages from
 the segment (compare them with memcpy).
 
-    python benchmarks/kv_transfer.py [--tokens 2048] [--repeats 5]
+    python benchmarks/kv_transfer.py [--tokens 2048] [--repeats 5] [--rounds 3]
 """
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import platform
 import statistics
 import time
@@ -171,10 +172,28 @@ def run_memcpy(args) -> list[float]:
     return times[1:]
 
 
+def variants(paths: str) -> list[tuple[str, str, dict]]:
+    """(name, baseline, run_ours kwargs) of each of our rows."""
+    out = []
+    if paths != "shm":
+        out += [(f"pdserve pages->pages, {'scattered' if sc else 'contiguous'} blocks, "
+                 f"{'checksum' if ck else 'no check'}", "bare", dict(checksums=ck, scattered=sc))
+                for sc in (True, False) for ck in (True, False)]
+    if paths != "tcp":
+        out += [(f"same host, /dev/shm, {'scattered' if sc else 'contiguous'} blocks, "
+                 "checksum", "memcpy", dict(checksums=True, scattered=sc, shm=True))
+                for sc in (True, False)]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="every row is measured once per round, rounds interleave the rows "
+                         "(a load that drifts hits all of them); ratios are per round, then "
+                         "the median")
     ap.add_argument("--layers-per-chunk", type=int, default=4)
     ap.add_argument("--paths", choices=("all", "tcp", "shm"), default="all",
                     help="which of ours to run (memcpy and bare pyzmq always run)")
@@ -185,21 +204,29 @@ def main() -> None:
     def gbps(times):
         return nbytes / statistics.median(times) / 1e9
 
-    memcpy = gbps(run_memcpy(args))
-    bare = gbps(run_bare(args))
-    rows = [(f"pdserve pages->pages, {'scattered' if sc else 'contiguous'} blocks, "
-             f"{'checksum' if ck else 'no check'}", gbps(run_ours(args, ck, sc)))
-            for sc in (True, False) for ck in (True, False) if args.paths != "shm"]
+    rows = variants(args.paths)
+    figures: dict[str, list[float]] = {"memcpy": [], "bare": []}
+    ratios: dict[str, list[float]] = {name: [] for name, _, _ in rows}
+    loads = [os.getloadavg()[0]]
+    for _ in range(args.rounds):
+        base = {"memcpy": gbps(run_memcpy(args)), "bare": gbps(run_bare(args))}
+        for key, value in base.items():
+            figures[key].append(value)
+        for name, against, kw in rows:
+            value = gbps(run_ours(args, **kw))
+            figures.setdefault(name, []).append(value)
+            ratios[name].append(value / base[against])
+        loads.append(os.getloadavg()[0])
+    med = statistics.median
     print(f"KV of {args.tokens} tokens, {nbytes / 2**20:.0f} MiB (32 layers x 8 kv heads x 128, "
-          f"bf16), TCP loopback, {platform.machine()}, {torch.get_num_threads()} threads")
-    print(f"{'memcpy (one process)':54s}: {memcpy:6.2f} GB/s")
-    print(f"{'bare pyzmq PUSH/PULL, 8 MiB frames':54s}: {bare:6.2f} GB/s")
-    for name, value in rows:
-        print(f"{name:54s}: {value:6.2f} GB/s  ratio to bare {value / bare:.2f}")
-    for sc in (True, False) if args.paths != "tcp" else ():
-        value = gbps(run_ours(args, True, sc, shm=True))
-        name = f"same host, /dev/shm, {'scattered' if sc else 'contiguous'} blocks, checksum"
-        print(f"{name:54s}: {value:6.2f} GB/s  ratio to memcpy {value / memcpy:.2f}")
+          f"bf16), TCP loopback, {platform.machine()}, {torch.get_num_threads()} threads; "
+          f"{args.rounds} rounds, load average {min(loads):.1f}-{max(loads):.1f}")
+    print(f"{'memcpy (one process)':54s}: {med(figures['memcpy']):6.2f} GB/s")
+    print(f"{'bare pyzmq PUSH/PULL, 8 MiB frames':54s}: {med(figures['bare']):6.2f} GB/s")
+    for name, against, _ in rows:
+        each = " ".join(f"{r:.2f}" for r in ratios[name])
+        print(f"{name:54s}: {med(figures[name]):6.2f} GB/s  ratio to {against} "
+              f"{med(ratios[name]):.2f} (rounds: {each})")
     print("goals: ratio to bare >= 0.8 over TCP, to memcpy >= 0.6 through /dev/shm "
           "(checksums on, the default)")
 
