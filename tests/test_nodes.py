@@ -119,6 +119,8 @@ def test_same_host_kv_goes_through_shared_memory_token_exact_vs_tcp(cluster):
     log = (driver.logs / "p0.log").read_text()
     shm_lines = [line for line in log.splitlines() if "goes through shared memory" in line]
     assert len(shm_lines) == 2 and "decode node d0" in shm_lines[0] + shm_lines[1]
+    tcp_lines = [line for line in log.splitlines() if "goes over TCP: it is not on" in line]
+    assert len(tcp_lines) == 2, "the path is logged once per decode node, not per request"
     wait_all_free(driver, "p0", "d0", "d1")
 
 

@@ -3,9 +3,8 @@
 The prefill node's KV pool *is* a shared-memory segment (``common/shm.py``), so
 a chunk for a decode node on the same host names the segment, the byte offset
 of each layer's K and V pool in it and the request's pages (``shm_ref``). The
-decode node copies those pages into the blocks it reserved
-(``KVReceiver.place`` in kv_transfer.py): the
-one memcpy end to end. Checksums stay as on the wire: the sender's is XXH3 of
+decode node copies those pages into the blocks it reserved (``KVReceiver.place``
+in kv_transfer.py): the one memcpy end to end. Checksums stay as on the wire: the sender's is XXH3 of
 the pages in the request's order (the bytes a TCP frame would carry), and the
 receiver hashes what it placed, so a segment changed in between is caught.
 The sender's pages stay allocated until the KVAck, as for TCP.
@@ -31,6 +30,8 @@ PIECE_BYTES = 1 << 20    # copy then hash this much at a time: the hash reads fr
 
 def bytes_of(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous tensor as a flat memoryview (writable if the tensor is)."""
+    if not t.is_contiguous():  # reshape would copy: writes would land in the copy
+        raise ValueError(f"bytes_of: tensor {list(t.shape)} is not contiguous")
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
