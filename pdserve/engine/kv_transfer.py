@@ -96,8 +96,9 @@ def _frame_of(pool: torch.Tensor, ids: list[int], checksum: bool) -> tuple[torch
     blocks stay allocated until the decode node acknowledges). Others are gathered into a
     new frame, hashed piece by piece as they land."""
     n = len(ids)
-    if ids == list(range(ids[0], ids[0] + n)):
-        view = pool[ids[0]:ids[0] + n]
+    first = ids[0] if ids else 0
+    if ids == list(range(first, first + n)):
+        view = pool[first:first + n]
         return view, pages_checksum(pool, ids) if checksum else None
     frame = torch.empty((n, *pool.shape[1:]), dtype=pool.dtype)  # [nb, bs, KVH, D]
     h = xxhash.xxh3_64() if checksum else None
