@@ -4,9 +4,10 @@ The prefill node's KV pool *is* a shared-memory segment (``common/shm.py``), so
 a chunk for a decode node on the same host names the segment, the byte offset
 of each layer's K and V pool in it and the request's pages (``shm_ref``). The
 decode node copies those pages into the blocks it reserved (``KVReceiver.place``
-in kv_transfer.py): the one memcpy end to end. Checksums stay as on the wire: the sender's is XXH3 of
-the pages in the request's order (the bytes a TCP frame would carry), and the
-receiver hashes what it placed, so a segment changed in between is caught.
+in kv_transfer.py): the one memcpy end to end. Checksums stay as on the wire: the
+sender's is XXH3 of the pages in the request's order (the bytes a TCP frame would
+carry), and the receiver hashes what it placed, so a segment changed in between is
+caught.
 The sender's pages stay allocated until the KVAck, as for TCP.
 """
 from __future__ import annotations
