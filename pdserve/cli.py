@@ -327,6 +327,9 @@ def _run_node(role: str, kw: dict) -> None:
 @click.option("--kv-checksums/--no-kv-checksums", "kv_checksums",
               default=_n("kv_checksums"),
               show_default=True, help="A 64-bit checksum on every KV frame sent.")
+@click.option("--kv-shm/--no-kv-shm", "kv_shm", default=_n("kv_shm"), show_default=True,
+              help="Keep the KV cache (CPU) in a /dev/shm segment, so that decode nodes on "
+                   "this host copy KV from it instead of receiving it over TCP.")
 @click.option("--kv-layers-per-chunk", type=click.IntRange(min=1),
               default=_n("kv_layers_per_chunk"), show_default=True,
               help="Layers per KV message: smaller overlaps transfer with compute more.")

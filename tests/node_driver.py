@@ -123,8 +123,10 @@ class RouterDriver:
 
     def run(self, requests: dict[str, tuple[list[int], P.SamplingSpec]],
             prefill_of: dict[str, str], decode_of: dict[str, str],
-            timeout_s: float = 120.0) -> dict[str, dict]:
-        """Reserve, prefill in one batch per prefill node, collect every token."""
+            timeout_s: float = 120.0, same_host: bool = False) -> dict[str, dict]:
+        """Reserve, prefill in one batch per prefill node, collect every token. same_host:
+        pass the decode node's host id on, as the router does (KV then goes through shared
+        memory); else leave it out (KV over TCP)."""
         results = {r: {"tokens": [], "finish": None, "error": None} for r in requests}
         cached = {}
         for req_id, (prompt, spec) in requests.items():
@@ -137,7 +139,8 @@ class RouterDriver:
             batches[prefill_of[req_id]].append(P.PrefillRequest(
                 req_id=req_id, prompt_token_ids=prompt, sampling=spec, decode_node_id=decode,
                 kv_address=self.hellos[decode].kv_address, timeout_s=30.0,
-                skip_blocks=cached[req_id]))
+                skip_blocks=cached[req_id],
+                decode_host_id=self.hellos[decode].host_id if same_host else ""))
         for prefill, reqs in batches.items():
             self.send(prefill, P.PrefillBatch(requests=reqs))
 

@@ -1,13 +1,19 @@
 """KV pages to pages: kv_chunk on one side, the wire encoding, KVReceiver.place on the other."""
+import dataclasses
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from pdserve.common import protocol as P
+from pdserve.engine.kv_shm import paired_runs
 from pdserve.engine.kv_transfer import (
     InboundTransfer,
     KVReceiver,
+    KVTransferError,
     TransferState,
-    block_runs,
     kv_chunk,
     layer_groups,
 )
@@ -25,9 +31,10 @@ def caches(fill: bool, seed: int = 0):
     return [(make(), make()) for _ in range(LAYOUT.num_layers)]
 
 
-def test_block_runs():
-    assert block_runs(torch.tensor([5, 6, 7, 2, 9, 10])) == [(0, 5, 3), (3, 2, 1), (4, 9, 2)]
-    assert block_runs(torch.tensor([], dtype=torch.int64)) == []
+def test_paired_runs():
+    assert paired_runs([5, 6, 7, 2, 9, 10], [0, 1, 2, 3, 4, 6]) == [(5, 0, 3), (2, 3, 1),
+                                                                   (9, 4, 1), (10, 6, 1)]
+    assert paired_runs([], []) == []
 
 
 @pytest.mark.parametrize("dst_ids", [
@@ -55,3 +62,122 @@ def test_pages_arrive_where_reserved(src_ids, dst_ids):
         assert torch.equal(dk[dst_ids], sk[src_ids]) and torch.equal(dv[dst_ids], sv[src_ids])
         assert torch.equal(dk[untouched], bk[untouched])
         assert torch.equal(dv[untouched], bv[untouched])
+
+
+# ---------------------------------------------------------------- same host, /dev/shm
+
+@pytest.fixture
+def segment_caches():
+    """A sender's KV cache in a real /dev/shm segment, as a prefill node keeps it."""
+    from pdserve.common.shm import Segment
+    from pdserve.engine.model_runner import kv_tensor_bytes, kv_views
+
+    shape = (NUM_BLOCKS, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    seg = Segment.create(2 * LAYOUT.num_layers * kv_tensor_bytes(shape, torch.float32))
+    views = kv_views(seg.data, LAYOUT.num_layers, shape, torch.float32)
+    for (k, v), (sk, sv) in zip(views, caches(fill=True, seed=3)):
+        k.copy_(sk)
+        v.copy_(sv)
+    yield seg, views
+    seg.close()
+    assert not os.path.exists(f"/dev/shm/{seg.name}")
+
+
+def send_all(src, ids, receiver, transfer, segment, num_tokens, corrupt=None):
+    for start, end in layer_groups(LAYOUT.num_layers, 2):
+        last = end == LAYOUT.num_layers
+        chunk = kv_chunk("r", MODEL, LAYOUT, src, torch.tensor(ids), num_tokens, start, end,
+                         checksums=True, last=last, first_token=1 if last else None,
+                         segment=segment)
+        if corrupt is not None:
+            corrupt(start)
+        receiver.place(P.decode(P.encode(chunk)), transfer)
+
+
+@pytest.mark.parametrize("src_ids,dst_ids", [
+    (list(range(4, 16)), list(range(10, 22))),
+    ([7, 2, 30, 1, 8, 9, 22, 23, 5, 6, 39, 0], [3, 9, 1, 27, 14, 5, 33, 20, 8, 11, 38, 2]),
+])
+def test_shm_pages_arrive_where_reserved_same_as_tcp(segment_caches, src_ids, dst_ids):
+    """Pages copied from the sender's segment (mapped a second time, read-only, as the
+    decode node maps it) land exactly where the TCP frames land; the message has no frames."""
+    seg, src = segment_caches
+    num_tokens = len(src_ids) * LAYOUT.block_size - 3
+    got = {}
+    for path in ("shm", "tcp"):
+        dst = caches(fill=False)
+        receiver = KVReceiver(MODEL, LAYOUT, dst)
+        transfer = InboundTransfer("r", torch.tensor(dst_ids), num_tokens)
+        send_all(src, src_ids, receiver, transfer, seg if path == "shm" else None, num_tokens)
+        assert transfer.state is TransferState.DONE
+        assert list(receiver.segments._mapped) == ([seg.name] if path == "shm" else [])
+        receiver.segments.close()
+        got[path] = dst
+    for (sk, sv), (dk, dv), (tk, tv) in zip(src, got["shm"], got["tcp"]):
+        assert torch.equal(dk[dst_ids], sk[src_ids]) and torch.equal(dv[dst_ids], sv[src_ids])
+        assert torch.equal(dk, tk) and torch.equal(dv, tv)
+
+
+def test_corrupt_shm_region_is_caught_by_checksum(segment_caches):
+    """A page changed in the segment after the sender hashed it (a bug reusing pages before
+    the KVAck, another process writing) fails the transfer with checksum_mismatch."""
+    seg, src = segment_caches
+    src_ids, dst_ids = [5, 6, 7, 20], [0, 1, 2, 3]
+    receiver = KVReceiver(MODEL, LAYOUT, caches(fill=False))
+    transfer = InboundTransfer("r", torch.tensor(dst_ids), 4 * LAYOUT.block_size)
+
+    def corrupt(start):
+        if start == 2:
+            src[2][1][20, 1, 0, 3] += 1.0  # v2, block 20: written behind the sender's back
+
+    with pytest.raises(KVTransferError) as err:
+        send_all(src, src_ids, receiver, transfer, seg, 4 * LAYOUT.block_size, corrupt)
+    assert err.value.code == P.CHECKSUM_MISMATCH
+    assert f"KV frame v2 (read from shared segment {seg.name})" in err.value.message
+    receiver.segments.close()
+
+
+def test_shm_reference_outside_the_segment_is_refused(segment_caches):
+    seg, src = segment_caches
+    chunk = kv_chunk("r", MODEL, LAYOUT, src, torch.tensor([1, 2]), 8, 0, 1, checksums=True,
+                     last=False, segment=seg)
+    chunk.shm.block_ids[1] = NUM_BLOCKS * 2 * LAYOUT.num_layers  # past the end
+    receiver = KVReceiver(MODEL, LAYOUT, caches(fill=False))
+    with pytest.raises(KVTransferError) as err:
+        receiver.place(chunk, InboundTransfer("r", torch.tensor([0, 1]), 8))
+    assert err.value.code == P.BAD_MESSAGE and "do not lie inside segment" in err.value.message
+    chunk = dataclasses.replace(chunk, shm=dataclasses.replace(
+        chunk.shm, segment="pdserve-kv-1-1-00000000"))  # no such segment
+    with pytest.raises(KVTransferError) as err:
+        receiver.place(chunk, InboundTransfer("r", torch.tensor([0, 1]), 8))
+    assert "shared memory this node cannot read" in err.value.message
+    receiver.segments.close()
+
+
+def test_checksum_without_gather_equals_checksum_of_gathered_pages():
+    from pdserve.engine.kv_shm import pages_checksum
+
+    pool = caches(fill=True)[0][0]
+    for ids in ([3, 4, 5], [9, 2, 3, 4, 31]):
+        assert pages_checksum(pool, ids) == P.checksum_of(pool[ids])
+
+
+def test_segment_of_a_killed_process_is_swept():
+    """SIGKILL leaves the owner no chance to unlink: the next sweep (every node runs one at
+    start, decode nodes every few seconds) removes the file; a live owner's stays."""
+    from pdserve.common import shm
+
+    code = ("import sys, time; from pdserve.common.shm import Segment; "
+            "s = Segment.create(1 << 20); print(s.name, flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        name = proc.stdout.readline().strip()
+        assert os.path.exists(f"/dev/shm/{name}")
+        shm.sweep()
+        assert os.path.exists(f"/dev/shm/{name}"), "the owner lives: its segment stays"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert os.path.exists(f"/dev/shm/{name}")
+    assert name in shm.sweep()
+    assert not os.path.exists(f"/dev/shm/{name}")

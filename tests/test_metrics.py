@@ -47,7 +47,7 @@ DECODE = {**NODE, "pdserve_decode_step_seconds": "histogram",
           "pdserve_decode_batch_size": "histogram"}
 # Label keys each process may use besides model_name (le: histogram buckets).
 EXTRA_LABELS = {"router": {"finish_reason", "code", "role", "state", "le", "process", "where"},
-                "prefill-0": {"node", "le", "process", "where"},
+                "prefill-0": {"node", "le", "process", "where", "path"},
                 "decode-0": {"node", "le", "process", "where"}}
 
 # (endpoint, body, max_tokens): completions and chat, streamed and not; max_tokens=1
@@ -190,7 +190,10 @@ def test_nodes_count_what_they_did(served):
         assert value(s, "pdserve_prefill_time_seconds_count") == len(REQUESTS)
         assert value(s, "pdserve_prefill_batch_size_sum") == len(REQUESTS)  # no chunking
         assert value(s, "pdserve_kv_transfer_seconds_count") == shipped
-        assert value(s, "pdserve_kv_transfer_bytes_total") > 0
+        # One host: the router passed the decode node's host id on, the KV went through
+        # the prefill node's /dev/shm segment, none over TCP.
+        assert value(s, "pdserve_kv_transfer_bytes_total", path="shm") > 0
+        assert value(s, "pdserve_kv_transfer_bytes_total", path="tcp") == 0
         assert value(s, "pdserve_kv_transfer_failures_total") == 0
         assert value(s, "pdserve_kv_cache_usage_ratio") == 0   # every block given back
 

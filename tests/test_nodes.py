@@ -1,12 +1,18 @@
 """Prefill and decode nodes as real processes, started through the CLI, driven over
 real ZeroMQ sockets on 127.0.0.1 by a stand-in for the router's side."""
+import glob
+import json
+import os
+import socket
 import time
+import urllib.request
 
 import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.common import protocol as P
+from pdserve.common.shm import SWEEP_INTERVAL_S
 from pdserve.engine.sampling_params import to_spec
 from tests.node_driver import RouterDriver, start_node, stop_nodes
 
@@ -19,11 +25,15 @@ def cluster(tiny_model, tmp_path_factory):
     model = tiny_model("llama")
     logs = tmp_path_factory.mktemp("logs")
     driver = RouterDriver()
+    driver.logs = logs
+    driver.p0_metrics = free_port()
     procs = []
     try:
         for role, node_id in [("prefill", "p0"), ("prefill", "p1"), ("decode", "d0"),
                               ("decode", "d1")]:
             extra = ("--max-num-batched-tokens", "48") if role == "prefill" else ()
+            if node_id == "p0":
+                extra += ("--metrics-port", str(driver.p0_metrics))
             procs.append(start_node(role, driver.address, model, node_id, *extra,
                                     log_path=logs / f"{node_id}.log"))
         driver.wait_nodes("p0", "p1", "d0", "d1")
@@ -31,6 +41,22 @@ def cluster(tiny_model, tmp_path_factory):
     finally:
         stop_nodes(procs)
         driver.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kv_bytes_by_path(port: int) -> dict[str, float]:
+    """pdserve_kv_transfer_bytes_total of a prefill node, by path, from its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    return {s.labels["path"]: s.value
+            for f in text_string_to_metric_families(text.decode())
+            for s in f.samples if s.name == "pdserve_kv_transfer_bytes_total"}
 
 
 def prompts_for(vocab, seed=0):
@@ -63,6 +89,100 @@ def test_two_prefill_two_decode_equal_offline_llm(cluster):
         assert got[r]["tokens"] == want[i], f"{r} ({len(prompts[i])}-token prompt)"
         assert got[r]["finish"] == "length"
     wait_all_free(driver, "p0", "p1", "d0", "d1")
+
+
+def test_same_host_kv_goes_through_shared_memory_token_exact_vs_tcp(cluster):
+    """With the decode node's host id passed on (as the router does; all nodes here share
+    this host) the KV goes through the prefill node's /dev/shm segment: the prefill node
+    counts the bytes under path="shm", logs the path once per decode node, and greedy output
+    is token for token what the same prompts give over TCP."""
+    driver, model, _ = cluster
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    prompts = prompts_for(vocab, seed=5)
+    spec = to_spec(greedy(16))
+    tokens, moved = {}, {}
+    before = kv_bytes_by_path(driver.p0_metrics)
+    for path in ("tcp", "shm", "tcp again"):
+        reqs = {f"{path}-{i}": (p, spec) for i, p in enumerate(prompts)}
+        got = driver.run(reqs, {r: "p0" for r in reqs},
+                         {r: ("d0", "d1")[i % 2] for i, r in enumerate(reqs)},
+                         same_host=path == "shm")
+        assert all(got[r]["error"] is None for r in reqs), [got[r]["error"] for r in reqs]
+        tokens[path] = [got[r]["tokens"] for r in reqs]
+        after = kv_bytes_by_path(driver.p0_metrics)
+        moved[path] = {k: after.get(k, 0) - before.get(k, 0) for k in ("tcp", "shm")}
+        before = after
+    assert tokens["shm"] == tokens["tcp"] == tokens["tcp again"]
+    assert all(len(t) == 16 for t in tokens["shm"])
+    assert moved["tcp"]["tcp"] > 0 and moved["tcp"]["shm"] == 0
+    assert moved["shm"]["shm"] > 0 and moved["shm"]["tcp"] == 0
+    log = (driver.logs / "p0.log").read_text()
+    shm_lines = [line for line in log.splitlines() if "goes through shared memory" in line]
+    assert len(shm_lines) == 2 and "decode node d0" in shm_lines[0] + shm_lines[1]
+    tcp_lines = [line for line in log.splitlines() if "goes over TCP: it is not on" in line]
+    assert len(tcp_lines) == 2, "the path is logged once per decode node, not per request"
+    wait_all_free(driver, "p0", "d0", "d1")
+
+
+def test_corrupt_shm_region_is_caught_by_checksum(cluster):
+    """KV named in a shared segment whose pages changed after the sender hashed them is
+    refused by the decode node (a real process mapping the segment), with the reason."""
+    import zmq
+
+    from pdserve.common.shm import Segment
+    from pdserve.common.transport import make_socket, recv_message, send_message
+    from pdserve.engine.kv_transfer import kv_chunk
+    from pdserve.engine.model_runner import kv_tensor_bytes, kv_views
+
+    driver, _, _ = cluster
+    hello = driver.hellos["d0"]
+    lay = hello.kv_layout
+    prompt = list(range(3, 40))
+    assert driver.reserve("d0", "bad-shm", prompt, to_spec(greedy())).ok
+    shape = (8, lay.block_size, lay.num_kv_heads, lay.head_dim)
+    seg = Segment.create(2 * lay.num_layers * kv_tensor_bytes(shape, torch.float32))
+    sock = make_socket(driver.ctx, zmq.DEALER, connect=hello.kv_address)
+    try:
+        pages = kv_views(seg.data, lay.num_layers, shape, torch.float32)
+        for k, v in pages:
+            k.normal_()
+            v.normal_()
+        chunk = kv_chunk("bad-shm", hello.model, lay, pages, torch.tensor([5, 1, 2]),
+                         len(prompt), 0, lay.num_layers, checksums=True, last=True,
+                         first_token=5, segment=seg)
+        pages[1][0][2, 0, 0, 0] += 1.0  # k1, block 2: changed after the checksum
+        send_message(sock, chunk)
+        assert sock.poll(10_000)
+        ack = recv_message(sock, (P.KVAck,))
+    finally:
+        sock.close(0)
+        seg.close()
+    assert not ack.ok
+    assert ack.reason.startswith(f"checksum_mismatch: KV frame k1 (read from shared segment "
+                                 f"{seg.name})")
+    _, err = driver.take(P.Error, lambda m: m.req_id == "bad-shm")
+    assert err.code == P.CHECKSUM_MISMATCH
+    assert not any(isinstance(m, P.TokenBatch) and any(i.req_id == "bad-shm" for i in m.items)
+                   for _, m in driver.inbox)
+    wait_all_free(driver, "d0")
+
+
+def test_segment_of_a_killed_prefill_node_is_removed_by_a_survivor(cluster, tmp_path):
+    """A prefill node killed with SIGKILL cannot remove its /dev/shm segment; the decode
+    nodes' periodic sweep does (its owner no longer runs), so nothing leaks for good."""
+    driver, model, _ = cluster
+    proc = start_node("prefill", driver.address, model, "doomed-p",
+                      log_path=tmp_path / "doomed.log")
+    try:
+        driver.wait_nodes("doomed-p")
+        segments = glob.glob(f"/dev/shm/pdserve-kv-{proc.pid}-*")
+        assert len(segments) == 1, "a CPU prefill node keeps its KV cache in one segment"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert os.path.exists(segments[0])
+    driver.wait(lambda: not os.path.exists(segments[0]), timeout_s=SWEEP_INTERVAL_S + 5,
+                what="a decode node's sweep to remove the dead node's segment")
 
 
 def test_first_token_that_finishes_needs_no_decode(cluster):

@@ -23,6 +23,7 @@ class NodeConfig:
     welcome_timeout_s: float = 60.0           # how long to wait for the router at start
     drain_timeout_s: float = 30.0             # SIGTERM: how long running requests may finish
     kv_checksums: bool = True                 # a checksum on every KV frame
+    kv_shm: bool = True                       # prefill: KV to same-host decode nodes via /dev/shm
     kv_layers_per_chunk: int = 4              # layers per KV message (overlap vs. overhead)
     curve_dir: str | None = None              # CurveZMQ keys (docs/security.md); None: off
     curve_key: str = "node"                   # this node's keypair in curve_dir

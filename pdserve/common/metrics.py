@@ -285,8 +285,9 @@ class PrefillMetrics(NodeMetrics):
                                             PREFILL_BUCKETS)
         self.kv_time = self._histogram("pdserve_kv_transfer_seconds", "First KV chunk sent "
                                        "to the decode node's KVAck.", KV_TRANSFER_BUCKETS)
-        self.kv_bytes = self._counter("pdserve_kv_transfer_bytes_total",
-                                      "KV bytes sent to decode nodes.")
+        self.kv_bytes = self._counter("pdserve_kv_transfer_bytes_total", "KV bytes sent to "
+                                      "decode nodes, by path: tcp (frames on the KV socket) "
+                                      "or shm (same host, through shared memory).", "path")
         self.kv_failures = self._counter("pdserve_kv_transfer_failures_total", "KV transfers "
                                          "refused, failed to send or never acknowledged.")
         self.kv_blocks_sent = self._counter("pdserve_kv_blocks_sent_total", "Prompt KV blocks "
@@ -308,9 +309,9 @@ class PrefillMetrics(NodeMetrics):
         if started is not None:
             self.prefill_time.observe(time.monotonic() - started)
 
-    def kv_sent(self, req_id: str, nbytes: int) -> None:
+    def kv_sent(self, req_id: str, nbytes: int, path: str = "tcp") -> None:
         self._kv_started.setdefault(req_id, time.monotonic())
-        self.kv_bytes.inc(nbytes)
+        self.kv_bytes.labels(**self.labels, path=path).inc(nbytes)
 
     def kv_blocks(self, sent: int, skipped: int) -> None:
         self.kv_blocks_sent.inc(sent)

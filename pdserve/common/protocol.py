@@ -26,8 +26,10 @@ import msgpack
 import torch
 import xxhash
 
-PROTOCOL_VERSION = 2  # 2: Hello.incarnation, Welcome.router_incarnation, SamplingSpec.seed_offset,
+PROTOCOL_VERSION = 3  # 2: Hello.incarnation, Welcome.router_incarnation, SamplingSpec.seed_offset,
                       # decode-side prefix reuse (cached_blocks / skip_blocks / first_block)
+                      # 3: same-host KV through shared memory (Hello.host_id,
+                      # PrefillRequest.decode_host_id, KVChunk.shm)
 MAX_HEADER_BYTES = 16 * 1024 * 1024  # a header is metadata; KV travels in frames
 # Decoded MessagePack may hold at most one container (map or array) per this many bytes of
 # input: a header of empty maps ({} is 1 byte, a dict 64) cannot grow 70x in memory.
@@ -35,6 +37,7 @@ BYTES_PER_CONTAINER = 16
 MIN_CONTAINERS = 256
 MAX_SEED = 2**63        # seeds are in [0, 2^63): a signed 64-bit value on every side
 MAX_WIRE_INT = 2**63    # the most any count or id on the wire may be (msgpack packs up to 2^64)
+MAX_HOST_ID = 256       # Hello.host_id: boot id + /dev/shm identity
 
 # Error codes: the `code` of ProtocolError and of the Error message.
 BAD_MESSAGE = "bad_message"
@@ -159,6 +162,15 @@ class PrefillRequest:
     kv_address: str
     timeout_s: float
     skip_blocks: int = 0  # leading KV blocks the decode node holds already: not sent
+    decode_host_id: str = ""  # the decode node's Hello.host_id: equal to ours, KV goes via shm
+
+
+@_struct
+class ShmKV:
+    """Where a KVChunk's pages lie in the sender's shared-memory segment (same host)."""
+    segment: str           # file name under /dev/shm
+    offsets: list[int]     # byte offset of each tensor's page pool, in tensor-name order
+    block_ids: list[int]   # the sender's pages of the request, in the request's order
 
 
 @_struct
@@ -194,10 +206,15 @@ class Hello(Message):
     # Random per process start: the same id again after a silence is a resync (the router
     # stalled), a new one a restart (its work is gone).
     incarnation: str = ""
+    # Boot id + /dev/shm identity ("" unknown): nodes with equal ids share memory.
+    host_id: str = ""
 
     def _validate(self) -> None:
         if self.role not in ROLES:
             raise ProtocolError(BAD_MESSAGE, f"Hello.role: {self.role!r} is not one of {ROLES}")
+        if len(self.host_id) > MAX_HOST_ID:
+            raise ProtocolError(BAD_MESSAGE, f"Hello.host_id: {len(self.host_id)} characters, "
+                                f"at most {MAX_HOST_ID}")
 
 
 @_message("welcome")
@@ -270,6 +287,7 @@ class KVChunk(Message):
     checksums: list[int] = field(default_factory=list)
     last: bool
     first_token: Optional[int] = None  # set on the last chunk
+    shm: Optional[ShmKV] = None  # same host: the pages are there, not in tensor frames
     tensors: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     def _validate(self) -> None:
@@ -283,14 +301,16 @@ class KVChunk(Message):
         if self.num_tokens <= 0 or lay.block_size <= 0:
             raise ProtocolError(BAD_MESSAGE, f"{where}: num_tokens={self.num_tokens} and "
                                 f"block_size={lay.block_size} must be positive")
-        names = [f"{kv}{i}" for i in range(self.layer_start, self.layer_end) for kv in "kv"]
-        if sorted(self.tensors) != sorted(names):
+        names = kv_tensor_names(self.layer_start, self.layer_end)
+        if self.shm is None and sorted(self.tensors) != sorted(names):
             raise ProtocolError(BAD_MESSAGE, f"{where}: tensors {list(self.tensors)}, "
                                 f"expected {names}")
         num_blocks = -(-self.num_tokens // lay.block_size) - self.first_block
         if not 0 <= self.first_block < num_blocks + self.first_block:
             raise ProtocolError(BAD_MESSAGE, f"{where}: first_block={self.first_block} leaves "
                                 "no block of the prompt to send")
+        if self.shm is not None:
+            self._validate_shm(where, len(names), num_blocks)
         shape = (num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
         for name, t in self.tensors.items():
             if tuple(t.shape) != shape or t.dtype != DTYPES[lay.dtype]:
@@ -302,6 +322,24 @@ class KVChunk(Message):
         if self.first_token is not None and not self.last:
             raise ProtocolError(BAD_MESSAGE, f"{where}: first_token set on a chunk that is "
                                 "not last")
+
+    def _validate_shm(self, where: str, num_tensors: int, num_blocks: int) -> None:
+        shm = self.shm
+        if self.tensors:
+            raise ProtocolError(BAD_MESSAGE, f"{where}: carries tensor frames and shm; one "
+                                "or the other")
+        if len(shm.offsets) != num_tensors or len(shm.block_ids) != num_blocks:
+            raise ProtocolError(BAD_MESSAGE, f"{where}: shm has {len(shm.offsets)} offsets and "
+                                f"{len(shm.block_ids)} block ids, expected {num_tensors} and "
+                                f"{num_blocks}")
+        if any(not 0 <= v < MAX_WIRE_INT for v in (*shm.offsets, *shm.block_ids)):
+            raise ProtocolError(BAD_MESSAGE, f"{where}: shm offsets and block ids must be in "
+                                f"[0, 2^63)")
+
+
+def kv_tensor_names(layer_start: int, layer_end: int) -> list[str]:
+    """A KVChunk's tensors, in wire order: k{l}, v{l} for each layer l."""
+    return [f"{kv}{i}" for i in range(layer_start, layer_end) for kv in "kv"]
 
 
 @_message("kv_ack")

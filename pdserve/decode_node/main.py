@@ -183,8 +183,12 @@ class DecodeNode(Node):
         if items:
             self.io.send_control(P.TokenBatch(items=items))
 
+    def release(self) -> None:
+        self.receiver.segments.close()
+
     def expire(self) -> None:
         now = time.monotonic()
+        self.receiver.segments.sweep(now)
         if now >= self._senders_pruned + 1.0:  # KV budgets: who may still send KV here
             self._senders_pruned = now
             self.io.expected_kv_peers = frozenset(

@@ -20,9 +20,29 @@ def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dt
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
 
+def kv_tensor_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
+def kv_views(storage: torch.Tensor, num_layers: int, shape: tuple[int, ...],
+             dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The KV cache over one uint8 buffer: layer l's K at byte offset (2l) * T, its V at
+    (2l + 1) * T, T the bytes of one [num_blocks, block_size, kv_heads, head_dim] tensor."""
+    size = kv_tensor_bytes(shape, dtype)
+    return [tuple(storage[i * size:(i + 1) * size].view(dtype).view(shape)
+                  for i in (2 * layer, 2 * layer + 1))
+            for layer in range(num_layers)]
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 device: torch.device | str, dtype: torch.dtype, compute: str = "model"):
+                 device: torch.device | str, dtype: torch.dtype, compute: str = "model",
+                 kv_storage: Callable[[int], torch.Tensor | None] | None = None):
+        """``kv_storage(nbytes)``: where the CPU KV cache lives (a uint8 tensor of nbytes,
+        zero-filled; a prefill node's shared-memory segment), or None for its own memory."""
         cfg = model.config
         model.fuse_projections()
         self.model = model
@@ -37,11 +57,16 @@ class ModelRunner:
         self.dtype = dtype
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         # One K and one V tensor per layer: [num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=self.device),
-             torch.zeros(shape, dtype=dtype, device=self.device))
-            for _ in range(cfg.num_hidden_layers)
-        ]
+        storage = kv_storage(2 * cfg.num_hidden_layers * kv_tensor_bytes(shape, dtype)) \
+            if kv_storage is not None and self.device.type == "cpu" else None
+        if storage is not None:
+            self.kv_caches = kv_views(storage, cfg.num_hidden_layers, shape, dtype)
+        else:
+            self.kv_caches = [
+                (torch.zeros(shape, dtype=dtype, device=self.device),
+                 torch.zeros(shape, dtype=dtype, device=self.device))
+                for _ in range(cfg.num_hidden_layers)
+            ]
 
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:
         chunks, starts, tables, mask = [], [], [], []

@@ -18,6 +18,7 @@ import threading
 import time
 
 from pdserve.common import protocol as P
+from pdserve.common import shm
 from pdserve.common.config import NodeConfig
 from pdserve.common.kv_events import KVEventPublisher
 from pdserve.common.metrics import node_metrics, start_metrics_server
@@ -38,14 +39,17 @@ class Node:
     def __init__(self, config: NodeConfig):
         self.config = config
         self.node_id = config.node_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
-        self.worker = Worker(config.engine)
+        shm.sweep()  # KV segments of processes killed before they could remove them
+        self.host_id = shm.host_id()
+        self.worker = Worker(config.engine, kv_storage=self.kv_storage)
         self.identity = self.worker.identity()
         self.layout = self.worker.kv_layout()
         self.metrics = node_metrics(self.role, self.identity.name, self.node_id)
         hello = P.Hello(node_id=self.node_id, role=self.role,
                         protocol_version=P.PROTOCOL_VERSION, model=self.identity,
                         kv_layout=self.layout, capacity=self.worker.stats(), pid=os.getpid(),
-                        compute=config.engine.compute, incarnation=os.urandom(8).hex())
+                        compute=config.engine.compute, incarnation=os.urandom(8).hex(),
+                        host_id=self.host_id)
         self.io = NodeIO(config.router, hello,
                          kv_bind=config.kv_bind if self.role == "decode" else None,
                          advertise_host=config.advertise_host,
@@ -73,6 +77,13 @@ class Node:
                         "is %d; outputs are not the model's", self.worker.runner.fixed_token)
 
     # -- for the roles ---------------------------------------------------------------------
+    def kv_storage(self, nbytes: int):
+        """Where the CPU KV cache lives (see ModelRunner); None: the process's own memory."""
+        return None
+
+    def release(self) -> None:
+        """Frees what the role holds outside the process (shared-memory segments)."""
+
     def handle(self, item: InboxItem) -> None:
         raise NotImplementedError
 
@@ -183,6 +194,7 @@ class Node:
                 self.kv_events.stop()
             self.io.stop()
             self.io.join(timeout=5)
+            self.release()
             if metrics_server is not None:
                 metrics_server.close()
 

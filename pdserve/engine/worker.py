@@ -20,7 +20,8 @@ from pdserve.model.loader import load_model, model_identity_hash, model_name, re
 
 
 class Worker:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, kv_storage=None):
+        """``kv_storage``: see ModelRunner (where the CPU KV cache lives)."""
         self.config = config
         tune_malloc()  # before the model's and the first step's allocations
         if config.threads is not None:
@@ -39,7 +40,7 @@ class Worker:
         num_blocks = config.num_kv_blocks or max(
             1, int(config.kv_cache_memory_gb * 2**30) // per_block)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size,
-                                  config.device, self.dtype, config.compute)
+                                  config.device, self.dtype, config.compute, kv_storage)
         self.allocator = BlockAllocator(num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.allocator, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens)

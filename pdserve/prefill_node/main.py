@@ -18,7 +18,8 @@ import torch
 from pdserve.common import protocol as P
 from pdserve.common.config import NodeConfig
 from pdserve.common.node_io import KV_OUT, InboxItem
-from pdserve.engine.kv_transfer import kv_chunk, layer_groups
+from pdserve.common.shm import Segment, SegmentError
+from pdserve.engine.kv_transfer import kv_chunk, layer_groups, payload_bytes
 from pdserve.engine.node import Node
 from pdserve.engine.output import RequestOutputState
 from pdserve.engine.sequence import Sequence
@@ -34,13 +35,53 @@ class PrefillJob:
     deadline: float = 0.0                # for the decode node's acknowledgement
 
 
+MAX_PATHS_LOGGED = 4096  # decode nodes whose KV path was logged; then the log starts over
+
+
 class PrefillNode(Node):
     role = "prefill"
+    segment: Segment | None = None  # the shared segment the KV cache lives in, if any
 
     def __init__(self, config: NodeConfig):
         super().__init__(config)
         self.jobs: dict[str, PrefillJob] = {}
         self.groups = layer_groups(self.layout.num_layers, config.kv_layers_per_chunk)
+        self._paths_logged: set[tuple[str, bool]] = set()
+
+    def kv_storage(self, nbytes: int):
+        """The KV cache in a /dev/shm segment, so same-host decode nodes copy from it."""
+        if not self.config.kv_shm:
+            return None
+        try:
+            self.segment = Segment.create(nbytes)
+        except (SegmentError, OSError) as exc:
+            log.warning("%s; KV to decode nodes on this host will go over TCP", exc)
+            return None
+        return self.segment.data
+
+    def release(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
+
+    def _segment_for(self, req: P.PrefillRequest) -> Segment | None:
+        """The segment when the request's decode node shares this host's memory; the path
+        chosen is logged once per decode node (not per request)."""
+        local = bool(self.host_id) and req.decode_host_id == self.host_id
+        segment = self.segment if local else None
+        if (req.kv_address, local) not in self._paths_logged:
+            if len(self._paths_logged) >= MAX_PATHS_LOGGED:
+                self._paths_logged.clear()
+            self._paths_logged.add((req.kv_address, local))
+            if segment is not None:
+                how = f"through shared memory ({segment.name})"
+            elif local:
+                how = ("over TCP although it is on this host: the KV cache is not in a shared "
+                       "segment (--no-kv-shm, a non-CPU device, or /dev/shm refused it)")
+            else:
+                how = "over TCP: it is not on this host (or its host is not known)"
+            log.info("KV to decode node %s (%s) goes %s", req.decode_node_id, req.kv_address,
+                     how)
+        return segment
 
     def handle(self, item: InboxItem) -> None:
         msg = item.msg
@@ -145,12 +186,14 @@ class PrefillNode(Node):
     def _send_kv(self, seq: Sequence, block_ids: torch.Tensor, start: int, end: int, *,
                  last: bool, first_token: int | None = None) -> None:
         job = self.jobs[seq.seq_id]
+        segment = self._segment_for(job.req)
         chunk = kv_chunk(seq.seq_id, self.identity, self.layout, self.worker.runner.kv_caches,
                          block_ids, seq.num_prompt_tokens, start, end,
                          checksums=self.config.kv_checksums, last=last, first_token=first_token,
-                         first_block=job.req.skip_blocks)
+                         first_block=job.req.skip_blocks, segment=segment)
         self.io.send_kv(job.req.kv_address, chunk)
-        self.metrics.kv_sent(seq.seq_id, sum(t.nbytes for t in chunk.tensors.values()))
+        self.metrics.kv_sent(seq.seq_id, payload_bytes(chunk),
+                             "tcp" if segment is None else "shm")
         if last:
             self.metrics.kv_blocks(len(block_ids), job.req.skip_blocks)
 

@@ -30,7 +30,8 @@ def request_bytes(req: P.PrefillRequest) -> int:
     """A bound on a PrefillRequest's share of a msgpack header (an int packs in <= 9 bytes;
     token ids below 2^32 in <= 5)."""
     return 512 + 5 * len(req.prompt_token_ids) + 9 * len(req.sampling.stop_token_ids) \
-        + len(req.req_id) + len(req.decode_node_id) + len(req.kv_address)
+        + len(req.req_id) + len(req.decode_node_id) + len(req.kv_address) \
+        + len(req.decode_host_id)
 
 
 def split_by_size(requests: list[P.PrefillRequest], limit: int) -> list[list[P.PrefillRequest]]:
@@ -88,7 +89,7 @@ class PrefillDispatch:
             decode_node_id=decode.node_id, kv_address=decode.hello.kv_address or "",
             timeout_s=prefill_timeout(flight.deadline, self.config.reserve_lease_s,
                                       colocated=node is decode),
-            skip_blocks=flight.skip_blocks))
+            skip_blocks=flight.skip_blocks, decode_host_id=decode.hello.host_id))
         if not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
