@@ -142,6 +142,8 @@ class Scheduler:
         the next token is sampled from its logits."""
         if seq.num_computed_tokens or seq.block_table or not self.allocator.enable_caching:
             return 0
+        if seq.wants_prompt_logprobs:  # cached positions have no logits to score them
+            return 0
         limit = (seq.num_tokens - 1) // self.block_size
         hashes = block_hashes(seq.token_ids, self.block_size, limit)
         blocks = self.allocator.match_prefix(hashes, seq.token_ids, self.block_size)

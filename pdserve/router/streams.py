@@ -12,6 +12,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from pdserve.common.protocol import Logprobs
 from pdserve.engine.sampling_params import SamplingParams
 
 # Error codes a client sees (HTTP status in brackets).
@@ -54,6 +55,10 @@ class StreamEvent:
     error: RequestError | None = None  # set on a terminal error event instead
     prompt_tokens: int = 0
     completion_tokens: int = 0         # running total
+    # protocol.Logprobs, when the request asked: of token_ids, and (on the first event) of
+    # prompt tokens 1..
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
 
     @property
     def is_last(self) -> bool:
