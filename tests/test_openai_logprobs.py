@@ -359,3 +359,41 @@ def test_offline_llm_logprobs(model_dir, hf):
     assert len(got) == len(want) and max(abs(a - b) for a, b in zip(got, want)) < TOL
     assert all(len(t) == 2 for t in out.logprobs.top_ids)
     assert json.dumps(got)  # plain floats
+
+
+def test_queue_ingress_logprobs(cluster, client, name):
+    """The queue ingress: submit's logprobs k -> each tokens message carries its tokens'
+    logprobs, equal to the HTTP API's; a bad k is refused naming the field."""
+    import msgpack
+    import zmq
+
+    prompt = [5, 17, 300, 42, 9, 77]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(cluster.ingress)
+    try:
+        sock.send(msgpack.packb({"type": "submit", "id": "q1", "prompt_token_ids": prompt,
+                                 "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+                                 "logprobs": 2}))
+        sock.send(msgpack.packb({"type": "submit", "id": "q2", "prompt_token_ids": prompt,
+                                 "max_tokens": 5, "logprobs": 21}))
+        ids, lps, tops, ends = [], [], [], {}
+        while len(ends) < 2:
+            assert sock.poll(60_000), "no answer from the ingress"
+            msg = msgpack.unpackb(sock.recv())
+            if msg["type"] == "tokens":
+                ids += msg["token_ids"]
+                lps += msg["logprobs"]["token_logprobs"]
+                tops += msg["logprobs"]["top_ids"]
+            else:
+                ends[msg["id"]] = msg
+    finally:
+        sock.close()
+        ctx.term()
+    assert ends["q1"]["type"] == "done" and len(ids) == len(lps) == 5
+    assert all(len(t) == 2 and t[0] == i for t, i in zip(tops, ids))  # greedy: the best
+    assert ends["q2"]["type"] == "error" and "logprobs" in ends["q2"]["message"]
+    r = client.completions.create(model=name, prompt=prompt, max_tokens=5, temperature=0,
+                                  logprobs=2, extra_body=IGNORE_EOS)
+    assert max(abs(a - b) for a, b in zip(lps, r.choices[0].logprobs.token_logprobs)) < TOL
