@@ -397,3 +397,24 @@ def test_queue_ingress_logprobs(cluster, client, name):
     r = client.completions.create(model=name, prompt=prompt, max_tokens=5, temperature=0,
                                   logprobs=2, extra_body=IGNORE_EOS)
     assert max(abs(a - b) for a, b in zip(lps, r.choices[0].logprobs.token_logprobs)) < TOL
+
+
+def test_n_choices_share_one_prefill(cluster, client, name):
+    """n = 4 of a 1000-token prompt: the prefill node computes the prompt once; the three
+    siblings, which reach it while the first is being prefilled, wait for its 62 full
+    blocks and take them from the prefix cache (3 x 992 tokens hit; without the wait
+    they would compute them again beside it)."""
+    from tests.test_metrics import eventually, metrics_urls, scrape, value
+
+    url = metrics_urls(cluster)["prefill-0"]
+    hits = "pdserve_prefix_cache_hits_tokens_total"
+    before = value(scrape(url)[1], hits)
+    prompt = [(13 * i + 5) % 997 + 3 for i in range(1000)]   # asked nowhere else
+    r = client.completions.create(model=name, prompt=prompt, n=4, max_tokens=3, seed=1,
+                                  temperature=1.0, extra_body=IGNORE_EOS)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    eventually(lambda: _assert_equal(value(scrape(url)[1], hits) - before, 3 * 992))
+
+
+def _assert_equal(a, b):
+    assert a == b, (a, b)
