@@ -301,6 +301,39 @@ def test_hostile_frames_on_control_and_ingress(cluster):
     still_serving(cluster)
 
 
+def test_a_flooding_stranger_is_held_to_its_budget(cluster):
+    """20,000 bad messages from peers the router does not know, as fast as they go: the
+    router answers only as many as the strangers' shared budget allows (each answer is a
+    decode and a reply it would otherwise owe), drops the rest unread and counts them."""
+    from pdserve.router.node_messages import STRANGER_BURST, STRANGER_MSGS_PER_S
+    from tests.test_metrics import metrics_urls, scrape, value
+
+    router_metrics = metrics_urls(cluster)["router"]
+    dropped = value(scrape(router_metrics)[1], "pdserve_messages_dropped_total",
+                    reason="rate_limit")
+    ctx = zmq.Context()
+    try:
+        sock = make_socket(ctx, zmq.DEALER, connect=cluster.control, identity="flooder")
+        started = time.monotonic()
+        for _ in range(20_000):
+            sock.send(b"not msgpack")
+        answers, quiet_since = 0, time.monotonic()
+        while time.monotonic() - quiet_since < 1.0:
+            if sock.poll(100):
+                recv_message(sock)
+                answers += 1
+                quiet_since = time.monotonic()
+        elapsed = time.monotonic() - started
+        sock.close(0)
+    finally:
+        ctx.term()
+    assert 0 < answers <= STRANGER_BURST + STRANGER_MSGS_PER_S * elapsed + 1, (answers, elapsed)
+    after = value(scrape(router_metrics)[1], "pdserve_messages_dropped_total",
+                  reason="rate_limit")
+    assert after - dropped >= 20_000 - answers, (dropped, after, answers)
+    still_serving(cluster)
+
+
 def test_bad_kv_address_is_refused_at_hello(cluster, model_dir):
     for address in ("garbage", "tcp://999.1.1.1:5600", "tcp://127.0.0.1:0", "tcp://a b:5"):
         fake = FakeNode(cluster, model_dir, "fake-d", "decode", kv_address=address)

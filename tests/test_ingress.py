@@ -417,3 +417,34 @@ def test_e2e_submit_cli(cluster):
                                           "--no-stream"])
     assert res.exit_code != 0 and "bad_request" in res.output and "context" in res.output
 
+
+
+@e2e
+def test_e2e_answers_leave_batched_per_producer_and_turn(cluster, offline):
+    """64 requests in flight from one producer: their answers come as a few multipart
+    messages (one per loop turn, each frame one answer), not one send per token per
+    request, and every request's tokens still arrive exactly once and in order."""
+    n = 64
+    p = Producer(cluster[1].ingress)
+    try:
+        for i in range(n):
+            p.send(submit(f"r{i}", prompt=PROMPTS[i % len(PROMPTS)], **GREEDY))
+        tokens, ends, messages, frames = {}, {}, 0, 0
+        while len(ends) < n:
+            assert p.sock.poll(60_000), f"{len(ends)} of {n} requests ended"
+            parts = p.sock.recv_multipart()
+            messages, frames = messages + 1, frames + len(parts)
+            for part in parts:
+                msg = msgpack.unpackb(part, raw=False)
+                assert msg["id"] not in ends, f"an answer after the end: {msg}"
+                if msg["type"] == "tokens":
+                    tokens.setdefault(msg["id"], []).extend(msg["token_ids"])
+                else:
+                    ends[msg["id"]] = msg
+    finally:
+        p.close()
+    for i in range(n):
+        assert ends[f"r{i}"]["type"] == "done", ends[f"r{i}"]
+        assert tokens[f"r{i}"] == offline[i % len(PROMPTS)], i
+    assert frames >= 2 * n
+    assert messages * 4 <= frames, (messages, frames)

@@ -84,6 +84,9 @@ class _Metrics:
             "pdserve_internal_errors_total", "Failures of a handler (a bug, or input no check "
             "caught) contained to one request or peer, by process and where.", "process",
             "where")
+        self.messages_dropped = self._counter(
+            "pdserve_messages_dropped_total", "Messages dropped unread, by process and reason "
+            "(rate_limit: the sending peer was over its message budget).", "process", "reason")
         self._logged: dict[tuple[str, str], tuple[float, int]] = {}
 
     def internal_error(self, where: str, log: logging.Logger) -> None:
@@ -105,6 +108,9 @@ class _Metrics:
         self._logged[key] = (now, 0)
         log.error("internal error in %s (contained; %d more of this kind not logged in the "
                   "last minute)", where, quiet, exc_info=exc is not None)
+
+    def dropped(self, reason: str) -> None:
+        self.messages_dropped.labels(**self.labels, process=self.process, reason=reason).inc()
 
     def _histogram(self, name: str, doc: str, buckets) -> Histogram:
         return Histogram(name, doc, list(self.labels), registry=self.registry,

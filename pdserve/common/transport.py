@@ -20,7 +20,7 @@ Sockets belong to one thread (or one asyncio loop); never share them.
 """
 import errno
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import zmq
 import zmq.asyncio
@@ -49,6 +49,14 @@ class SendError(Exception):
         super().__init__(f"cannot send to {peer!r}: {reason}" + (f" ({detail})" if detail else ""))
         self.peer = peer
         self.reason = reason
+
+
+class Throttled(Exception):
+    """A routed message dropped unread: its peer is over its budget (rate_limit.py)."""
+
+    def __init__(self, peer: bytes):
+        super().__init__(f"peer {peer!r} is over its message budget")
+        self.peer = peer
 
 
 # ---------------------------------------------------------------- send
@@ -139,8 +147,11 @@ async def async_send_routed(sock: zmq.asyncio.Socket, peer: bytes, msg: Message,
 
 # ---------------------------------------------------------------- receive
 
-def _split_routed(frames: list, expected: Optional[tuple]) -> tuple[bytes, Message]:
+def _split_routed(frames: list, expected: Optional[tuple],
+                  admit: Optional[Callable[[bytes], bool]] = None) -> tuple[bytes, Message]:
     peer = frames[0].bytes
+    if admit is not None and not admit(peer):
+        raise Throttled(peer)
     try:
         return peer, decode(frames[1:], expected)
     except ProtocolError as e:
@@ -154,10 +165,11 @@ def recv_message(sock: zmq.Socket, expected: Optional[tuple] = None, *,
     return decode(sock.recv_multipart(flags, copy=False), expected)
 
 
-def recv_routed(sock: zmq.Socket, expected: Optional[tuple] = None, *,
-                flags: int = 0) -> tuple[bytes, Message]:
-    """(peer identity, message) from a ROUTER; a ProtocolError carries ``.peer``."""
-    return _split_routed(sock.recv_multipart(flags, copy=False), expected)
+def recv_routed(sock: zmq.Socket, expected: Optional[tuple] = None, *, flags: int = 0,
+                admit: Optional[Callable[[bytes], bool]] = None) -> tuple[bytes, Message]:
+    """(peer identity, message) from a ROUTER; a ProtocolError carries ``.peer``.
+    ``admit(peer)`` False: Throttled, raised before the message is decoded."""
+    return _split_routed(sock.recv_multipart(flags, copy=False), expected, admit)
 
 
 async def async_recv_message(sock: zmq.asyncio.Socket, expected: Optional[tuple] = None, *,
@@ -167,6 +179,7 @@ async def async_recv_message(sock: zmq.asyncio.Socket, expected: Optional[tuple]
 
 
 async def async_recv_routed(sock: zmq.asyncio.Socket, expected: Optional[tuple] = None, *,
-                            flags: int = 0) -> tuple[bytes, Message]:
+                            flags: int = 0, admit: Optional[Callable[[bytes], bool]] = None,
+                            ) -> tuple[bytes, Message]:
     """Twin of recv_routed for zmq.asyncio sockets."""
-    return _split_routed(await sock.recv_multipart(flags, copy=False), expected)
+    return _split_routed(await sock.recv_multipart(flags, copy=False), expected, admit)

@@ -28,8 +28,9 @@ class ModelRunner:
         model.fuse_projections()
         self.model = model
         self.compute = compute
-        # compute="none": the token every sampled sequence gets, never an EOS
-        self.fixed_token = next(t for t in range(10, cfg.vocab_size)
+        # compute="none": the token every sampled sequence gets, never an EOS. From the middle
+        # of the vocabulary: special tokens (empty text once detokenized) sit at its ends.
+        self.fixed_token = next(t for t in range(cfg.vocab_size // 2, cfg.vocab_size)
                                 if t not in cfg.eos_token_ids)
         self.block_size = block_size
         self.num_blocks = num_blocks

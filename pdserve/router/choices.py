@@ -10,7 +10,9 @@ chat ``{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.common.protocol import Logprobs
@@ -116,39 +118,45 @@ class Choice:
 
 class Choices:
     """The choices' streams read as one: ``__anext__`` gives (choice, event) in arrival
-    order; ``cancel`` ends them all. Quacks like a RequestStream for ClientWatch."""
+    order; ``cancel`` ends them all. Quacks like a RequestStream for ClientWatch. As a
+    stream does, it merges the events of a choice its reader has not taken yet: a slow
+    reader holds at most one event per choice."""
 
     def __init__(self, choices: list[Choice]):
         self.choices = choices
         self.request_id = choices[0].stream.request_id
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._open = len(choices)
-        self._pumps = [asyncio.ensure_future(self._pump(c)) for c in choices] \
-            if len(choices) > 1 else []
+        self._pending: dict[int, StreamEvent] = {}   # by position in choices
+        self._order: deque[int] = deque()            # positions with an event, oldest first
+        self._waiter: asyncio.Future | None = None
+        if len(choices) > 1:
+            for pos, c in enumerate(choices):
+                c.stream.sink = functools.partial(self._take, pos)
 
-    async def _pump(self, choice: Choice) -> None:
-        async for event in choice.stream:
-            self._queue.put_nowait((choice, event))
-        self._queue.put_nowait((choice, None))
+    def _take(self, pos: int, event: StreamEvent) -> None:
+        earlier = self._pending.get(pos)
+        if earlier is None:
+            self._order.append(pos)
+        self._pending[pos] = event if earlier is None else earlier.then(event)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def __aiter__(self):
         return self
 
     async def __anext__(self) -> tuple[Choice, StreamEvent]:
-        if not self._pumps:  # one choice: read its stream directly
+        if len(self.choices) == 1:  # one choice: read its stream directly
             return self.choices[0], await self.choices[0].stream.__anext__()
-        while self._open:
-            choice, event = await self._queue.get()
-            if event is not None:
-                return choice, event
-            self._open -= 1
-        raise StopAsyncIteration
+        while not self._order:
+            if all(c.stream.done for c in self.choices):
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        pos = self._order.popleft()
+        return self.choices[pos], self._pending.pop(pos)
 
     def cancel(self) -> None:
         for c in self.choices:
             c.stream.cancel()
-        for p in self._pumps:
-            p.cancel()
 
     @property
     def done(self) -> bool:

@@ -209,15 +209,15 @@ async def sse_events(answer: Answer, choices: Choices, watch: ClientWatch, first
                     yield SSE_DONE
                 return
             choice, event = item
+            choice.add(event)
+            chunk = _stream_chunk(answer, choice, event)
+            if chunk is not None:  # an event may carry the last tokens and the end together
+                yield sse(chunk)
             if event.error is not None:
                 logger.warning("request %s failed mid-stream (%s): %s", choices.request_id,
                                event.error.code, event.error.message)
                 yield sse(error_body(event.error))
                 break
-            choice.add(event)
-            chunk = _stream_chunk(answer, choice, event)
-            if chunk is not None:
-                yield sse(chunk)
             if event.finish_reason is not None:
                 yield sse(reply.chunk(finish_reason=event.finish_reason, index=choice.index))
             if choices.done:

@@ -5,9 +5,10 @@ The contract is docs/queue-protocol.md. It runs in the router's asyncio loop:
 
 1. ``run`` receives one message, checks it and answers bad input with an ``error``
    at once (the ingress keeps serving whatever a producer sends).
-2. A ``submit`` becomes ``core.submit(GenerationRequest)`` (never waits) and one
-   forwarding task per request, which turns the stream's events into ``tokens``
-   messages and exactly one ``done`` or ``error``.
+2. A ``submit`` becomes ``core.submit(GenerationRequest)`` (never waits); the stream
+   hands each event to ``_deliver`` (no task per request), which turns it into a
+   ``tokens`` message and, at the end, exactly one ``done`` or ``error``.
+   A producer's messages of one loop turn leave together, one multipart message.
 3. A ``cancel`` aborts the stream and answers ``done`` with finish_reason "abort".
 
 Requests are keyed by (producer identity, id): ids are the producer's own.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 import reprlib
 from dataclasses import dataclass
@@ -37,6 +39,7 @@ from pdserve.router.streams import (
     GenerationRequest,
     RequestError,
     RequestStream,
+    StreamEvent,
 )
 
 log = logging.getLogger(__name__)
@@ -45,6 +48,7 @@ MAX_MSG_SIZE = 4 * 1024 * 1024  # bytes per frame; a bigger one disconnects the 
 # Messages queued per producer before it counts as not reading. High, because one producer
 # may have thousands of requests whose tokens all go out in the same loop tick.
 SNDHWM = 100_000
+MAX_FRAMES_PER_SEND = 256  # messages to one producer in one multipart send, at most
 DUPLICATE_ID = "duplicate_id"
 SUBMIT_FIELDS = ("type", "id", "prompt", "prompt_token_ids", "max_tokens", "temperature",
                  "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs")
@@ -71,6 +75,7 @@ class Ingress:
                                  curve=curve)
         self.endpoint = endpoint_of(self._sock)
         self._flights: dict[tuple[bytes, str], _Flight] = {}
+        self._outbox: dict[bytes, list[bytes]] = {}   # this loop turn's messages per producer
         self._closed = False
 
     @property
@@ -147,7 +152,7 @@ class Ingress:
             self._send_error(peer, rid, INTERNAL, f"internal error: {e}")
             return
         flight.stream, flight.prompt_tokens = stream, len(stream.prompt_token_ids)
-        await self._forward(peer, rid, flight)
+        stream.sink = functools.partial(self._deliver, peer, rid, flight)
 
     async def _request(self, msg: dict) -> GenerationRequest:
         """The GenerationRequest of a submit map; RequestError(bad_request) naming the field."""
@@ -195,47 +200,60 @@ class Ingress:
 
     # ------------------------------------------------------------ output
 
-    async def _forward(self, peer: bytes, rid: str, flight: _Flight) -> None:
-        """Stream events -> tokens messages, then exactly one done or error."""
-        ended = False
+    def _deliver(self, peer: bytes, rid: str, flight: _Flight, ev: StreamEvent) -> None:
+        """One stream event -> a tokens message; the last one also -> exactly one done or
+        error. Called by the stream as the core pushes (no task per request)."""
+        if self._flights.get((peer, rid)) is not flight:
+            return  # cancelled or its producer dropped: already answered
         try:
-            async for ev in flight.stream:
-                flight.prompt_tokens = ev.prompt_tokens or flight.prompt_tokens
-                flight.completion_tokens = (ev.completion_tokens
-                                            or flight.completion_tokens + len(ev.token_ids))
-                if (ev.token_ids or ev.text) and not self._send(peer, _tokens(rid, ev)):
-                    return
-                if ev.error is not None:
-                    self._send(peer, _error(rid, ev.error.code, ev.error.message))
-                    ended = True
-                elif ev.finish_reason is not None:
-                    self._send(peer, self._done(rid, ev.finish_reason, flight))
-                    ended = True
-                if ended:
-                    return
-            self._send(peer, _error(rid, INTERNAL, "the stream ended without a result"))
-            ended = True
+            flight.prompt_tokens = ev.prompt_tokens or flight.prompt_tokens
+            flight.completion_tokens = (ev.completion_tokens
+                                        or flight.completion_tokens + len(ev.token_ids))
+            if ev.token_ids or ev.text:
+                self._send(peer, _tokens(rid, ev))
+            if ev.error is not None:
+                self._send(peer, _error(rid, ev.error.code, ev.error.message))
+            elif ev.finish_reason is not None:
+                self._send(peer, self._done(rid, ev.finish_reason, flight))
+            else:
+                return
         except Exception as e:
-            log.exception("ingress: forwarding %r to %r", rid, peer)
+            self.core.metrics.internal_error("router.ingress.deliver", log)
+            flight.stream.sink = None   # its abort event goes nowhere
             flight.stream.cancel()
             self._send(peer, _error(rid, INTERNAL, f"internal error: {e}"))
-            ended = True
-        finally:
-            if ended and self._flights.get((peer, rid)) is flight:
-                del self._flights[(peer, rid)]
+        del self._flights[(peer, rid)]
 
-    def _send(self, peer: bytes, msg: dict) -> bool:
-        """NOBLOCK send; False (and the producer's requests cancelled) if it cannot take it."""
+    def _send(self, peer: bytes, msg: dict) -> None:
+        """Queues one message; each producer's messages of this loop turn leave together as
+        one multipart message (one frame per message) when the turn ends."""
         if self._closed:
-            return False
-        fut = self._sock.send_multipart([peer, msgpack.packb(msg)], flags=zmq.NOBLOCK)
-        exc = fut.exception() if fut.done() else None
-        if exc is None:
-            return True
-        why = ("gone (not connected)" if getattr(exc, "errno", None) == errno.EHOSTUNREACH
-               else "not reading (send queue full)" if isinstance(exc, zmq.Again) else str(exc))
-        self._drop_producer(peer, why)
-        return False
+            return
+        frames = self._outbox.get(peer)
+        if frames is None:
+            if not self._outbox:
+                asyncio.get_running_loop().call_soon(self._flush)
+            frames = self._outbox[peer] = []
+        frames.append(msgpack.packb(msg))
+
+    def _flush(self) -> None:
+        """NOBLOCK sends of the turn's messages; a producer that cannot take them (gone, or
+        its queue is full) has its requests cancelled."""
+        outbox, self._outbox = self._outbox, {}
+        if self._closed:
+            return
+        for peer, frames in outbox.items():
+            for i in range(0, len(frames), MAX_FRAMES_PER_SEND):
+                fut = self._sock.send_multipart([peer, *frames[i:i + MAX_FRAMES_PER_SEND]],
+                                                flags=zmq.NOBLOCK)
+                exc = fut.exception() if fut.done() else None
+                if exc is not None:
+                    why = ("gone (not connected)"
+                           if getattr(exc, "errno", None) == errno.EHOSTUNREACH else
+                           "not reading (send queue full)" if isinstance(exc, zmq.Again)
+                           else str(exc))
+                    self._drop_producer(peer, why)
+                    break
 
     def _drop_producer(self, peer: bytes, why: str) -> None:
         mine = [key for key in self._flights if key[0] == peer]

@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 
 from pdserve.common import protocol as P
-from pdserve.common.transport import async_recv_routed
+from pdserve.common.rate_limit import PeerBudgets
+from pdserve.common.transport import Throttled, async_recv_routed
 from pdserve.engine.logprobs import problem as logprobs_problem
 from pdserve.router import streams as S
 
@@ -28,16 +29,33 @@ CONTROL_IN = (P.Hello, P.Heartbeat, P.FirstTokens, P.ReserveReply, P.TokenBatch,
 # Node errors another attempt can fix (a lost or corrupted transfer, a node gone quiet).
 RETRYABLE = (P.LEASE_EXPIRED, P.TIMEOUT, P.CHECKSUM_MISMATCH, P.NO_CAPACITY, P.UNREACHABLE)
 MAX_EARLY_TOKENS = 256     # decode-node tokens held while the first token is on its way
+# Message budgets on the control socket (rate_limit.py). A registered node sends a few
+# messages per engine step: its own bucket is far above that. Unregistered peers share one
+# small bucket: Hellos, and the odd message of a node the router has forgotten.
+NODE_MSGS_PER_S, NODE_BURST = 20_000.0, 40_000.0
+STRANGER_MSGS_PER_S, STRANGER_BURST = 200.0, 400.0
 
 
 class NodeMessages:
     """The control socket's receiving side of RouterCore (which sets ``_refusal_log``, a
     LogThrottle, ``incarnation`` and ``loop_ticks``)."""
 
+    def _message_budgets(self) -> PeerBudgets:
+        nodes = self.registry.nodes
+        return PeerBudgets(lambda peer: peer.decode(errors="replace") in nodes,
+                           rate=NODE_MSGS_PER_S, burst=NODE_BURST,
+                           stranger_rate=STRANGER_MSGS_PER_S, stranger_burst=STRANGER_BURST)
+
     async def _receive_loop(self) -> None:
+        budgets = self._message_budgets()
         while True:
             try:
-                peer, msg = await async_recv_routed(self._sock, CONTROL_IN)
+                peer, msg = await async_recv_routed(self._sock, CONTROL_IN, admit=budgets.admit)
+            except Throttled as err:
+                self.metrics.dropped("rate_limit")
+                if self._refusal_log(("throttled", err.peer)) is not None:
+                    log.warning("messages from %r dropped: %s", err.peer, err)
+                continue
             except P.ProtocolError as err:
                 if self._refusal_log(("bad", err.peer, err.code)) is not None:
                     log.warning("bad message from node %r: %s", err.peer, err)

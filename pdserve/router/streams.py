@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from pdserve.common.protocol import Logprobs
+from pdserve.engine.logprobs import join
 from pdserve.engine.sampling_params import SamplingParams
 
 # Error codes a client sees (HTTP status in brackets).
@@ -64,14 +66,30 @@ class StreamEvent:
     def is_last(self) -> bool:
         return self.finish_reason is not None or self.error is not None
 
+    def then(self, later: "StreamEvent") -> "StreamEvent":
+        """This event followed by ``later``, as one (a reader that fell behind gets one)."""
+        return StreamEvent(self.token_ids + later.token_ids, self.text + later.text,
+                           later.finish_reason, later.error,
+                           later.prompt_tokens or self.prompt_tokens,
+                           later.completion_tokens or self.completion_tokens,
+                           join([lp for lp in (self.logprobs, later.logprobs) if lp])
+                           if self.logprobs or later.logprobs else None,
+                           self.prompt_logprobs or later.prompt_logprobs)
+
 
 @dataclass
 class RequestStream:
-    """One request's events, in order; async-iterate it. ``cancel()`` aborts it on the nodes."""
+    """One request's events, in order; async-iterate it, or set ``sink`` to have each event
+    handed over as it comes (no task per request). ``cancel()`` aborts it on the nodes.
+
+    Events a reader has not taken yet are merged into one: a slow reader holds one event,
+    however many tokens arrive, and takes them all in its next turn."""
     request_id: str
     prompt_token_ids: list[int]
     created: float = field(default_factory=time.time)
-    _queue: asyncio.Queue = field(default_factory=asyncio.Queue, repr=False)
+    sink: Callable[[StreamEvent], None] | None = field(default=None, repr=False)
+    _pending: StreamEvent | None = field(default=None, repr=False)
+    _waiter: asyncio.Future | None = field(default=None, repr=False)
     _cancel: object = field(default=None, repr=False)
     done: bool = False
 
@@ -79,7 +97,12 @@ class RequestStream:
         if self.done:
             return
         self.done = event.is_last
-        self._queue.put_nowait(event)
+        if self.sink is not None:
+            self.sink(event)
+            return
+        self._pending = event if self._pending is None else self._pending.then(event)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def cancel(self) -> None:
         if not self.done and self._cancel is not None:
@@ -89,6 +112,10 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> StreamEvent:
-        if self.done and self._queue.empty():
-            raise StopAsyncIteration
-        return await self._queue.get()
+        while self._pending is None:
+            if self.done:
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        event, self._pending = self._pending, None
+        return event
