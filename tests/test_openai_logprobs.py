@@ -418,3 +418,18 @@ def test_n_choices_share_one_prefill(cluster, client, name):
 
 def _assert_equal(a, b):
     assert a == b, (a, b)
+
+
+def test_merged_events_keep_their_logprobs():
+    """A reader that fell behind gets one event for several: their logprobs, in order."""
+    from pdserve.common.protocol import Logprobs
+
+    def lp(x):
+        return Logprobs(token_logprobs=[x], top_ids=[[1]], top_logprobs=[[x]])
+
+    first = S.StreamEvent([4], "a", logprobs=lp(-1.0), prompt_logprobs=lp(-3.0))
+    merged = first.then(S.StreamEvent([5], "b", logprobs=lp(-2.0))).then(
+        S.StreamEvent([], "", finish_reason="stop"))
+    assert merged.token_ids == [4, 5] and merged.finish_reason == "stop"
+    assert merged.logprobs.token_logprobs == [-1.0, -2.0]
+    assert merged.prompt_logprobs.token_logprobs == [-3.0]
