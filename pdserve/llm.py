@@ -10,8 +10,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from pdserve.common.protocol import Logprobs
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.logprobs import empty, join
 from pdserve.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -25,6 +27,10 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finish_reason: str | None
+    # protocol.Logprobs, with SamplingParams(logprobs=k) / (prompt_logprobs=k): of each
+    # output token, and of prompt tokens 1.. (the first has none)
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
 
 
 class LLM:
@@ -79,6 +85,9 @@ class LLM:
                 if r is None:
                     continue
                 r.token_ids.extend(out.new_token_ids)
+                if out.logprobs is not None:
+                    r.logprobs = join([r.logprobs or empty(), out.logprobs])
+                r.prompt_logprobs = out.prompt_logprobs or r.prompt_logprobs
                 r.text += out.new_text
                 r.finish_reason = out.finish_reason
         return list(results.values())

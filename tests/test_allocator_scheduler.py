@@ -97,3 +97,35 @@ def test_finish_of_waiting_sequence_and_add_running():
     sched.add_running(r)
     batch = sched.schedule()
     assert batch.num_new_tokens == [1] and batch.samples(0)
+
+
+def test_siblings_of_one_prompt_share_its_prefill():
+    """n choices of one prompt arrive together: the first computes the prompt, the others
+    wait until its blocks are cached and compute only what no full block covers; a request
+    with another prompt is not held back by them."""
+    alloc = BlockAllocator(64, enable_caching=True)
+    sched = Scheduler(alloc, block_size=4, max_num_seqs=8, max_num_batched_tokens=24)
+    prompt = list(range(1, 21))                     # 20 tokens: 4 cacheable full blocks
+    sibs = [Sequence(f"s{j}", prompt, SamplingParams(max_tokens=2)) for j in range(3)]
+    for s in sibs[:2] + [seq("other", 3, max_tokens=2)] + sibs[2:]:
+        sched.add(s)
+    first = sched.schedule()
+    assert [s.seq_id for s in first.seqs] == ["s0", "other"]
+    assert [s.seq_id for s in sched.waiting] == ["s1", "s2"]  # their order kept
+    sched.postprocess(first, [7 if first.samples(i) else None for i in range(len(first))])
+    steps = [list(zip([s.seq_id for s in first.seqs], first.num_new_tokens))]
+    steps += run_to_end(sched)
+    computed = {}
+    for step in steps:
+        for sid, n in step:
+            computed[sid] = computed.get(sid, 0) + n
+    # s0: the prompt, then one decode step; s1, s2: the last 4 tokens, then one step.
+    assert computed == {"s0": 21, "s1": 5, "s2": 5, "other": 4}
+    assert sched.num_prefix_hit_tokens == 2 * 16
+    assert alloc.num_free_blocks == 64
+    # Without caching nothing is held back (there is no cache to wait for).
+    alloc = BlockAllocator(64, enable_caching=False)
+    sched = Scheduler(alloc, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    for j in range(3):
+        sched.add(Sequence(f"t{j}", prompt, SamplingParams(max_tokens=2)))
+    assert [n for n in sched.schedule().num_new_tokens] == [20, 20, 20]

@@ -78,13 +78,13 @@ def test_unsupported_fields_refused_not_ignored():
     for chat in (False, True):
         api.refuse_unsupported({"n": 1, "best_of": None, "presence_penalty": 0.0,
                                 "unknown_extra": 1, "user": "u"}, chat)
-        err = refused(api.refuse_unsupported, {"n": 2}, chat)
-        assert err.param == "n" and "n=2 is not supported" in err.message and "1" in err.message
+        err = refused(api.refuse_unsupported, {"best_of": 2}, chat)
+        assert err.param == "best_of" and "best_of=2 is not supported" in err.message
     api.refuse_unsupported({"echo": False, "logprobs": None}, chat=False)
-    api.refuse_unsupported({"logprobs": False, "tool_choice": "none",
+    api.refuse_unsupported({"logprobs": False, "tool_choice": "none", "echo": False,
                             "response_format": {"type": "text"}}, chat=True)
-    for body, chat in (({"echo": True}, False), ({"logprobs": 2}, False), ({"best_of": 3}, False),
-                       ({"logprobs": True}, True), ({"tools": [{"type": "function"}]}, True),
+    for body, chat in (({"prompt_logprobs": 1}, False), ({"best_of": 3}, False),
+                       ({"echo": True}, True), ({"tools": [{"type": "function"}]}, True),
                        ({"response_format": {"type": "json_object"}}, True)):
         assert refused(api.refuse_unsupported, body, chat).param == next(iter(body))
 
@@ -110,8 +110,10 @@ def test_completion_prompts(tokenizer):
     assert api.completion_prompt_ids(tokenizer, ["Hello world"]) == ids
     assert api.completion_prompt_ids(tokenizer, [5, 6, 7]) == [5, 6, 7]
     assert api.completion_prompt_ids(tokenizer, [[5, 6, 7]]) == [5, 6, 7]
-    err = refused(api.completion_prompt_ids, tokenizer, ["a", "b"])
-    assert err.param == "prompt" and "only one prompt per request" in err.message
+    assert api.completion_prompts(["a", [5, 6]]) == ["a", [5, 6]]
+    assert api.completion_prompts([[5, 6]]) == [[5, 6]]
+    err = refused(api.completion_prompts, ["a"] * 65)
+    assert err.param == "prompt" and "at most 64" in err.message
     assert "required" in refused(api.completion_prompt_ids, tokenizer, None).message
     for prompt in (5, [1, "a"], {"text": "x"}, [True]):
         assert "must be a string" in refused(api.completion_prompt_ids, tokenizer, prompt).message
@@ -151,14 +153,14 @@ def test_chat_tokens_match_transformers(model_dir, tokenizer):
 
 def test_wire_shapes_parse_as_openai_types():
     reply = api.Reply(chat=False, id="cmpl-1", created=5, model="m")
-    body = reply.full("abc", "length", 3, 4)
+    body = reply.full([reply.choice(0, "abc", "length")], 3, 4)
     c = Completion.model_validate(body)
     assert (c.object, c.choices[0].text, c.usage.total_tokens) == ("text_completion", "abc", 7)
     chunk = reply.chunk("x")
     assert "usage" not in chunk and chunk["choices"][0]["text"] == "x"
 
     reply = api.Reply(chat=True, id="chatcmpl-1", created=5, model="m", include_usage=True)
-    c = ChatCompletion.model_validate(reply.full("hi", "stop", 3, 1))
+    c = ChatCompletion.model_validate(reply.full([reply.choice(0, "hi", "stop")], 3, 1))
     assert (c.object, c.choices[0].message.role, c.choices[0].message.content) == \
         ("chat.completion", "assistant", "hi")
     first, mid, last = reply.chunk(role=True), reply.chunk("yo"), reply.chunk(finish_reason="stop")
@@ -361,9 +363,7 @@ def bad_requests(model_name):
         ("completions", {**ok, "max_tokens": 0}, 400, "max_tokens", ">= 1"),
         ("completions", {**ok, "prompt": [5] * 5000}, 400, None, "context"),
         ("completions", {**ok, "model": "gpt-4"}, 404, "model", model_name),
-        ("completions", {**ok, "n": 2}, 400, "n", "not supported"),
-        ("completions", {**ok, "echo": True}, 400, "echo", "not supported"),
-        ("completions", {**ok, "prompt": ["a", "b"]}, 400, "prompt", "one prompt"),
+        ("completions", {**ok, "best_of": 2}, 400, "best_of", "not supported"),
         ("completions", {**ok, "stream_options": {"include_usage": True}}, 400,
          "stream_options", "stream is true"),
         ("completions", {**ok, "prompt": "x" * (5 << 20)}, 413, None, "bytes"),

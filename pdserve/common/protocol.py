@@ -29,7 +29,9 @@ import xxhash
 PROTOCOL_VERSION = 3  # 2: Hello.incarnation, Welcome.router_incarnation, SamplingSpec.seed_offset,
                       # decode-side prefix reuse (cached_blocks / skip_blocks / first_block)
                       # 3: same-host KV through shared memory (Hello.host_id,
-                      # PrefillRequest.decode_host_id, KVChunk.shm)
+                      # PrefillRequest.decode_host_id, KVChunk.shm); logprobs
+                      # (SamplingSpec.logprobs/prompt_logprobs, Logprobs in FirstToken and
+                      # TokenItem)
 MAX_HEADER_BYTES = 16 * 1024 * 1024  # a header is metadata; KV travels in frames
 # Decoded MessagePack may hold at most one container (map or array) per this many bytes of
 # input: a header of empty maps ({} is 1 byte, a dict 64) cannot grow 70x in memory.
@@ -150,6 +152,20 @@ class SamplingSpec:
     # Tokens this request already sampled in earlier attempts (failover): a seeded request's
     # random stream resumes at this index instead of starting over.
     seed_offset: int = 0
+    # Logprobs to compute (None: none): of each sampled token with this many alternatives,
+    # and of each prompt token (on the prefill node) with prompt_logprobs alternatives.
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+
+
+@_struct
+class Logprobs:
+    """Logprobs of consecutive tokens of one request under the model's raw distribution
+    (log_softmax of the unprocessed logits): for token i its own logprob, and the ids and
+    logprobs of the k most likely tokens at its position, most likely first."""
+    token_logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
 
 
 @_struct
@@ -179,6 +195,8 @@ class FirstToken:
     req_id: str
     token_id: int
     finish_reason: Optional[str] = None
+    logprobs: Optional[Logprobs] = None          # of token_id, when the request asked
+    prompt_logprobs: Optional[Logprobs] = None   # of prompt tokens 1.., when it asked
 
 
 @_struct
@@ -187,6 +205,7 @@ class TokenItem:
     req_id: str
     token_ids: list[int]
     finish_reason: Optional[str] = None
+    logprobs: Optional[Logprobs] = None  # of token_ids, when the request asked
 
 
 # ---------------------------------------------------------------- messages

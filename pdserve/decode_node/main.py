@@ -20,6 +20,7 @@ from pdserve.common import protocol as P
 from pdserve.common.config import NodeConfig
 from pdserve.common.node_io import InboxItem
 from pdserve.engine.kv_transfer import InboundTransfer, KVReceiver, KVTransferError, TransferState
+from pdserve.engine.logprobs import prompt_of
 from pdserve.engine.node import Node
 from pdserve.engine.output import RequestOutputState
 from pdserve.engine.sequence import Sequence
@@ -81,6 +82,7 @@ class DecodeNode(Node):
             return refuse(f"{P.BAD_MESSAGE}: {exc}")
         alloc, sched = self.worker.allocator, self.worker.scheduler
         seq = Sequence(msg.req_id, msg.prompt_token_ids, params)
+        seq.scores_prompt = False  # the prefill node scores the prompt
         cached = sched.take_cached_prefix(seq)  # those blocks' KV need not cross the wire
         need = sched.blocks_for(len(msg.prompt_token_ids)) - cached
         if not alloc.can_allocate(need):
@@ -171,10 +173,11 @@ class DecodeNode(Node):
             reason = job.out.add([token]).finish_reason
             if len(job.out.token_ids) == 1:  # prefilled here: this is its first token
                 firsts.append(P.FirstToken(req_id=seq.seq_id, token_id=token,
-                                           finish_reason=reason))
+                                           finish_reason=reason, logprobs=seq.logprobs,
+                                           prompt_logprobs=prompt_of(seq)))
             else:
                 items.append(P.TokenItem(req_id=seq.seq_id, token_ids=[token],
-                                         finish_reason=reason))
+                                         finish_reason=reason, logprobs=seq.logprobs))
             if reason is not None:
                 worker.scheduler.finish(seq, reason)
                 del self.jobs[seq.seq_id]

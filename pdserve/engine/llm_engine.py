@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.common.protocol import Logprobs
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.logprobs import prompt_of
 from pdserve.engine.output import RequestOutputState
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
@@ -21,6 +23,8 @@ class StepOutput:
     new_token_ids: list[int]
     new_text: str
     finish_reason: str | None
+    logprobs: Logprobs | None = None         # of new_token_ids, when asked
+    prompt_logprobs: Logprobs | None = None  # on the first output, when asked
 
 
 class LLMEngine:
@@ -74,6 +78,8 @@ class LLMEngine:
             if delta.finish_reason is not None:
                 self.scheduler.finish(seq, delta.finish_reason)
                 del self._requests[seq.seq_id]
+            first = len(state.token_ids) == len(delta.token_ids)
             outputs.append(StepOutput(seq.seq_id, delta.token_ids, delta.text,
-                                      delta.finish_reason))
+                                      delta.finish_reason, seq.logprobs,
+                                      prompt_of(seq) if first else None))
         return outputs

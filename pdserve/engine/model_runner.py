@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from pdserve.engine import logprobs
 from pdserve.engine.inputs import ModelInputs, build_model_inputs
 from pdserve.engine.sampler import make_generator, sample
 from pdserve.engine.scheduler import ScheduledBatch
@@ -82,9 +83,13 @@ class ModelRunner:
     def forward(self, inputs: ModelInputs,
                 on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """One forward; returns the float32 logits [S, vocab] of the sampled rows."""
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches,
-                            on_layer)
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+        return self.model.compute_logits(self._hidden(inputs, on_layer)[inputs.logits_indices])
+
+    def _hidden(self, inputs: ModelInputs, on_layer: Callable[[int], None] | None
+                ) -> torch.Tensor:
+        """The hidden states [T, H] of every fed token."""
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches,
+                          on_layer)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch,
@@ -97,7 +102,10 @@ class ModelRunner:
                     on_layer(layer)
             return [self.fixed_token if batch.samples(i) else None for i in range(len(batch))]
         inputs = self.prepare(batch)
-        logits = self.forward(inputs, on_layer)
+        hidden = self._hidden(inputs, on_layer)                            # [T, H]
+        if any(seq.wants_prompt_logprobs for seq in batch.seqs):
+            logprobs.record_prompt(self.model, hidden, batch)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])   # [S, V]
         out: list[int | None] = [None] * len(batch)
         if inputs.sample_rows:
             seqs = [batch.seqs[i] for i in inputs.sample_rows]
@@ -106,7 +114,10 @@ class ModelRunner:
                     seq.generator = make_generator(seq.params, self.device,
                                                    self.model.config.vocab_size,
                                                    seq.num_output_tokens)
+            raw = logprobs.raw_rows(logits, [s.params.logprobs for s in seqs])
             tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            logprobs.record_sampled(raw, seqs, tokens)
             for row, token in zip(inputs.sample_rows, tokens):
                 out[row] = token
         return out
+

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 MAX_INT = 2**31      # bound of counts and token ids (the model's own bounds are checked later)
 MAX_SEED = 2**63     # seeds are signed 64-bit on every side
+MAX_LOGPROBS = 20    # alternatives per token position (OpenAI's and vLLM's default limit)
 
 
 @dataclass
@@ -26,6 +27,11 @@ class SamplingParams:
     # Set by the router on failover, not by users: tokens already sampled in earlier
     # attempts, so a seeded request's random stream resumes where it stopped.
     seed_offset: int = 0
+    # Logprobs (vLLM's meaning; None: not computed): each sampled token's, with its
+    # `logprobs` most likely alternatives; each prompt token's (the first has none), with
+    # `prompt_logprobs` alternatives. Of the raw distribution, before any sampling setting.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -59,6 +65,10 @@ class SamplingParams:
             bad("stop_token_ids", f"must be a list of integers in [0, {MAX_INT})")
         if not is_int(self.seed_offset, 0, MAX_INT):
             bad("seed_offset", f"must be an integer in [0, {MAX_INT})")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not is_int(getattr(self, name), 0,
+                                                               MAX_LOGPROBS + 1):
+                bad(name, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
 
     @property
     def greedy(self) -> bool:
@@ -72,7 +82,8 @@ def to_spec(params: SamplingParams):
     return SamplingSpec(max_tokens=params.max_tokens, temperature=float(params.temperature),
                         top_p=float(params.top_p), top_k=params.top_k, seed=params.seed,
                         stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-                        seed_offset=params.seed_offset)
+                        seed_offset=params.seed_offset, logprobs=params.logprobs,
+                        prompt_logprobs=params.prompt_logprobs)
 
 
 def from_spec(spec) -> SamplingParams:
@@ -80,4 +91,5 @@ def from_spec(spec) -> SamplingParams:
     return SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature,
                           top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed,
                           stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos,
-                          seed_offset=spec.seed_offset)
+                          seed_offset=spec.seed_offset, logprobs=spec.logprobs,
+                          prompt_logprobs=spec.prompt_logprobs)

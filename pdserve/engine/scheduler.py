@@ -106,9 +106,16 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
+        claimed, held = None, []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached = self.take_cached_prefix(seq)  # a waiting sequence has nothing computed
+            if self.allocator.enable_caching and not seq.wants_prompt_logprobs:
+                claimed = self._claimed() if claimed is None else claimed
+                if self._next_block_hash(seq) in claimed:  # held, in its place in the queue
+                    self.put_back_cached_prefix(seq, cached)
+                    held.append(self.waiting.popleft())
+                    continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             need = self.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
             if not self.allocator.can_allocate(need):
@@ -119,9 +126,12 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if claimed is not None:
+                claimed.update(self._claims(seq))
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
+        self.waiting.extendleft(reversed(held))
         return batch
 
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
@@ -136,11 +146,39 @@ class Scheduler:
         seq.block_table.extend(self.allocator.allocate(need))
         return True
 
+    def _claimed(self) -> set[int]:
+        """Keys of the full blocks running sequences are still computing. A waiting sequence
+        whose next block is one of them (a sibling choice of the same prompt, or another
+        request sharing a prefix) waits until they are cached and then takes them from the
+        cache: one prefill of the shared prefix, not one per request."""
+        claimed: set[int] = set()
+        for seq in self.running:
+            claimed.update(self._claims(seq))
+        return claimed
+
+    def _claims(self, seq: Sequence) -> list[int]:
+        if seq.num_computed_tokens >= seq.num_tokens - 1:   # not prefilling (or recomputing)
+            return []
+        limit = (seq.num_tokens - 1) // self.block_size
+        if limit <= len(seq.block_hashes):
+            return []
+        return block_hashes(seq.token_ids, self.block_size, limit)[len(seq.block_hashes):]
+
+    def _next_block_hash(self, seq: Sequence) -> int | None:
+        """The key of the first block of seq not taken from the cache; None when the rest
+        of seq is no full block it could take from it."""
+        i = len(seq.block_table)
+        if i >= (seq.num_tokens - 1) // self.block_size:
+            return None
+        return block_hashes(seq.token_ids, self.block_size, i + 1)[i]
+
     def take_cached_prefix(self, seq: Sequence) -> int:
         """Links the cached blocks of seq's longest cached prefix into its block table and
         counts them as computed; returns how many. At least one token is left to compute:
         the next token is sampled from its logits."""
         if seq.num_computed_tokens or seq.block_table or not self.allocator.enable_caching:
+            return 0
+        if seq.wants_prompt_logprobs:  # cached positions have no logits to score them
             return 0
         limit = (seq.num_tokens - 1) // self.block_size
         hashes = block_hashes(seq.token_ids, self.block_size, limit)

@@ -27,6 +27,12 @@ class Sequence:
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.generator = None          # torch.Generator for seeded sampling, set by the runner
+        # Logprobs (protocol.Logprobs), set by the runner when params ask: the last sampled
+        # token's, and the prompt's, gathered while prefilling. A node that does not
+        # prefill the prompt for the client (a decode node) turns scores_prompt off.
+        self.logprobs = None
+        self.prompt_logprobs = None
+        self.scores_prompt = params.prompt_logprobs is not None
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -43,6 +49,15 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_prompt_scored(self) -> int:
+        return len(self.prompt_logprobs.token_logprobs) if self.prompt_logprobs else 0
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt tokens (1..) remain whose logprobs are still to be computed."""
+        return self.scores_prompt and self.num_prompt_scored < self.num_prompt_tokens - 1
 
     @property
     def is_finished(self) -> bool:

@@ -20,6 +20,7 @@ from pdserve.common.config import NodeConfig
 from pdserve.common.node_io import KV_OUT, InboxItem
 from pdserve.common.shm import Segment, SegmentError
 from pdserve.engine.kv_transfer import kv_chunk, layer_groups, payload_bytes
+from pdserve.engine.logprobs import prompt_of
 from pdserve.engine.node import Node
 from pdserve.engine.output import RequestOutputState
 from pdserve.engine.sequence import Sequence
@@ -170,7 +171,8 @@ class PrefillNode(Node):
             state = RequestOutputState(None, seq.prompt_token_ids, seq.params,
                                        worker.model_config.eos_token_ids, worker.max_model_len)
             reason = state.add([token]).finish_reason
-            firsts.append(P.FirstToken(req_id=seq.seq_id, token_id=token, finish_reason=reason))
+            firsts.append(P.FirstToken(req_id=seq.seq_id, token_id=token, finish_reason=reason,
+                                       logprobs=seq.logprobs, prompt_logprobs=prompt_of(seq)))
             job.blocks = worker.scheduler.detach(seq)
             job.deadline = time.monotonic() + job.req.timeout_s
             if reason is None:

@@ -41,6 +41,7 @@ from pdserve.common.logs import LogThrottle
 from pdserve.common.metrics import RouterMetrics
 from pdserve.common.security import CONTROL_DOMAIN, server_curve
 from pdserve.common.transport import SendError, make_socket, send_routed_nowait
+from pdserve.engine.logprobs import head
 from pdserve.engine.output import RequestOutputState
 from pdserve.engine.sampling_params import to_spec
 from pdserve.model.config import ModelConfig
@@ -261,23 +262,30 @@ class RouterCore(NodeMessages, Clock, PrefillDispatch):
         self._reserve(flight)
 
     def _deliver(self, flight: Flight, token_ids: list[int], node_reason: str | None,
-                 nodes_done: bool = True) -> None:
-        """Hands tokens to the client's stream. ``nodes_done``: when the node says the request
-        finished, whether every node has already let go of it (no Abort needed)."""
+                 nodes_done: bool = True, logprobs: P.Logprobs | None = None,
+                 prompt_logprobs: P.Logprobs | None = None) -> None:
+        """Hands tokens (and their logprobs, when asked) to the client's stream.
+        ``nodes_done``: when the node says the request finished, whether every node has
+        already let go of it (no Abort needed)."""
         try:
-            self._deliver_unguarded(flight, token_ids, node_reason, nodes_done)
+            self._deliver_unguarded(flight, token_ids, node_reason, nodes_done, logprobs,
+                                    prompt_logprobs)
         except Exception as exc:  # this request fails; the rest of the batch goes on
             log.exception("serving request %s failed", flight.req_id)
             self._fail(flight, S.INTERNAL, f"internal error while serving the request: "
                        f"{type(exc).__name__}: {exc}")
 
     def _deliver_unguarded(self, flight: Flight, token_ids: list[int],
-                           node_reason: str | None, nodes_done: bool) -> None:
+                           node_reason: str | None, nodes_done: bool,
+                           logprobs: P.Logprobs | None,
+                           prompt_logprobs: P.Logprobs | None) -> None:
         delta = flight.out.add(token_ids, node_reason)
         self.metrics.delivered(flight.req_id, len(delta.token_ids), len(flight.prompt))
         event = S.StreamEvent(delta.token_ids, delta.text, finish_reason=delta.finish_reason,
                               prompt_tokens=len(flight.prompt),
-                              completion_tokens=len(flight.out.token_ids))
+                              completion_tokens=len(flight.out.token_ids),
+                              logprobs=head(logprobs, len(delta.token_ids)),
+                              prompt_logprobs=prompt_logprobs)
         if delta.finish_reason is None:
             if delta.token_ids or delta.text:
                 flight.stream.push(event)
@@ -321,7 +329,9 @@ class RouterCore(NodeMessages, Clock, PrefillDispatch):
         flight.wire_id = f"{flight.req_id}~{flight.attempt}"
         flight.wire_prompt = flight.prompt + flight.out.token_ids
         flight.spec = dataclasses.replace(
-            flight.spec, max_tokens=flight.out.params.max_tokens - done, seed_offset=done)
+            flight.spec, max_tokens=flight.out.params.max_tokens - done, seed_offset=done,
+            # the first attempt's first token brought the prompt's logprobs
+            prompt_logprobs=None if done else flight.spec.prompt_logprobs)
         flight.prefill_node = flight.decode_node = None
         flight.refused_by.clear()
         flight.early_tokens.clear()

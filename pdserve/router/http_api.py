@@ -14,7 +14,7 @@ import hmac
 import json
 import logging
 import time
-import uuid
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,21 +23,32 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from pdserve.engine.logprobs import empty, join
+from pdserve.router.choices import (
+    Choice,
+    Choices,
+    TokenTexts,
+    choice_logprobs,
+    prompts,
+    submit_choices,
+)
 from pdserve.router.http_tokens import add_token_routes
-from pdserve.router.limits import check_prompt_bytes
 from pdserve.router.openai_schema import (  # noqa: F401 (re-exported: the app's API)
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_BODY_BYTES,
     SSE_DONE,
     TOO_LARGE,
     UNAUTHORIZED,
+    ChoiceOptions,
     Reply,
     bad,
     chat_messages,
     chat_prompt_ids,
     check_model,
+    choice_options,
     completion_prompt,
     completion_prompt_ids,
+    completion_prompts,
     encode_text,
     error_body,
     json_depth_problem,
@@ -49,7 +60,6 @@ from pdserve.router.openai_schema import (  # noqa: F401 (re-exported: the app's
 )
 from pdserve.router.streams import (
     INTERNAL,
-    GenerationRequest,
     RequestError,
     RequestStream,
     StreamEvent,
@@ -133,75 +143,97 @@ def _ended_early() -> RequestError:
     return RequestError(INTERNAL, "the request's stream ended without a final event")
 
 
-async def collect(reply: Reply, stream: RequestStream, watch: ClientWatch,
-                  num_prompt: int) -> Response:
-    """A non-streaming response: every event gathered into one body."""
-    parts, num_tokens = [], 0
-    while True:
-        event = await watch.next(stream)
-        if event is None:
+@dataclass
+class Answer:
+    """What shapes the response of one request: its reply head, options and counts."""
+    reply: Reply
+    opts: ChoiceOptions
+    texts: TokenTexts
+    num_prompt: int           # prompt tokens, counted once per prompt (not per choice)
+
+    def logprobs(self, choice: Choice, token_ids: list[int], lp, offset: int,
+                 with_prompt: bool) -> dict | None:
+        if self.opts.logprobs is None:
+            return None
+        if self.opts.echo_only:
+            token_ids, lp = [], empty()
+        return choice_logprobs(self.reply.chat, self.texts, choice, self.opts.echo, token_ids,
+                               lp, offset, with_prompt)
+
+
+async def collect(answer: Answer, choices: Choices, watch: ClientWatch) -> Response:
+    """A non-streaming response: every event of every choice gathered into one body."""
+    while not choices.done:
+        item = await watch.next(choices)
+        if item is None:
             if watch.gone:  # nobody will read this
                 return Response(status_code=499)
             return error_response(_ended_early())
+        choice, event = item
         if event.error is not None:
             return error_response(event.error)
-        parts.append(event.text)
-        num_tokens += len(event.token_ids)
-        if event.finish_reason is not None:
-            return JSONResponse(reply.full("".join(parts), event.finish_reason, num_prompt,
-                                           event.completion_tokens or num_tokens))
+        choice.add(event)
+    bodies, opts = [], answer.opts
+    for c in choices.choices:
+        text = "" if opts.echo_only else "".join(c.parts)
+        lp = answer.logprobs(c, c.token_ids, join(c.logprobs), 0, with_prompt=True)
+        bodies.append(answer.reply.choice(c.index, c.prompt_text + text, c.finish_reason, lp))
+    completion = 0 if opts.echo_only else choices.completion_tokens()
+    return JSONResponse(answer.reply.full(bodies, answer.num_prompt, completion))
 
 
-async def sse_events(reply: Reply, stream: RequestStream, watch: ClientWatch,
-                     first: StreamEvent, num_prompt: int):
-    """The SSE body; ``first`` is already known not to be an error."""
-    event, num_tokens = first, 0
+def _stream_chunk(answer: Answer, choice: Choice, event: StreamEvent) -> dict | None:
+    """The chunk of one event (its finish reason aside), or None when it shows nothing."""
+    opts, echoing = answer.opts, not choice.num_chars and choice.prompt_text
+    ids, text = ([], "") if opts.echo_only else (event.token_ids, event.text)
+    lp = answer.logprobs(choice, ids, event.logprobs, choice.num_chars, bool(echoing))
+    if echoing:
+        text = choice.prompt_text + text
+    choice.num_chars += len(text)
+    if not text and not (lp and (ids or echoing)):
+        return None
+    return answer.reply.chunk(text, index=choice.index, logprobs=lp)
+
+
+async def sse_events(answer: Answer, choices: Choices, watch: ClientWatch, first):
+    """The SSE body; ``first`` (choice, event) is already known not to be an error."""
+    item, reply = first, answer.reply
     try:
         if reply.chat:
-            yield sse(reply.chunk(role=True))
+            for c in choices.choices:
+                yield sse(reply.chunk(role=True, index=c.index))
         while True:
-            if event is None:
+            if item is None:
                 if not watch.gone:
                     yield sse(error_body(_ended_early()))
                     yield SSE_DONE
                 return
-            num_tokens += len(event.token_ids)
-            if event.text:  # an event may carry the last tokens and the end together
-                yield sse(reply.chunk(event.text))
+            choice, event = item
+            choice.add(event)
+            chunk = _stream_chunk(answer, choice, event)
+            if chunk is not None:  # an event may carry the last tokens and the end together
+                yield sse(chunk)
             if event.error is not None:
-                logger.warning("request %s failed mid-stream (%s): %s", stream.request_id,
+                logger.warning("request %s failed mid-stream (%s): %s", choices.request_id,
                                event.error.code, event.error.message)
                 yield sse(error_body(event.error))
                 break
             if event.finish_reason is not None:
-                yield sse(reply.chunk(finish_reason=event.finish_reason))
+                yield sse(reply.chunk(finish_reason=event.finish_reason, index=choice.index))
+            if choices.done:
                 if reply.include_usage:
-                    yield sse(reply.usage_chunk(num_prompt,
-                                                event.completion_tokens or num_tokens))
+                    completion = 0 if answer.opts.echo_only else choices.completion_tokens()
+                    yield sse(reply.usage_chunk(answer.num_prompt, completion))
                 break
-            event = await watch.next(stream)
+            item = await watch.next(choices)
         yield SSE_DONE
     except Exception:
-        logger.exception("request %s failed while streaming", stream.request_id)
+        logger.exception("request %s failed while streaming", choices.request_id)
         yield sse(error_body(RequestError(INTERNAL, "internal error while streaming; see the "
                                                     "router's log")))
         yield SSE_DONE
     finally:
-        watch.close(stream)
-
-
-async def prompt_ids(core, body: dict, chat: bool) -> list[int]:
-    """The prompt's token ids. Text is checked for size, then templated and tokenized in
-    the core's bounded tokenizer pool, never on the event loop."""
-    if chat:
-        messages = chat_messages(body.get("messages"))
-        check_prompt_bytes("".join(m["content"] for m in messages), core.config, "messages")
-        return await core.tokenizing.run(chat_prompt_ids, core.tokenizer, messages)
-    prompt = completion_prompt(body.get("prompt"))
-    if isinstance(prompt, list):
-        return prompt
-    check_prompt_bytes(prompt, core.config)
-    return await core.tokenizing.run(encode_text, core.tokenizer, prompt)
+        watch.close(choices)
 
 
 def build_app(core, api_key: str | None = None) -> FastAPI:
@@ -238,15 +270,9 @@ def build_app(core, api_key: str | None = None) -> FastAPI:
             model = check_model(body, core.model_name)
             refuse_unsupported(body, chat)
             stream_on, include_usage = stream_options(body)
-            ids = await prompt_ids(core, body, chat)
-            if chat:
-                # Default: as many tokens as the context leaves (core.check refuses a full one).
-                params = sampling_params(body, max(1, core.max_model_len - len(ids)),
-                                         ("max_completion_tokens", "max_tokens"))
-            else:
-                params = sampling_params(body, COMPLETIONS_DEFAULT_MAX_TOKENS)
-            req = GenerationRequest(ids, params, request_id=uuid.uuid4().hex)
-            stream = core.submit(req)  # runs core.check: context, vocabulary, params
+            opts = choice_options(body, chat)
+            prompt_list = await prompts(core, body, chat)
+            choices = submit_choices(core, body, chat, opts, prompt_list)
         except RequestError as e:
             return error_response(e)
         except ClientDisconnect:
@@ -255,32 +281,34 @@ def build_app(core, api_key: str | None = None) -> FastAPI:
             logger.exception("request failed before it was submitted")
             return error_response(RequestError(INTERNAL, "internal error; see the router's log"))
 
-        reply = Reply(chat, ("chatcmpl-" if chat else "cmpl-") + req.request_id,
-                      int(stream.created), model, include_usage)
+        reply = Reply(chat, ("chatcmpl-" if chat else "cmpl-") + choices.request_id,
+                      int(choices.choices[0].stream.created), model, include_usage)
+        answer = Answer(reply, opts, TokenTexts(core.tokenizer),
+                        sum(len(ids) for _, ids in prompt_list))
         watch, handed_over = ClientWatch(request), False
         try:
             if not stream_on:
-                return await collect(reply, stream, watch, len(ids))
+                return await collect(answer, choices, watch)
             # Wait for the first event so that an early failure gets its own HTTP status.
-            first = await watch.next(stream)
+            first = await watch.next(choices)
             if first is None:
                 return Response(status_code=499) if watch.gone else \
                     error_response(_ended_early())
-            if first.error is not None:
-                return error_response(first.error)
+            if first[1].error is not None:
+                return error_response(first[1].error)
             handed_over = True
             return StreamingResponse(
-                sse_events(reply, stream, watch, first, len(ids)),
+                sse_events(answer, choices, watch, first),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 # Runs even when the body was never iterated (client gone before start).
-                background=BackgroundTask(watch.close, stream))
+                background=BackgroundTask(watch.close, choices))
         except Exception:
-            logger.exception("request %s failed", stream.request_id)
+            logger.exception("request %s failed", choices.request_id)
             return error_response(RequestError(INTERNAL, "internal error; see the router's log"))
         finally:
             if not handed_over:
-                watch.close(stream)
+                watch.close(choices)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -51,7 +51,7 @@ SNDHWM = 100_000
 MAX_FRAMES_PER_SEND = 256  # messages to one producer in one multipart send, at most
 DUPLICATE_ID = "duplicate_id"
 SUBMIT_FIELDS = ("type", "id", "prompt", "prompt_token_ids", "max_tokens", "temperature",
-                 "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
+                 "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs")
 
 
 @dataclass
@@ -210,8 +210,7 @@ class Ingress:
             flight.completion_tokens = (ev.completion_tokens
                                         or flight.completion_tokens + len(ev.token_ids))
             if ev.token_ids or ev.text:
-                self._send(peer, {"type": "tokens", "id": rid, "token_ids": ev.token_ids,
-                                  "text": ev.text})
+                self._send(peer, _tokens(rid, ev))
             if ev.error is not None:
                 self._send(peer, _error(rid, ev.error.code, ev.error.message))
             elif ev.finish_reason is not None:
@@ -304,6 +303,15 @@ def _describe(v) -> str:
     return "nothing" if v is None else f"{reprlib.repr(v)} ({type(v).__name__})"
 
 
+def _tokens(rid: str, ev) -> dict:
+    msg = {"type": "tokens", "id": rid, "token_ids": list(ev.token_ids), "text": ev.text}
+    if ev.logprobs is not None:
+        msg["logprobs"] = {"token_logprobs": ev.logprobs.token_logprobs,
+                           "top_ids": ev.logprobs.top_ids,
+                           "top_logprobs": ev.logprobs.top_logprobs}
+    return msg
+
+
 def _bad_type(name: str, what: str, value) -> None:
     raise RequestError(BAD_REQUEST, f"field {name!r} must be {what}, got {_describe(value)}",
                        name)
@@ -321,4 +329,5 @@ _SAMPLING_TYPES = (
     ("stop_token_ids", lambda v: isinstance(v, list) and all(_is_int(t) for t in v),
      "a list of integers"),
     ("ignore_eos", lambda v: isinstance(v, bool), "a boolean"),
+    ("logprobs", lambda v: v is None or _is_int(v), "an integer or nil"),
 )

@@ -18,6 +18,7 @@ import logging
 from pdserve.common import protocol as P
 from pdserve.common.rate_limit import PeerBudgets
 from pdserve.common.transport import Throttled, async_recv_routed
+from pdserve.engine.logprobs import problem as logprobs_problem
 from pdserve.router import streams as S
 
 log = logging.getLogger(__name__)
@@ -156,6 +157,16 @@ class NodeMessages:
                        f"the vocabulary [0, {vocab})")
         return bool(bad)
 
+    def _bad_logprobs(self, node_id: str, flight, lp: P.Logprobs | None, num_tokens: int,
+                      k: int | None) -> bool:
+        """Fails the request when logprobs it asked for (k alternatives) are missing or do
+        not fit ``num_tokens`` tokens."""
+        why = None if k is None else logprobs_problem(lp, num_tokens, k,
+                                                      self.model_config.vocab_size)
+        if why:
+            self._fail(flight, S.NODE_ERROR, f"node {node_id}: {why}")
+        return bool(why)
+
     def _first_token(self, node, item: P.FirstToken) -> None:
         flight = self.flights.get(item.req_id)
         if flight is None:
@@ -165,17 +176,22 @@ class NodeMessages:
                 else f"the request is {flight.state} on other nodes"
             self._refuse(node.node_id, "FirstToken", item.req_id, why)
             return
-        if self._bad_tokens(node.node_id, flight, [item.token_id]):
+        if self._bad_tokens(node.node_id, flight, [item.token_id]) or self._bad_logprobs(
+                node.node_id, flight, item.logprobs, 1, flight.spec.logprobs) \
+                or self._bad_logprobs(node.node_id, flight, item.prompt_logprobs,
+                                      len(flight.wire_prompt) - 1, flight.spec.prompt_logprobs):
             return
         node.queued_prompt_tokens -= len(flight.wire_prompt)
         if flight.decode_node != node.node_id:  # a colocated node serves it on
             node.requests.discard(item.req_id)
         flight.state = DECODING
         # A first token that ends the request leaves a decode reservation to release.
-        self._deliver(flight, [item.token_id], item.finish_reason, nodes_done=False)
+        self._deliver(flight, [item.token_id], item.finish_reason, nodes_done=False,
+                      logprobs=item.logprobs, prompt_logprobs=item.prompt_logprobs)
         for early in flight.early_tokens:
             if item.req_id in self.flights:
-                self._deliver(flight, early.token_ids, early.finish_reason)
+                self._deliver(flight, early.token_ids, early.finish_reason,
+                              logprobs=early.logprobs)
         flight.early_tokens.clear()
 
     def _tokens(self, node_id: str, item: P.TokenItem) -> None:
@@ -186,10 +202,11 @@ class NodeMessages:
             self._refuse(node_id, "TokenItem", item.req_id,
                          f"the node does not decode it (state {flight.state})")
             return
-        if self._bad_tokens(node_id, flight, item.token_ids):
+        if self._bad_tokens(node_id, flight, item.token_ids) or self._bad_logprobs(
+                node_id, flight, item.logprobs, len(item.token_ids), flight.spec.logprobs):
             return
         if flight.state == DECODING:
-            self._deliver(flight, item.token_ids, item.finish_reason)
+            self._deliver(flight, item.token_ids, item.finish_reason, logprobs=item.logprobs)
         elif len(flight.early_tokens) < MAX_EARLY_TOKENS:
             flight.early_tokens.append(item)
         else:

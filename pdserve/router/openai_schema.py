@@ -3,13 +3,14 @@
 What is supported and what is refused: docs/http-api.md."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
 import jinja2
 import orjson
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
 from pdserve.router.streams import BAD_REQUEST, NOT_FOUND, RequestError
 
 MAX_BODY_BYTES = 4 << 20
@@ -21,13 +22,13 @@ _EXTRA_STATUS = {TOO_LARGE: 413, UNAUTHORIZED: 401}
 # Fields we do not implement -> the values that mean "not used". Anything else is
 # refused with a 400 rather than silently ignored. None (or absent) is always fine.
 _UNSUPPORTED_COMMON = {
-    "n": (1,), "best_of": (1,), "logit_bias": ({},), "presence_penalty": (0,),
+    "best_of": (1,), "prompt_logprobs": (), "logit_bias": ({},), "presence_penalty": (0,),
     "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,),
     "use_beam_search": (False,),
 }
-_UNSUPPORTED_COMPLETIONS = {"echo": (False,), "logprobs": (), "suffix": ("",)}
+_UNSUPPORTED_COMPLETIONS = {"suffix": ("",)}
 _UNSUPPORTED_CHAT = {
-    "logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "functions": ([],),
+    "echo": (False,), "tools": ([],), "functions": ([],),
     "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
     "response_format": ({"type": "text"},), "audio": (), "prediction": (),
     "modalities": (["text"],),
@@ -124,6 +125,54 @@ def sampling_params(body: dict, default_max_tokens: int,
         raise bad(str(e), str(e).split("=", 1)[0]) from None
 
 
+# -- choices: n, logprobs, echo (vLLM's meanings) ---------------------------------------
+MAX_CHOICES = 64    # prompts x n in one request
+
+
+@dataclass(frozen=True)
+class ChoiceOptions:
+    n: int = 1
+    logprobs: int | None = None      # alternatives per sampled token; None: no logprobs
+    echo: bool = False               # completions: the prompt before the completion
+    echo_only: bool = False          # echo with max_tokens 0: the prompt scored, no output
+
+
+def choice_options(body: dict, chat: bool) -> ChoiceOptions:
+    """n, logprobs and echo from the body; 400 naming the field when out of range."""
+    n = get_field(body, "n", "an integer", 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad(f"n must be in [1, {MAX_CHOICES}], got {n}", "n")
+    if chat:
+        if get_field(body, "logprobs", "a boolean", False):
+            k = get_field(body, "top_logprobs", "an integer", 0)
+            _check_top(k, "top_logprobs")
+            return ChoiceOptions(n, k)
+        if body.get("top_logprobs") is not None:
+            raise bad("top_logprobs needs logprobs set to true", "top_logprobs")
+        return ChoiceOptions(n)
+    k = get_field(body, "logprobs", "an integer")
+    if k is not None:
+        _check_top(k, "logprobs")
+    echo = get_field(body, "echo", "a boolean", False)
+    return ChoiceOptions(n, k, echo, echo and body.get("max_tokens") == 0)
+
+
+def _check_top(k: int, name: str) -> None:
+    if not 0 <= k <= MAX_LOGPROBS:
+        raise bad(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}", name)
+
+
+def child_params(params: SamplingParams, opts: ChoiceOptions, j: int) -> SamplingParams:
+    """Choice j's parameters (vLLM's rule for n: a seeded request's child j has seed + j;
+    echo with logprobs also scores the prompt)."""
+    seed = params.seed
+    if seed is not None and seed + opts.n - 1 >= MAX_SEED:
+        raise bad("seed + n - 1 must be below 2^63 (child j of n is seeded seed + j)", "seed")
+    return dataclasses.replace(
+        params, seed=None if seed is None else seed + j, logprobs=opts.logprobs,
+        prompt_logprobs=opts.logprobs if opts.echo and opts.logprobs is not None else None)
+
+
 def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
     """Tokenizes with the GIL released where the tokenizer can (``tokenizers``' batch encode
     does; its single encode does not), so the router's loop runs on meanwhile."""
@@ -135,8 +184,8 @@ def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[i
 
 
 def completion_prompt(prompt) -> str | list[int]:
-    """The prompt as text or token ids: a string, a list of token ids, or a list holding
-    one of those. Several prompts are refused."""
+    """One prompt as text or token ids: a string, a list of token ids, or a list holding
+    one of those."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
@@ -145,11 +194,20 @@ def completion_prompt(prompt) -> str | list[int]:
         return list(prompt)
     if prompt is None:
         raise bad("prompt is required", "prompt")
-    if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad(f"only one prompt per request is supported, got {len(prompt)}: send one "
-                  "request per prompt", "prompt")
     raise bad("prompt must be a string, an array of token ids, or an array holding one of "
               f"those; got {_show(prompt)}", "prompt")
+
+
+def completion_prompts(prompt) -> list[str | list[int]]:
+    """A completions request's prompts: one, as completion_prompt takes it, or an array of
+    strings or of token-id arrays (one choice each)."""
+    if isinstance(prompt, list) and len(prompt) > 1 and all(
+            isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_CHOICES:
+            raise bad(f"prompt has {len(prompt)} prompts; at most {MAX_CHOICES} are accepted",
+                      "prompt")
+        return [completion_prompt(p) for p in prompt]
+    return [completion_prompt(prompt)]
 
 
 def completion_prompt_ids(tokenizer, prompt) -> list[int]:
@@ -255,16 +313,17 @@ class Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def chunk(self, text: str = "", finish_reason: str | None = None,
-              role: bool = False) -> dict:
+              role: bool = False, index: int = 0, logprobs: dict | None = None) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": text} if role else \
                 ({"content": text} if text or finish_reason is None else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None,
+            choice = {"index": index, "delta": delta, "logprobs": logprobs,
                       "finish_reason": finish_reason}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
             out = {**self._head("text_completion"), "choices": [
-                {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+                {"index": index, "text": text, "logprobs": logprobs,
+                 "finish_reason": finish_reason}]}
         if self.include_usage:
             out["usage"] = None
         return out
@@ -274,13 +333,15 @@ class Reply:
         return {**self._head(obj), "choices": [], "usage": usage(prompt_tokens,
                                                                   completion_tokens)}
 
-    def full(self, text: str, finish_reason: str, prompt_tokens: int,
-             completion_tokens: int) -> dict:
+    def choice(self, index: int, text: str, finish_reason: str,
+               logprobs: dict | None = None) -> dict:
+        """One choice of a full (non-streamed) response."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish_reason}
-            head = self._head("chat.completion")
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            head = self._head("text_completion")
-        return {**head, "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+            return {"index": index, "message": {"role": "assistant", "content": text},
+                    "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+
+    def full(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+        head = self._head("chat.completion" if self.chat else "text_completion")
+        return {**head, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from pdserve.common.protocol import Logprobs
+from pdserve.engine.logprobs import join
 from pdserve.engine.sampling_params import SamplingParams
 
 # Error codes a client sees (HTTP status in brackets).
@@ -55,6 +57,10 @@ class StreamEvent:
     error: RequestError | None = None  # set on a terminal error event instead
     prompt_tokens: int = 0
     completion_tokens: int = 0         # running total
+    # protocol.Logprobs, when the request asked: of token_ids, and (on the first event) of
+    # prompt tokens 1..
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
 
     @property
     def is_last(self) -> bool:
@@ -65,7 +71,10 @@ class StreamEvent:
         return StreamEvent(self.token_ids + later.token_ids, self.text + later.text,
                            later.finish_reason, later.error,
                            later.prompt_tokens or self.prompt_tokens,
-                           later.completion_tokens or self.completion_tokens)
+                           later.completion_tokens or self.completion_tokens,
+                           join([lp for lp in (self.logprobs, later.logprobs) if lp])
+                           if self.logprobs or later.logprobs else None,
+                           self.prompt_logprobs or later.prompt_logprobs)
 
 
 @dataclass
