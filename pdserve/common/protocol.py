@@ -26,8 +26,9 @@ import msgpack
 import torch
 import xxhash
 
-PROTOCOL_VERSION = 2  # 2: Hello.incarnation, Welcome.router_incarnation, SamplingSpec.seed_offset,
+PROTOCOL_VERSION = 3  # 2: Hello.incarnation, Welcome.router_incarnation, SamplingSpec.seed_offset,
                       # decode-side prefix reuse (cached_blocks / skip_blocks / first_block)
+                      # 3: SamplingSpec min_tokens, penalties, logit_bias, guide
 MAX_HEADER_BYTES = 16 * 1024 * 1024  # a header is metadata; KV travels in frames
 # Decoded MessagePack may hold at most one container (map or array) per this many bytes of
 # input: a header of empty maps ({} is 1 byte, a dict 64) cannot grow 70x in memory.
@@ -135,6 +136,22 @@ class NodeStats:
 
 
 @_struct
+class LogitBias:
+    """A number added to one token's logit before sampling."""
+    token_id: int
+    bias: float
+
+
+@_struct
+class GuideSpec:
+    """Structured output: kind (engine/grammar.py GUIDE_KINDS: json, json_object, regex,
+    choice, grammar) and its spec (a JSON schema, a regex, a JSON array of choices, a Lark
+    grammar); nodes compile it with the model's vocabulary, cached by (kind, spec)."""
+    kind: str
+    spec: str
+
+
+@_struct
 class SamplingSpec:
     """Sampling parameters as nodes see them (stop strings stay in the router)."""
     max_tokens: int
@@ -147,6 +164,14 @@ class SamplingSpec:
     # Tokens this request already sampled in earlier attempts (failover): a seeded request's
     # random stream resumes at this index instead of starting over.
     seed_offset: int = 0
+    # Logits processing (vLLM's meanings; engine/logits_processors.py). Output tokens of
+    # earlier attempts are the last seed_offset tokens of the prompt sent.
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: list[LogitBias] = field(default_factory=list)
+    guide: Optional[GuideSpec] = None
 
 
 @_struct

@@ -34,6 +34,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = torch.device(device)
         self.dtype = dtype
+        self.logits_processors = None  # engine/logits_processors.py, set by the Worker
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         # One K and one V tensor per layer: [num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_caches = [
@@ -80,6 +81,8 @@ class ModelRunner:
                     seq.generator = make_generator(seq.params, self.device,
                                                    self.model.config.vocab_size,
                                                    seq.num_output_tokens)
+            if self.logits_processors is not None:
+                logits = self.logits_processors.apply(logits, seqs)
             tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
             for row, token in zip(inputs.sample_rows, tokens):
                 out[row] = token

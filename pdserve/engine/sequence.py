@@ -27,6 +27,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.generator = None          # torch.Generator for seeded sampling, set by the runner
+        self.guide_state = None        # structured output's matcher (engine/grammar.py)
 
     @property
     def prompt_token_ids(self) -> list[int]:
