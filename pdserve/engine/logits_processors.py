@@ -74,7 +74,8 @@ class LogitsProcessors:
             b = [v for i in biased for v in seqs[i].params.logit_bias.values()]
             logits.index_put_((torch.tensor(r, device=logits.device),
                                torch.tensor(t, device=logits.device)),
-                              torch.tensor(b, device=logits.device), accumulate=True)
+                              torch.tensor(b, dtype=logits.dtype, device=logits.device),
+                              accumulate=True)
         penalised = [i for i in rows if _has_penalty(seqs[i].params)]
         if penalised:
             logits[penalised] = self._penalties(logits[penalised],

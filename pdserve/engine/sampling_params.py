@@ -46,7 +46,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        self.logit_bias = {t: max(-100.0, min(100.0, b)) if isinstance(b, (int, float)) else b
+        self.logit_bias = {t: max(-100.0, min(100.0, float(b)))
+                           if isinstance(b, (int, float)) and not isinstance(b, bool) else b
                            for t, b in (self.logit_bias or {}).items()}
         self.guide = tuple(self.guide) if self.guide is not None else None
         self.validate()

@@ -320,7 +320,8 @@ class RouterCore(NodeMessages, Clock, PrefillDispatch):
         flight.wire_id = f"{flight.req_id}~{flight.attempt}"
         flight.wire_prompt = flight.prompt + flight.out.token_ids
         flight.spec = dataclasses.replace(
-            flight.spec, max_tokens=flight.out.params.max_tokens - done, seed_offset=done)
+            flight.spec, max_tokens=flight.out.params.max_tokens - done, seed_offset=done,
+            min_tokens=max(0, flight.out.params.min_tokens - done))
         flight.prefill_node = flight.decode_node = None
         flight.refused_by.clear()
         flight.early_tokens.clear()

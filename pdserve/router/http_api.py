@@ -38,6 +38,7 @@ from pdserve.router.openai_schema import (  # noqa: F401 (re-exported: the app's
     check_model,
     completion_prompt,
     completion_prompt_ids,
+    continuous_usage_stats,
     encode_text,
     error_body,
     json_depth_problem,
@@ -46,6 +47,7 @@ from pdserve.router.openai_schema import (  # noqa: F401 (re-exported: the app's
     sse,
     status_of,
     stream_options,
+    usage,
 )
 from pdserve.router.streams import (
     INTERNAL,
@@ -158,7 +160,7 @@ async def sse_events(reply: Reply, stream: RequestStream, watch: ClientWatch,
     event, num_tokens = first, 0
     try:
         if reply.chat:
-            yield sse(reply.chunk(role=True))
+            yield sse(reply.chunk(role=True, progress=usage(num_prompt, 0)))
         while True:
             if event is None:
                 if not watch.gone:
@@ -171,10 +173,11 @@ async def sse_events(reply: Reply, stream: RequestStream, watch: ClientWatch,
                 yield sse(error_body(event.error))
                 break
             num_tokens += len(event.token_ids)
+            progress = usage(num_prompt, event.completion_tokens or num_tokens)
             if event.text:
-                yield sse(reply.chunk(event.text))
+                yield sse(reply.chunk(event.text, progress=progress))
             if event.finish_reason is not None:
-                yield sse(reply.chunk(finish_reason=event.finish_reason))
+                yield sse(reply.chunk(finish_reason=event.finish_reason, progress=progress))
                 if reply.include_usage:
                     yield sse(reply.usage_chunk(num_prompt,
                                                 event.completion_tokens or num_tokens))
@@ -256,7 +259,8 @@ def build_app(core, api_key: str | None = None) -> FastAPI:
             return error_response(RequestError(INTERNAL, "internal error; see the router's log"))
 
         reply = Reply(chat, ("chatcmpl-" if chat else "cmpl-") + req.request_id,
-                      int(stream.created), model, include_usage)
+                      int(stream.created), model, include_usage,
+                      continuous_usage_stats(body))
         watch, handed_over = ClientWatch(request), False
         try:
             if not stream_on:

@@ -10,6 +10,7 @@ import jinja2
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.streams import BAD_REQUEST, NOT_FOUND, RequestError
+from pdserve.router.structured import logits_processing
 
 MAX_BODY_BYTES = 4 << 20
 MAX_JSON_DEPTH = 32                      # nesting of arrays and objects in a request body
@@ -20,15 +21,14 @@ _EXTRA_STATUS = {TOO_LARGE: 413, UNAUTHORIZED: 401}
 # Fields we do not implement -> the values that mean "not used". Anything else is
 # refused with a 400 rather than silently ignored. None (or absent) is always fine.
 _UNSUPPORTED_COMMON = {
-    "n": (1,), "best_of": (1,), "logit_bias": ({},), "presence_penalty": (0,),
-    "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,),
+    "n": (1,), "best_of": (1,), "min_p": (0,),
     "use_beam_search": (False,),
 }
 _UNSUPPORTED_COMPLETIONS = {"echo": (False,), "logprobs": (), "suffix": ("",)}
 _UNSUPPORTED_CHAT = {
     "logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "functions": ([],),
     "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},), "audio": (), "prediction": (),
+    "audio": (), "prediction": (),
     "modalities": (["text"],),
 }
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -82,6 +82,13 @@ def refuse_unsupported(body: dict, chat: bool) -> None:
                       + (f" or set it to {allowed}" if allowed else ""), name)
 
 
+def continuous_usage_stats(body: dict) -> bool:
+    """stream_options.continuous_usage_stats: usage in every chunk (with include_usage)."""
+    options = get_field(body, "stream_options", "an object") or {}
+    return bool(get_field(options, "include_usage", "a boolean", False)
+                and get_field(options, "continuous_usage_stats", "a boolean", False))
+
+
 def stream_options(body: dict) -> tuple[bool, bool]:
     """(stream, include_usage)."""
     stream = get_field(body, "stream", "a boolean", False)
@@ -118,7 +125,8 @@ def sampling_params(body: dict, default_max_tokens: int,
             top_k=get_field(body, "top_k", "an integer", 0),
             seed=get_field(body, "seed", "an integer"), stop=stop or [],
             stop_token_ids=stop_ids or [], ignore_eos=get_field(body, "ignore_eos", "a boolean",
-                                                                False))
+                                                                False),
+            **logits_processing(body, get_field))
     except ValueError as e:  # SamplingParams says "name=value is invalid: allowed"
         raise bad(str(e), str(e).split("=", 1)[0]) from None
 
@@ -249,12 +257,13 @@ class Reply:
     created: int
     model: str
     include_usage: bool = False
+    continuous_usage: bool = False   # usage (so far) in every chunk
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def chunk(self, text: str = "", finish_reason: str | None = None,
-              role: bool = False) -> dict:
+              role: bool = False, progress: dict | None = None) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": text} if role else \
                 ({"content": text} if text or finish_reason is None else {})
@@ -265,7 +274,7 @@ class Reply:
             out = {**self._head("text_completion"), "choices": [
                 {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
         if self.include_usage:
-            out["usage"] = None
+            out["usage"] = progress if self.continuous_usage else None
         return out
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
