@@ -155,6 +155,9 @@ def test_continuous_usage_stats_in_every_chunk(client):
     ({"logit_bias": {"5": "high"}}, "logit_bias"),
     ({"logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"min_p": 0.1}, "min_p"),
+    ({"bad_words": ["x"]}, "bad_words"),               # vLLM extensions not implemented
+    ({"skip_special_tokens": False}, "skip_special_tokens"),
+    ({"truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
 ])
 def test_out_of_range_is_a_400_naming_the_field(client, extra, param):
     with pytest.raises(openai.BadRequestError) as err:

@@ -31,6 +31,22 @@ _UNSUPPORTED_CHAT = {
     "audio": (), "prediction": (),
     "modalities": (["text"],),
 }
+# vLLM's extensions this server does not implement, refused like the above.
+_UNSUPPORTED_VLLM = {
+    "length_penalty": (1,), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (), "allowed_token_ids": (), "bad_words": ([],),
+    "logits_processors": (), "priority": (0,), "cache_salt": (), "kv_transfer_params": (),
+    "vllm_xargs": (), "prompt_embeds": (), "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (), "guided_json_object": (False,),
+}
+_UNSUPPORTED_VLLM_CHAT = {
+    "add_generation_prompt": (True,), "continue_final_message": (False,),
+    "add_special_tokens": (False,), "chat_template": (), "chat_template_kwargs": ({},),
+    "documents": (), "mm_processor_kwargs": (), "parallel_tool_calls": (True, False),
+    "reasoning_effort": (), "include_reasoning": (True,),
+}
+_UNSUPPORTED_VLLM_COMPLETIONS = {"add_special_tokens": (True,)}
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 _KINDS = {
     "an integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -72,7 +88,9 @@ def check_model(body: dict, served: str) -> str:
 
 
 def refuse_unsupported(body: dict, chat: bool) -> None:
-    table = {**_UNSUPPORTED_COMMON, **(_UNSUPPORTED_CHAT if chat else _UNSUPPORTED_COMPLETIONS)}
+    table = {**_UNSUPPORTED_COMMON, **(_UNSUPPORTED_CHAT if chat else _UNSUPPORTED_COMPLETIONS),
+             **_UNSUPPORTED_VLLM,
+             **(_UNSUPPORTED_VLLM_CHAT if chat else _UNSUPPORTED_VLLM_COMPLETIONS)}
     for name, fine in table.items():
         value = body.get(name)
         if value is not None and not any(value == f and type(value) is not bool
