@@ -38,7 +38,8 @@ _UNSUPPORTED_VLLM = {
     "truncate_prompt_tokens": (), "allowed_token_ids": (), "bad_words": ([],),
     "logits_processors": (), "priority": (0,), "cache_salt": (), "kv_transfer_params": (),
     "vllm_xargs": (), "prompt_embeds": (), "guided_decoding_backend": (),
-    "guided_whitespace_pattern": (), "guided_json_object": (False,),
+    "guided_whitespace_pattern": (), "guided_json_object": (False,), "prompt_logprobs": (),
+    "return_tokens_as_token_ids": (False,),
 }
 _UNSUPPORTED_VLLM_CHAT = {
     "add_generation_prompt": (True,), "continue_final_message": (False,),
