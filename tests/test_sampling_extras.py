@@ -5,8 +5,6 @@ here from transformers' logits and vLLM's definitions; they hold across prefill 
 stream_options.continuous_usage_stats puts the usage so far in every chunk."""
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 import httpx
@@ -15,8 +13,7 @@ import pytest
 import torch
 
 from tests.cluster import launched
-from tests.test_metrics import metrics_urls, scrape, value
-from tests.test_structured_output import _decode_pid
+from tests.test_structured_output import decode_steps, kill_busy_decode_node
 
 transformers = pytest.importorskip("transformers")
 # A repeated prompt whose greedy continuation repeats tokens, so every penalty shows.
@@ -170,18 +167,49 @@ def test_penalties_survive_a_decode_node_killed_mid_request(cluster, client):
     earlier attempt (the end of the prompt they are sent) for the penalties."""
     extra = {"ignore_eos": True, "repetition_penalty": 1.3, "frequency_penalty": 0.4,
              "presence_penalty": 0.3, "logit_bias": {"42": 2.0}}
-    want = complete(client, 300, **extra).text
-    urls = [u for name, u in metrics_urls(cluster).items() if name.startswith("decode")]
-    parts, killed = [], False
-    stream = client.completions.create(model="llama-0", prompt=PROMPT, max_tokens=300,
+    want = complete(client, 900, **extra).text
+    before, parts, killed = decode_steps(cluster), [], False
+    stream = client.completions.create(model="llama-0", prompt=PROMPT, max_tokens=900,
                                        temperature=0, stream=True, extra_body=extra)
     for chunk in stream:
         parts.append(chunk.choices[0].text if chunk.choices else "")
         if len(parts) == 3 and not killed:
-            busy = [u for u in urls if value(scrape(u)[1], "pdserve_kv_cache_usage_ratio") > 0]
-            assert len(busy) == 1
-            os.kill(_decode_pid(cluster, busy[0]), signal.SIGKILL)
+            kill_busy_decode_node(cluster, before)
             killed = True
         time.sleep(0.005)
-    assert killed and "".join(parts) == want
+    assert killed
+    assert "".join(parts) == want
     assert "moves to other nodes" in cluster.log()
+
+
+def test_stage_equals_the_dense_definition_and_is_free_when_unused():
+    """Pure: the stage (gathering only the tokens seen) against vLLM's dense formula on a
+    mixed batch; a batch no request processes gets its logits back untouched."""
+    from pdserve.engine.logits_processors import LogitsProcessors
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.sequence import Sequence
+
+    vocab, gen = 300, torch.Generator().manual_seed(0)
+    stage = LogitsProcessors("unused", vocab, (1,))
+    kinds = [{}, {"repetition_penalty": 1.7, "frequency_penalty": 0.7},
+             {"presence_penalty": -1.0, "repetition_penalty": 0.5}, {"frequency_penalty": 2.0}]
+    seqs = []
+    for i, kw in enumerate(kinds):
+        seq = Sequence(str(i), torch.randint(0, vocab, (40,), generator=gen).tolist(),
+                       SamplingParams(max_tokens=50, **kw))
+        seq.token_ids += torch.randint(0, 30, (i * 7,), generator=gen).tolist()  # repeats
+        seqs.append(seq)
+    logits = torch.randn(len(seqs), vocab, generator=gen) * 4
+    got = stage.apply(logits, seqs)
+    for row, seq in enumerate(seqs):
+        p, want = seq.params, logits[row].clone()
+        counts = torch.bincount(torch.tensor(seq.output_token_ids, dtype=torch.long),
+                                minlength=vocab).float()
+        seen = torch.bincount(torch.tensor(seq.token_ids), minlength=vocab) > 0
+        want = torch.where(seen, torch.where(want > 0, want / p.repetition_penalty,
+                                             want * p.repetition_penalty), want)
+        want = want - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+        torch.testing.assert_close(got[row], want)
+    plain = [Sequence("p", [1, 2, 3], SamplingParams(max_tokens=5))]
+    assert stage.apply(logits[:1], plain) is logits[:1] or \
+        stage.apply(logits[:1], plain).data_ptr() == logits.data_ptr()

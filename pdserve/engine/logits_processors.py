@@ -77,7 +77,9 @@ class LogitsProcessors:
                               torch.tensor(b, dtype=logits.dtype, device=logits.device),
                               accumulate=True)
         penalised = [i for i in rows if _has_penalty(seqs[i].params)]
-        if penalised:
+        if len(penalised) == len(seqs):
+            logits = self._penalties(logits, seqs)
+        elif penalised:
             logits[penalised] = self._penalties(logits[penalised],
                                                 [seqs[i] for i in penalised])
         return logits
@@ -94,18 +96,22 @@ class LogitsProcessors:
         logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
     def _penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """logits [R, V] of the rows with a penalty -> penalised, all rows at once."""
+        """logits [R, V] of the rows with a penalty -> penalised, all rows at once. Only the
+        logits of tokens in each row's prompt or output change, so the work follows their
+        number: gathered, penalised, scattered back (a repeated token writes one value)."""
         device, vocab = logits.device, self.vocab_size
-        outputs = [_output_ids(s) for s in seqs]
-        prompts = [s.token_ids[:len(s.token_ids) - len(o)] for s, o in zip(seqs, outputs)]
-        counts = _counts(outputs, vocab, device)                          # [R, V]
-        seen = (_counts(prompts, vocab, device) > 0) | (counts > 0)       # [R, V]
+        # Pads repeat the row's first token: they gather and write back its own value.
+        ids = _padded([s.token_ids for s in seqs], None).to(device)       # [R, L]
+        out_ids = _padded([_output_ids(s) for s in seqs], vocab).to(device)  # [R, O], pad V
+        counts = torch.zeros((len(seqs), vocab + 1), device=device)       # [R, V + 1]
+        counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
         rep = torch.tensor([s.params.repetition_penalty for s in seqs], device=device)[:, None]
         freq = torch.tensor([s.params.frequency_penalty for s in seqs], device=device)[:, None]
         pres = torch.tensor([s.params.presence_penalty for s in seqs], device=device)[:, None]
-        scaled = torch.where(logits > 0, logits / rep, logits * rep)
-        logits = torch.where(seen, scaled, logits)
-        return logits - freq * counts - pres * (counts > 0)
+        picked, n = logits.gather(1, ids), counts.gather(1, ids)          # [R, L]
+        picked = torch.where(picked > 0, picked / rep, picked * rep) - freq * n \
+            - pres * (n > 0)
+        return logits.scatter_(1, ids, picked)
 
 
 def _has_penalty(params) -> bool:
@@ -118,12 +124,9 @@ def _output_ids(seq: Sequence) -> list[int]:
     return seq.token_ids[seq.num_prompt_tokens - seq.params.seed_offset:]
 
 
-def _counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:
-    """[R, V] float32: how often each token occurs in each row's list."""
-    width = max((len(t) for t in token_lists), default=0)
-    ids = torch.full((len(token_lists), width), vocab, dtype=torch.long)  # pad: column V
-    for row, toks in enumerate(token_lists):
-        ids[row, :len(toks)] = torch.tensor(toks, dtype=torch.long)
-    counts = torch.zeros((len(token_lists), vocab + 1), dtype=torch.float32)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
-    return counts[:, :vocab].to(device)
+def _padded(token_lists: list[list[int]], pad: int | None) -> torch.Tensor:
+    """[R, max length] int64 of the lists, padded with ``pad`` (None: the list's first)."""
+    width = max(1, max((len(t) for t in token_lists), default=0))
+    return torch.tensor([t + [t[0] if pad is None else pad] * (width - len(t)) if t
+                         else [0 if pad is None else pad] * width for t in token_lists],
+                        dtype=torch.long)
