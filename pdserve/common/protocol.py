@@ -31,7 +31,7 @@ PROTOCOL_VERSION = 3  # 2: Hello.incarnation, Welcome.router_incarnation, Sampli
                       # 3: same-host KV through shared memory (Hello.host_id,
                       # PrefillRequest.decode_host_id, KVChunk.shm); logprobs
                       # (SamplingSpec.logprobs/prompt_logprobs, Logprobs in FirstToken and
-                      # TokenItem)
+                      # TokenItem); SamplingSpec min_tokens, penalties, logit_bias, guide
 MAX_HEADER_BYTES = 16 * 1024 * 1024  # a header is metadata; KV travels in frames
 # Decoded MessagePack may hold at most one container (map or array) per this many bytes of
 # input: a header of empty maps ({} is 1 byte, a dict 64) cannot grow 70x in memory.
@@ -140,6 +140,22 @@ class NodeStats:
 
 
 @_struct
+class LogitBias:
+    """A number added to one token's logit before sampling."""
+    token_id: int
+    bias: float
+
+
+@_struct
+class GuideSpec:
+    """Structured output: kind (engine/grammar.py GUIDE_KINDS: json, json_object, regex,
+    choice, grammar) and its spec (a JSON schema, a regex, a JSON array of choices, a Lark
+    grammar); nodes compile it with the model's vocabulary, cached by (kind, spec)."""
+    kind: str
+    spec: str
+
+
+@_struct
 class SamplingSpec:
     """Sampling parameters as nodes see them (stop strings stay in the router)."""
     max_tokens: int
@@ -156,6 +172,15 @@ class SamplingSpec:
     # and of each prompt token (on the prefill node) with prompt_logprobs alternatives.
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+
+    # Logits processing (vLLM's meanings; engine/logits_processors.py). Output tokens of
+    # earlier attempts are the last seed_offset tokens of the prompt sent.
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: list[LogitBias] = field(default_factory=list)
+    guide: Optional[GuideSpec] = None
 
 
 @_struct

@@ -56,6 +56,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = torch.device(device)
         self.dtype = dtype
+        self.logits_processors = None  # engine/logits_processors.py, set by the Worker
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         # One K and one V tensor per layer: [num_blocks, block_size, num_kv_heads, head_dim]
         storage = kv_storage(2 * cfg.num_hidden_layers * kv_tensor_bytes(shape, dtype)) \
@@ -115,6 +116,8 @@ class ModelRunner:
                                                    self.model.config.vocab_size,
                                                    seq.num_output_tokens)
             raw = logprobs.raw_rows(logits, [s.params.logprobs for s in seqs])
+            if self.logits_processors is not None:
+                logits = self.logits_processors.apply(logits, seqs)
             tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
             logprobs.record_sampled(raw, seqs, tokens)
             for row, token in zip(inputs.sample_rows, tokens):

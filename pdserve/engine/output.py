@@ -48,7 +48,8 @@ class RequestOutputState:
             self.token_ids.append(tok)
             if self.detok is not None:
                 self.text += self.detok.add([tok])
-                if self.params.stop and self._cut_at_stop_string():
+                if self.params.stop and len(self.token_ids) >= self.params.min_tokens \
+                        and self._cut_at_stop_string():
                     self.finish_reason = "stop"
                     break
             if tok in self.stop_ids:

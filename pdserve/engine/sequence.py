@@ -33,6 +33,7 @@ class Sequence:
         self.logprobs = None
         self.prompt_logprobs = None
         self.scores_prompt = params.prompt_logprobs is not None
+        self.guide_state = None        # structured output's matcher (engine/grammar.py)
 
     @property
     def prompt_token_ids(self) -> list[int]:

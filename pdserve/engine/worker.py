@@ -13,6 +13,7 @@ from pdserve.common.protocol import KVLayout, ModelIdentity, NodeStats
 from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.host_memory import tune_malloc
+from pdserve.engine.logits_processors import LogitsProcessors
 from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -41,6 +42,8 @@ class Worker:
             1, int(config.kv_cache_memory_gb * 2**30) // per_block)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size,
                                   config.device, self.dtype, config.compute, kv_storage)
+        self.runner.logits_processors = LogitsProcessors(
+            self.model_dir, self.model_config.vocab_size, self.model_config.eos_token_ids)
         self.allocator = BlockAllocator(num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.allocator, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens)
@@ -80,6 +83,7 @@ class Worker:
             raise ValueError(f"{what} has {len(prompt_token_ids)} tokens but the model's context "
                              f"is {self.max_model_len} tokens, leaving no room for output")
         params.validate()
+        self.runner.logits_processors.check(params)
         longest = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
         if self.scheduler.blocks_for(longest) > self.allocator.num_blocks:
             raise ValueError(f"{what} needs up to {longest} tokens of KV cache but the cache "

@@ -330,6 +330,7 @@ class RouterCore(NodeMessages, Clock, PrefillDispatch):
         flight.wire_prompt = flight.prompt + flight.out.token_ids
         flight.spec = dataclasses.replace(
             flight.spec, max_tokens=flight.out.params.max_tokens - done, seed_offset=done,
+            min_tokens=max(0, flight.out.params.min_tokens - done),
             # the first attempt's first token brought the prompt's logprobs
             prompt_logprobs=None if done else flight.spec.prompt_logprobs)
         flight.prefill_node = flight.decode_node = None

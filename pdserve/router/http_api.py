@@ -49,6 +49,7 @@ from pdserve.router.openai_schema import (  # noqa: F401 (re-exported: the app's
     completion_prompt,
     completion_prompt_ids,
     completion_prompts,
+    continuous_usage_stats,
     encode_text,
     error_body,
     json_depth_problem,
@@ -57,6 +58,7 @@ from pdserve.router.openai_schema import (  # noqa: F401 (re-exported: the app's
     sse,
     status_of,
     stream_options,
+    usage,
 )
 from pdserve.router.streams import (
     INTERNAL,
@@ -182,7 +184,8 @@ async def collect(answer: Answer, choices: Choices, watch: ClientWatch) -> Respo
     return JSONResponse(answer.reply.full(bodies, answer.num_prompt, completion))
 
 
-def _stream_chunk(answer: Answer, choice: Choice, event: StreamEvent) -> dict | None:
+def _stream_chunk(answer: Answer, choice: Choice, event: StreamEvent,
+                  progress: dict) -> dict | None:
     """The chunk of one event (its finish reason aside), or None when it shows nothing."""
     opts, echoing = answer.opts, not choice.num_chars and choice.prompt_text
     ids, text = ([], "") if opts.echo_only else (event.token_ids, event.text)
@@ -192,7 +195,7 @@ def _stream_chunk(answer: Answer, choice: Choice, event: StreamEvent) -> dict | 
     choice.num_chars += len(text)
     if not text and not (lp and (ids or echoing)):
         return None
-    return answer.reply.chunk(text, index=choice.index, logprobs=lp)
+    return answer.reply.chunk(text, index=choice.index, logprobs=lp, progress=progress)
 
 
 async def sse_events(answer: Answer, choices: Choices, watch: ClientWatch, first):
@@ -201,7 +204,8 @@ async def sse_events(answer: Answer, choices: Choices, watch: ClientWatch, first
     try:
         if reply.chat:
             for c in choices.choices:
-                yield sse(reply.chunk(role=True, index=c.index))
+                yield sse(reply.chunk(role=True, index=c.index,
+                                      progress=usage(answer.num_prompt, 0)))
         while True:
             if item is None:
                 if not watch.gone:
@@ -210,7 +214,8 @@ async def sse_events(answer: Answer, choices: Choices, watch: ClientWatch, first
                 return
             choice, event = item
             choice.add(event)
-            chunk = _stream_chunk(answer, choice, event)
+            progress = usage(answer.num_prompt, choices.completion_tokens())
+            chunk = _stream_chunk(answer, choice, event, progress)
             if chunk is not None:  # an event may carry the last tokens and the end together
                 yield sse(chunk)
             if event.error is not None:
@@ -219,7 +224,8 @@ async def sse_events(answer: Answer, choices: Choices, watch: ClientWatch, first
                 yield sse(error_body(event.error))
                 break
             if event.finish_reason is not None:
-                yield sse(reply.chunk(finish_reason=event.finish_reason, index=choice.index))
+                yield sse(reply.chunk(finish_reason=event.finish_reason, index=choice.index,
+                                      progress=progress))
             if choices.done:
                 if reply.include_usage:
                     completion = 0 if answer.opts.echo_only else choices.completion_tokens()
@@ -282,7 +288,8 @@ def build_app(core, api_key: str | None = None) -> FastAPI:
             return error_response(RequestError(INTERNAL, "internal error; see the router's log"))
 
         reply = Reply(chat, ("chatcmpl-" if chat else "cmpl-") + choices.request_id,
-                      int(choices.choices[0].stream.created), model, include_usage)
+                      int(choices.choices[0].stream.created), model, include_usage,
+                      continuous_usage_stats(body))
         answer = Answer(reply, opts, TokenTexts(core.tokenizer),
                         sum(len(ids) for _, ids in prompt_list))
         watch, handed_over = ClientWatch(request), False

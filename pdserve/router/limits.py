@@ -32,6 +32,8 @@ def check_request(req: S.GenerationRequest, vocab: int, max_model_len: int,
                   "disables it)", "top_k")
     if any(t >= vocab for t in params.stop_token_ids):
         raise bad(f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
+    if any(t >= vocab for t in params.logit_bias):
+        raise bad(f"logit_bias keys must be token ids in [0, {vocab})", "logit_bias")
     check_stop(params.stop, cfg)
 
 

@@ -12,6 +12,7 @@ import orjson
 
 from pdserve.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
 from pdserve.router.streams import BAD_REQUEST, NOT_FOUND, RequestError
+from pdserve.router.structured import logits_processing
 
 MAX_BODY_BYTES = 4 << 20
 MAX_JSON_DEPTH = 32                      # nesting of arrays and objects in a request body
@@ -22,17 +23,33 @@ _EXTRA_STATUS = {TOO_LARGE: 413, UNAUTHORIZED: 401}
 # Fields we do not implement -> the values that mean "not used". Anything else is
 # refused with a 400 rather than silently ignored. None (or absent) is always fine.
 _UNSUPPORTED_COMMON = {
-    "best_of": (1,), "prompt_logprobs": (), "logit_bias": ({},), "presence_penalty": (0,),
-    "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,),
+    "best_of": (1,), "min_p": (0,),
     "use_beam_search": (False,),
 }
 _UNSUPPORTED_COMPLETIONS = {"suffix": ("",)}
 _UNSUPPORTED_CHAT = {
     "echo": (False,), "tools": ([],), "functions": ([],),
     "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},), "audio": (), "prediction": (),
+    "audio": (), "prediction": (),
     "modalities": (["text"],),
 }
+# vLLM's extensions this server does not implement, refused like the above.
+_UNSUPPORTED_VLLM = {
+    "length_penalty": (1,), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (), "allowed_token_ids": (), "bad_words": ([],),
+    "logits_processors": (), "priority": (0,), "cache_salt": (), "kv_transfer_params": (),
+    "vllm_xargs": (), "prompt_embeds": (), "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (), "guided_json_object": (False,), "prompt_logprobs": (),
+    "return_tokens_as_token_ids": (False,),
+}
+_UNSUPPORTED_VLLM_CHAT = {
+    "add_generation_prompt": (True,), "continue_final_message": (False,),
+    "add_special_tokens": (False,), "chat_template": (), "chat_template_kwargs": ({},),
+    "documents": (), "mm_processor_kwargs": (), "parallel_tool_calls": (True, False),
+    "reasoning_effort": (), "include_reasoning": (True,),
+}
+_UNSUPPORTED_VLLM_COMPLETIONS = {"add_special_tokens": (True,)}
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 _KINDS = {
     "an integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -74,7 +91,9 @@ def check_model(body: dict, served: str) -> str:
 
 
 def refuse_unsupported(body: dict, chat: bool) -> None:
-    table = {**_UNSUPPORTED_COMMON, **(_UNSUPPORTED_CHAT if chat else _UNSUPPORTED_COMPLETIONS)}
+    table = {**_UNSUPPORTED_COMMON, **(_UNSUPPORTED_CHAT if chat else _UNSUPPORTED_COMPLETIONS),
+             **_UNSUPPORTED_VLLM,
+             **(_UNSUPPORTED_VLLM_CHAT if chat else _UNSUPPORTED_VLLM_COMPLETIONS)}
     for name, fine in table.items():
         value = body.get(name)
         if value is not None and not any(value == f and type(value) is not bool
@@ -82,6 +101,13 @@ def refuse_unsupported(body: dict, chat: bool) -> None:
             allowed = " or ".join(_show(f) for f in fine)
             raise bad(f"{name}={_show(value)} is not supported by this server; leave it out"
                       + (f" or set it to {allowed}" if allowed else ""), name)
+
+
+def continuous_usage_stats(body: dict) -> bool:
+    """stream_options.continuous_usage_stats: usage in every chunk (with include_usage)."""
+    options = get_field(body, "stream_options", "an object") or {}
+    return bool(get_field(options, "include_usage", "a boolean", False)
+                and get_field(options, "continuous_usage_stats", "a boolean", False))
 
 
 def stream_options(body: dict) -> tuple[bool, bool]:
@@ -120,7 +146,8 @@ def sampling_params(body: dict, default_max_tokens: int,
             top_k=get_field(body, "top_k", "an integer", 0),
             seed=get_field(body, "seed", "an integer"), stop=stop or [],
             stop_token_ids=stop_ids or [], ignore_eos=get_field(body, "ignore_eos", "a boolean",
-                                                                False))
+                                                                False),
+            **logits_processing(body, get_field))
     except ValueError as e:  # SamplingParams says "name=value is invalid: allowed"
         raise bad(str(e), str(e).split("=", 1)[0]) from None
 
@@ -308,12 +335,14 @@ class Reply:
     created: int
     model: str
     include_usage: bool = False
+    continuous_usage: bool = False   # usage (so far) in every chunk
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def chunk(self, text: str = "", finish_reason: str | None = None,
-              role: bool = False, index: int = 0, logprobs: dict | None = None) -> dict:
+              role: bool = False, index: int = 0, logprobs: dict | None = None,
+              progress: dict | None = None) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": text} if role else \
                 ({"content": text} if text or finish_reason is None else {})
@@ -325,7 +354,7 @@ class Reply:
                 {"index": index, "text": text, "logprobs": logprobs,
                  "finish_reason": finish_reason}]}
         if self.include_usage:
-            out["usage"] = None
+            out["usage"] = progress if self.continuous_usage else None
         return out
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:

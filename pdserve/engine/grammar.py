@@ -1,0 +1,152 @@
+"""Structured output through llguidance: a guide (kind, spec) becomes a grammar, a grammar
+plus the model's vocabulary a token mask per step.
+
+Why llguidance (xgrammar and outlines-core were measured beside it, SmolLM2's 49152-token
+vocabulary on the 2-core dev machine): it has no dependencies (one abi3 wheel; xgrammar
+requires torch, transformers and triton), compiles a grammar lazily in about a millisecond
+(outlines-core builds a whole-vocabulary index up front: 36 ms for a 4-field schema, and it
+grows with the schema), takes JSON schema, regex and Lark context-free grammars (outlines-core
+only regular languages), says which schema keyword it does not support, and computes a mask in
+tens of microseconds, far below one forward. Numbers: benchmarks/RESULTS.md.
+
+Kinds (vLLM's ``structured_outputs`` fields): ``json`` (a JSON schema as text),
+``json_object`` (any JSON object; spec unused), ``regex``, ``choice`` (a JSON array of
+strings: the output is exactly one of them) and ``grammar`` (Lark, as vLLM's guidance
+backend takes it; a GBNF grammar, written with ``::=``, is converted).
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+GUIDE_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_GUIDE_BYTES = 256 * 1024   # a guide's spec on the wire and in the compile cache
+CACHE_SIZE = 256               # compiled guides kept per node
+# JSON is written compactly with Python's separators and no free whitespace: a small or
+# undertrained model let loose on "any whitespace" may emit it forever.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def to_grammar(kind: str, spec: str) -> str:
+    """The llguidance grammar of a guide; ValueError saying why it has none."""
+    from llguidance import LLMatcher
+
+    if len(spec.encode()) > MAX_GUIDE_BYTES:
+        raise ValueError(f"the {kind} spec is over {MAX_GUIDE_BYTES} bytes")
+    if kind == "json":
+        try:
+            schema = json.loads(spec)
+        except ValueError as exc:
+            raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError("the JSON schema must be an object (or true/false)")
+        return LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
+    if kind == "json_object":
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(spec)
+    if kind == "choice":
+        choices = json.loads(spec)
+        if not (isinstance(choices, list) and choices
+                and all(isinstance(c, str) and c for c in choices)):
+            raise ValueError("choice must be a non-empty array of non-empty strings")
+        return LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(c) for c in choices))
+    if kind == "grammar":
+        if "::=" in spec:
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+            try:
+                spec = gbnf_to_lark(spec)
+            except Exception as exc:  # the converter raises bare exceptions on bad input
+                raise ValueError(f"the GBNF grammar cannot be read: {exc}") from None
+        return LLMatcher.grammar_from_lark(spec)
+    raise ValueError(f"unknown structured output kind {kind!r}; known: {GUIDE_KINDS}")
+
+
+def guide_problem(kind: str, spec: str) -> str | None:
+    """Why the guide cannot be served (unsupported or invalid), or None; no vocabulary
+    needed, so the router checks every guide before dispatch."""
+    from llguidance import LLMatcher
+
+    try:
+        grammar = to_grammar(kind, spec)
+    except ValueError as exc:
+        return str(exc)
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    return messages[0] if is_error else None
+
+
+class GrammarBackend:
+    """One node's structured-output machinery: the vocabulary (built once, from the model's
+    tokenizer) and a cache of compiled guides. Built on first use: a node no request asks
+    for structured output pays nothing."""
+
+    def __init__(self, model_path: Path, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        from llguidance import LLTokenizer
+
+        from pdserve.model.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer(model_path)
+        # llguidance reads the byte spelling of every token (byte-level BPE or SentencePiece
+        # byte fallback) from the tokenizers JSON, GGUF-built tokenizers included.
+        self.tokenizer = LLTokenizer(tokenizer._tok.to_str(), n_vocab=vocab_size,
+                                     eos_token=list(eos_token_ids))
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def matcher(self, guide: tuple[str, str]):
+        """A fresh matcher at the start of the guide; ValueError saying why there is none."""
+        from llguidance import LLMatcher
+
+        with self._lock:
+            compiled = self._cache.get(guide)
+            if compiled is not None:
+                self._cache.move_to_end(guide)
+                return compiled.deep_copy()
+        compiled = LLMatcher(self.tokenizer, to_grammar(*guide), log_level=0)
+        if compiled.is_error():
+            raise ValueError(f"structured output {guide[0]}: {compiled.get_error()}")
+        with self._lock:
+            self._cache[guide] = compiled
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled.deep_copy()
+
+
+class GuideState:
+    """A sequence's matcher and how many of its output tokens it has consumed."""
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+        self.num_consumed = 0
+
+    def catch_up(self, output_ids: list[int]) -> None:
+        """Consumes the output tokens it has not seen: the tokens of earlier attempts (after
+        a move to another node) and the one sampled last step."""
+        new = output_ids[self.num_consumed:]
+        if new and not self.matcher.consume_tokens(new):
+            raise RuntimeError(f"structured output: tokens {new} break the grammar "
+                               f"({self.matcher.get_error()})")
+        self.num_consumed = len(output_ids)
+
+
+def allowed_mask(states: list[GuideState], stop_ids: list[list[int]], vocab_size: int,
+                 device: torch.device) -> torch.Tensor:
+    """[R, V] bool: the tokens each row's grammar allows next. A row's stop tokens (EOS,
+    its stop_token_ids) are allowed exactly when its grammar accepts the output so far."""
+    words = (vocab_size + 31) // 32
+    bits = torch.zeros((len(states), words), dtype=torch.int32)          # [R, W]
+    for row, state in enumerate(states):
+        state.matcher.unsafe_compute_mask_ptr(bits[row].data_ptr(), words * 4)
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((bits[:, :, None] >> shifts) & 1).bool().reshape(len(states), -1)  # [R, W*32]
+    allowed = allowed[:, :vocab_size]
+    for row, state in enumerate(states):
+        allowed[row, stop_ids[row]] = state.matcher.is_accepting()
+    return allowed.to(device, non_blocking=True)

@@ -1,0 +1,129 @@
+"""The request fields of the logits-processing stage (engine/logits_processors.py), read and
+checked at the edge as vLLM takes them: penalties, logit_bias, min_tokens and structured
+output (``response_format``, ``structured_outputs``, the older ``guided_*`` fields). A guide
+is validated here, before dispatch, so an unsupported schema is a 400 that says why."""
+from __future__ import annotations
+
+import json
+
+from pdserve.engine.grammar import guide_problem
+from pdserve.router.streams import BAD_REQUEST, RequestError
+
+# structured_outputs' constraint fields -> our guide kind (exactly one may be set)
+_CONSTRAINTS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                "json_object": "json_object"}
+# its other fields -> the values that change nothing; anything else is refused
+_OPTIONS = {"disable_fallback": (False, True), "disable_any_whitespace": (False, True),
+            "disable_additional_properties": (False,), "whitespace_pattern": (),
+            "structural_tag": ()}
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+
+
+def _bad(message: str, param: str) -> RequestError:
+    return RequestError(BAD_REQUEST, message, param)
+
+
+def logits_processing(body: dict, get_field) -> dict:
+    """SamplingParams keyword arguments of the logits-processing fields of ``body``."""
+    out = {"min_tokens": get_field(body, "min_tokens", "an integer", 0)}
+    for name, default in (("repetition_penalty", 1.0), ("presence_penalty", 0.0),
+                          ("frequency_penalty", 0.0)):
+        out[name] = get_field(body, name, "a number", default)
+    out["logit_bias"] = _logit_bias(get_field(body, "logit_bias", "an object", {}))
+    out["guide"] = _guide(body)
+    return out
+
+
+def _logit_bias(raw: dict) -> dict[int, float]:
+    bias = {}
+    for key, value in raw.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise _bad(f"logit_bias keys must be token ids (integers as strings), got "
+                       f"{key!r}", "logit_bias") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _bad(f"logit_bias[{key!r}] must be a number, got {json.dumps(value)}",
+                       "logit_bias")
+        if token < 0:
+            raise _bad(f"logit_bias has token id {token}: ids are >= 0", "logit_bias")
+        bias[token] = float(value)  # SamplingParams clamps to [-100, 100] as vLLM does
+    return bias
+
+
+def _guide(body: dict) -> tuple[str, str] | None:
+    """The request's one structured-output constraint as (kind, spec), checked."""
+    found = []  # (param, kind, value)
+    fmt = body.get("response_format")
+    if fmt is not None:
+        found += _response_format(fmt)
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise _bad("structured_outputs must be an object", "structured_outputs")
+        for name, value in so.items():
+            if name in _CONSTRAINTS:
+                if value is not None and value is not False:
+                    found.append((f"structured_outputs.{name}", _CONSTRAINTS[name], value))
+            elif name not in _OPTIONS:
+                raise _bad(f"structured_outputs.{name} is not a field of structured_outputs; "
+                           f"known: {', '.join([*_CONSTRAINTS, *_OPTIONS])}",
+                           f"structured_outputs.{name}")
+            elif value is not None and not any(value is v for v in _OPTIONS[name]):
+                raise _bad(f"structured_outputs.{name}={json.dumps(value)} is not supported by "
+                           "this server; leave it out", f"structured_outputs.{name}")
+    found += [(name, kind, body[name]) for name, kind in _GUIDED.items()
+              if body.get(name) is not None]
+    if not found:
+        return None
+    if len(found) > 1:
+        raise _bad("only one structured output constraint is allowed per request; got "
+                   + ", ".join(param for param, _, _ in found), found[1][0])
+    param, kind, value = found[0]
+    spec = _spec_text(param, kind, value)
+    problem = guide_problem(kind, spec)
+    if problem:
+        raise _bad(f"{param} cannot be used: {problem}", param)
+    return kind, spec
+
+
+def _response_format(fmt) -> list[tuple[str, str, object]]:
+    kinds = ("text", "json_object", "json_schema")
+    if not isinstance(fmt, dict) or fmt.get("type") not in kinds:
+        raise _bad(f"response_format must be an object with type one of {', '.join(kinds)} "
+                   f"(structural_tag is not supported); got {json.dumps(fmt)[:80]}",
+                   "response_format")
+    if fmt["type"] == "text":
+        return []
+    if fmt["type"] == "json_object":
+        return [("response_format", "json_object", True)]
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name", ""), str):
+        raise _bad("response_format.json_schema must be an object {name, schema, strict}",
+                   "response_format.json_schema")
+    schema = spec.get("schema")
+    if not isinstance(schema, (dict, bool)):
+        raise _bad("response_format.json_schema.schema must be a JSON schema object",
+                   "response_format.json_schema.schema")
+    return [("response_format.json_schema.schema", "json", schema)]
+
+
+def _spec_text(param: str, kind: str, value) -> str:
+    """The guide's spec as the wire carries it (a string)."""
+    if kind == "json_object":
+        return ""
+    if kind == "json":
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (dict, bool)):
+            return json.dumps(value)
+        raise _bad(f"{param} must be a JSON schema (an object or its JSON text)", param)
+    if kind == "choice":
+        if not (isinstance(value, list) and value
+                and all(isinstance(c, str) and c for c in value)):
+            raise _bad(f"{param} must be a non-empty array of non-empty strings", param)
+        return json.dumps(value)
+    if not isinstance(value, str) or not value:
+        raise _bad(f"{param} must be a non-empty string", param)
+    return value
