@@ -16,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.cluster import launched
+from tests.cluster import child_config, launched
 from tests.test_attack import process_tree
 from tests.test_metrics import metrics_urls, scrape, value
 
@@ -161,13 +161,11 @@ def kill_busy_decode_node(cluster, before: dict[str, float]) -> None:
 
 
 def _decode_pid(cluster, busy_url: str) -> int:
-    port = busy_url.split(":")[-1].split("/")[0]
+    port = int(busy_url.split(":")[-1].split("/")[0])
     for pid in process_tree(cluster.proc.pid):
-        try:
-            args = open(f"/proc/{pid}/cmdline").read().split("\0")
-        except OSError:
-            continue
-        if "decode" in args and port in args:
+        handed = child_config(pid)
+        if handed and handed["config"].get("role") == "decode" \
+                and handed["config"]["metrics_port"] == port:
             return pid
     raise AssertionError(f"no decode process serves metrics on port {port}")
 
