@@ -24,6 +24,7 @@ import time
 import torch
 import zmq
 
+from pdserve.common import codec
 from pdserve.common import protocol as P
 from pdserve.common.shm import Segment
 from pdserve.common.transport import make_socket, recv_message, recv_routed, send_message
@@ -77,7 +78,7 @@ def ours_receiver(address_q, args, scattered: bool):
             receiver.place(chunk, transfer)
             if chunk.last:
                 break
-        sock.send_multipart([peer, *P.encode(P.KVAck(req_id="r", ok=True, reason=""))])
+        sock.send_multipart([peer, *codec.encode(P.KVAck(req_id="r", ok=True, reason=""))])
     receiver.segments.close()
     sock.close()
     ctx.term()

@@ -7,7 +7,7 @@
 2. The held-back tail of streamed text with 16 stop strings of 256 characters: the
    old loop over every tail length and stop string against ``_undecided_tail`` now.
 3. Decoding a hostile msgpack header ({} repeated): plain ``msgpack.unpackb`` against
-   ``protocol.unpack_bounded``, peak memory / input size (tracemalloc).
+   ``codec.unpack_bounded``, peak memory / input size (tracemalloc).
 
     python benchmarks/router_loop.py [--prompt-mib 4]
 """
@@ -24,7 +24,8 @@ from pathlib import Path
 
 import msgpack
 
-from pdserve.common.protocol import ProtocolError, unpack_bounded
+from pdserve.common.codec import unpack_bounded
+from pdserve.common.protocol import ProtocolError
 from pdserve.engine.output import RequestOutputState
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.make_model import make_model

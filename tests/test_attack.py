@@ -21,6 +21,8 @@ import pytest
 import torch
 import zmq
 
+from pdserve.common import codec
+from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.common.transport import make_socket, recv_message, send_message
 from pdserve.model.config import ModelConfig
@@ -289,7 +291,7 @@ def test_hostile_frames_on_control_and_ingress(cluster):
                                  "x": [{}] * (2 << 20)}))
         assert sock.poll(10_000)
         err = recv_message(sock)
-        assert isinstance(err, P.Error) and err.code == P.TOO_LARGE, err
+        assert isinstance(err, P.Error) and err.code == E.TOO_LARGE, err
         sock.close(0)
         ing = make_socket(ctx, zmq.DEALER, connect=cluster.ingress)
         ing.send(msgpack.packb({"type": "submit", "id": "m", "x": [{}] * (1 << 20)}))
@@ -411,7 +413,7 @@ def _mutations(fake, vocab):
     can fix: the router retries the request, which completes."""
     import dataclasses
 
-    from pdserve.common.protocol import checksum_of
+    from pdserve.common.codec import checksum_of
 
     def valid(req, first_token=7):
         return fake.last_chunk(req, first_token)
@@ -532,7 +534,7 @@ def test_injected_tokens_never_reach_a_client(cluster, model_dir):
                 fake.send(P.FirstTokens(items=[P.FirstToken(req_id=r, token_id=3) for r in ids]))
                 fake.send(P.TokenBatch(items=[P.TokenItem(req_id=r, token_ids=[3, 3])
                                               for r in ids]))
-                fake.send(P.Error(req_id=ids[0], code=P.INTERNAL, message="injected"))
+                fake.send(P.Error(req_id=ids[0], code=E.INTERNAL, message="injected"))
                 time.sleep(0.02)
         spammer = threading.Thread(target=spam)
         spammer.start()
@@ -591,11 +593,11 @@ def test_a_batch_over_the_frame_limit_is_split():
                              sampling=spec, decode_node_id="d", kv_address="tcp://h:1",
                              timeout_s=1.0) for i in range(2000)]
     with pytest.raises(P.ProtocolError):  # what used to strand them all
-        P.encode(P.PrefillBatch(requests=reqs))
+        codec.encode(P.PrefillBatch(requests=reqs))
     parts = split_by_size(reqs, MAX_BATCH_BYTES)
     assert [r for part in parts for r in part] == reqs and len(parts) > 1
     for part in parts:
-        assert len(P.encode(P.PrefillBatch(requests=part))[0]) <= MAX_BATCH_BYTES
+        assert len(codec.encode(P.PrefillBatch(requests=part))[0]) <= MAX_BATCH_BYTES
 
 
 def test_no_attack_reached_a_handler_failure(cluster):

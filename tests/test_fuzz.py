@@ -17,6 +17,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from pdserve.client import QueueClient
+from pdserve.common import codec
+from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.common.node_io import KV_IN_TYPES, KV_STRANGER_BURST, KV_STRANGER_MSGS_PER_S
 from pdserve.common.rate_limit import Bucket
@@ -60,12 +62,12 @@ def _base_messages():
         P.Heartbeat(node_id="fuzz", stats=stats),
         P.TokenBatch(items=[P.TokenItem(req_id="nobody", token_ids=[1, 2])]),
         P.FirstTokens(items=[P.FirstToken(req_id="nobody", token_id=3)]),
-        P.Error(req_id="nobody", code=P.INTERNAL, message="fuzz"),
+        P.Error(req_id="nobody", code=E.INTERNAL, message="fuzz"),
         chunk,
     ]
 
 
-BASES = [[bytes(f) for f in P.encode(m)] for m in _base_messages()]
+BASES = [[bytes(f) for f in codec.encode(m)] for m in _base_messages()]
 
 
 @st.composite
@@ -180,7 +182,7 @@ class Prober:
         replies, probed = [], False
         while not probed or len(replies) < also:
             assert self.sock.poll(10_000), f"no answer to {tag} (input {frames!r:.300})"
-            msg = P.decode(self.sock.recv_multipart())
+            msg = codec.decode(self.sock.recv_multipart())
             if isinstance(msg, P.Error) and repr(tag) in msg.message:
                 probed = True
             else:
@@ -205,7 +207,7 @@ def test_control_socket(cluster, still_serves, dealer):
         want = reference(frames, CONTROL_IN)
         event(f"control: {want}")
         replies = probe(frames)
-        if want in P.ERROR_CODES:
+        if want in E.WIRE_CODES:
             assert [(type(r), r.code) for r in replies] == [(P.Error, want)], replies
         elif want == P.Hello.TAG:
             assert len(replies) == 1 and replies[0].accepted is False
@@ -229,7 +231,7 @@ def test_kv_socket(cluster, still_serves, dealer):
     def fuzz(frames):
         want = reference(frames, KV_IN_TYPES)
         event(f"kv: {want}")
-        if want in P.ERROR_CODES:
+        if want in E.WIRE_CODES:
             replies = probe(frames)
             assert [(type(r), r.code) for r in replies] == [(P.Error, want)], replies
         else:  # a well-formed chunk nobody reserved for: refused (its ack may come later)

@@ -13,6 +13,7 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from pdserve.common.errors import REQUEST_TOO_LARGE
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.router import http_api as api
@@ -179,7 +180,7 @@ def test_error_bodies():
     assert body == {"error": {"message": "max_tokens must be >= 1", "type":
                               "invalid_request_error", "param": "max_tokens",
                               "code": "bad_request"}}
-    assert api.status_of(RequestError(api.TOO_LARGE, "big")) == 413
+    assert RequestError(REQUEST_TOO_LARGE, "big").http_status == 413
     assert api.error_body(RequestError("internal", "x"))["error"]["type"] == "server_error"
 
 

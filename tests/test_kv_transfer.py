@@ -7,6 +7,8 @@ import sys
 import pytest
 import torch
 
+from pdserve.common import codec
+from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.engine.kv_shm import paired_runs
 from pdserve.engine.kv_transfer import (
@@ -55,7 +57,7 @@ def test_pages_arrive_where_reserved(src_ids, dst_ids):
         last = end == LAYOUT.num_layers
         chunk = kv_chunk("r", MODEL, LAYOUT, src, torch.tensor(src_ids), num_tokens, start, end,
                          checksums=True, last=last, first_token=1 if last else None)
-        receiver.place(P.decode(P.encode(chunk)), transfer)  # through the wire format
+        receiver.place(codec.decode(codec.encode(chunk)), transfer)  # through the wire format
     assert transfer.state is TransferState.DONE
     untouched = sorted(set(range(NUM_BLOCKS)) - set(dst_ids))
     for (sk, sv), (dk, dv), (bk, bv) in zip(src, dst, before):
@@ -91,7 +93,7 @@ def send_all(src, ids, receiver, transfer, segment, num_tokens, corrupt=None):
                          segment=segment)
         if corrupt is not None:
             corrupt(start)
-        receiver.place(P.decode(P.encode(chunk)), transfer)
+        receiver.place(codec.decode(codec.encode(chunk)), transfer)
 
 
 @pytest.mark.parametrize("src_ids,dst_ids", [
@@ -132,7 +134,7 @@ def test_corrupt_shm_region_is_caught_by_checksum(segment_caches):
 
     with pytest.raises(KVTransferError) as err:
         send_all(src, src_ids, receiver, transfer, seg, 4 * LAYOUT.block_size, corrupt)
-    assert err.value.code == P.CHECKSUM_MISMATCH
+    assert err.value.code == E.CHECKSUM_MISMATCH
     assert f"KV frame v2 (read from shared segment {seg.name})" in err.value.message
     receiver.segments.close()
 
@@ -145,7 +147,7 @@ def test_shm_reference_outside_the_segment_is_refused(segment_caches):
     receiver = KVReceiver(MODEL, LAYOUT, caches(fill=False))
     with pytest.raises(KVTransferError) as err:
         receiver.place(chunk, InboundTransfer("r", torch.tensor([0, 1]), 8))
-    assert err.value.code == P.BAD_MESSAGE and "do not lie inside segment" in err.value.message
+    assert err.value.code == E.BAD_MESSAGE and "do not lie inside segment" in err.value.message
     chunk = dataclasses.replace(chunk, shm=dataclasses.replace(
         chunk.shm, segment="pdserve-kv-1-1-00000000"))  # no such segment
     with pytest.raises(KVTransferError) as err:
@@ -159,7 +161,7 @@ def test_checksum_without_gather_equals_checksum_of_gathered_pages():
 
     pool = caches(fill=True)[0][0]
     for ids in ([3, 4, 5], [9, 2, 3, 4, 31]):
-        assert pages_checksum(pool, ids) == P.checksum_of(pool[ids])
+        assert pages_checksum(pool, ids) == codec.checksum_of(pool[ids])
 
 
 def test_segment_of_a_killed_process_is_swept():

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.common import codec
+from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.common.shm import SWEEP_INTERVAL_S
 from pdserve.engine.sampling_params import to_spec
@@ -161,7 +163,7 @@ def test_corrupt_shm_region_is_caught_by_checksum(cluster):
     assert ack.reason.startswith(f"checksum_mismatch: KV frame k1 (read from shared segment "
                                  f"{seg.name})")
     _, err = driver.take(P.Error, lambda m: m.req_id == "bad-shm")
-    assert err.code == P.CHECKSUM_MISMATCH
+    assert err.code == E.CHECKSUM_MISMATCH
     assert not any(isinstance(m, P.TokenBatch) and any(i.req_id == "bad-shm" for i in m.items)
                    for _, m in driver.inbox)
     wait_all_free(driver, "d0")
@@ -216,7 +218,7 @@ def test_reservation_lease_expires_and_frees(cluster):
     spec = to_spec(greedy())
     assert driver.reserve("d0", "orphan", list(range(3, 40)), spec, lease_s=0.3).ok
     _, err = driver.take(P.Error, lambda m: m.req_id == "orphan", timeout_s=10)
-    assert err.code == P.LEASE_EXPIRED and "without the KV arriving" in err.message
+    assert err.code == E.LEASE_EXPIRED and "without the KV arriving" in err.message
     wait_all_free(driver, "d0")
 
 
@@ -235,7 +237,7 @@ def test_corrupt_kv_frame_is_caught_by_checksum(cluster):
     nb = -(-len(prompt) // lay.block_size)
     shape = (nb, lay.block_size, lay.num_kv_heads, lay.head_dim)
     tensors = {f"{kv}{i}": torch.randn(shape) for i in range(lay.num_layers) for kv in "kv"}
-    sums = [P.checksum_of(t) for t in tensors.values()]
+    sums = [codec.checksum_of(t) for t in tensors.values()]
     tensors["v0"][0, 0, 0, 0] += 1.0  # flipped after the checksum: corrupted in flight
     chunk = P.KVChunk(req_id="corrupt", model=hello.model, kv_layout=lay, layer_start=0,
                       layer_end=lay.num_layers, num_tokens=len(prompt), checksums=sums,
@@ -249,7 +251,7 @@ def test_corrupt_kv_frame_is_caught_by_checksum(cluster):
         sock.close(0)
     assert not ack.ok and ack.reason.startswith("checksum_mismatch: KV frame v0")
     _, err = driver.take(P.Error, lambda m: m.req_id == "corrupt")
-    assert err.code == P.CHECKSUM_MISMATCH
+    assert err.code == E.CHECKSUM_MISMATCH
     assert not any(isinstance(m, P.TokenBatch) and any(i.req_id == "corrupt" for i in m.items)
                    for _, m in driver.inbox)
     wait_all_free(driver, "d0")
@@ -276,7 +278,7 @@ def test_full_decode_node_refuses_reservation_and_layout_mismatch_is_refused(
         got = driver.run({"mm": (list(range(3, 20)), spec)}, {"mm": "bs32-p"},
                          {"mm": "small-d"})
         err = got["mm"]["error"]
-        assert err is not None and err.code == P.LAYOUT_MISMATCH
+        assert err is not None and err.code == E.LAYOUT_MISMATCH
         assert "block_size 32" in err.message and "block_size 16" in err.message
         assert got["mm"]["tokens"] == [got["mm"]["tokens"][0]]  # only prefill's first token
         wait_all_free(driver, "small-d", "bs32-p")

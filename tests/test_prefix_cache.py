@@ -298,6 +298,7 @@ def test_decode_node_killed_while_its_requests_share_cached_blocks(tiny_model, t
 def test_kv_after_the_cached_blocks_lands_after_them_and_a_wrong_start_is_refused():
     import torch
 
+    from pdserve.common import codec
     from pdserve.common import protocol as P
     from pdserve.engine.kv_transfer import (
         InboundTransfer,
@@ -316,7 +317,7 @@ def test_kv_after_the_cached_blocks_lands_after_them_and_a_wrong_start_is_refuse
     receiver = KVReceiver(MODEL, LAYOUT, dst)
     chunk = kv_chunk("r", MODEL, LAYOUT, src, torch.tensor(src_ids[2:]), num_tokens, 0,
                      LAYOUT.num_layers, checksums=True, last=True, first_token=1, first_block=2)
-    receiver.place(P.decode(P.encode(chunk)), transfer)
+    receiver.place(codec.decode(codec.encode(chunk)), transfer)
     assert transfer.state is TransferState.DONE
     for (sk, sv), (dk, dv), (ck, cv) in zip(src, dst, cached_before):
         assert torch.equal(dk[dst_ids[2:]], sk[src_ids[2:]])
@@ -327,5 +328,5 @@ def test_kv_after_the_cached_blocks_lands_after_them_and_a_wrong_start_is_refuse
         receiver.place(wrong, InboundTransfer("q", torch.tensor(dst_ids[2:]), num_tokens,
                                               first_block=2))
     with pytest.raises(P.ProtocolError, match="leaves no block"):
-        P.encode(kv_chunk("z", MODEL, LAYOUT, src, torch.tensor([], dtype=torch.int64),
+        codec.encode(kv_chunk("z", MODEL, LAYOUT, src, torch.tensor([], dtype=torch.int64),
                           num_tokens, 0, 1, checksums=False, last=False, first_block=6))

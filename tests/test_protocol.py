@@ -8,6 +8,8 @@ import pytest
 import torch
 import xxhash
 
+from pdserve.common import codec
+from pdserve.common import errors as E
 from pdserve.common import protocol as P
 
 MODEL = P.ModelIdentity(name="tiny-llama", config_hash="abc123")
@@ -34,7 +36,7 @@ def kv_chunk(dtype="bfloat16", num_tokens=7, checksums=False, **kw):
             else:
                 t = torch.randint(0, 100, shape).to(torch_dtype)
             tensors[f"{kv}{layer}"] = t  # [num_blocks, block_size, kv_heads, head_dim]
-    sums = [P.checksum_of(t) for t in tensors.values()] if checksums else []
+    sums = [codec.checksum_of(t) for t in tensors.values()] if checksums else []
     fields = dict(req_id="r1", model=MODEL, kv_layout=lay, layer_start=0,
                   layer_end=lay.num_layers, num_tokens=num_tokens, checksums=sums, last=True,
                   first_token=42, tensors=tensors)
@@ -71,8 +73,8 @@ SAMPLES = [
     P.TokenBatch(items=[P.TokenItem(req_id="r0", token_ids=[7, 8]),
                         P.TokenItem(req_id="r1", token_ids=[], finish_reason="length")]),
     P.Abort(req_ids=["r0", "r1"], reason="client disconnected"),
-    P.Error(req_id=None, code=P.BAD_MESSAGE, message="x"),
-    P.Error(req_id="r0", code=P.TIMEOUT, message="deadline passed"),
+    P.Error(req_id=None, code=E.BAD_MESSAGE, message="x"),
+    P.Error(req_id="r0", code=E.TIMEOUT, message="deadline passed"),
     P.Drain(reason="shutdown"),
     P.Bye(node_id="p0", reason="shutdown"),
 ]
@@ -86,9 +88,9 @@ def with_header(frames, header):
     return [msgpack.packb(header), *frames[1:]]
 
 
-def expect_error(frames, code=P.BAD_MESSAGE, *fragments, expected=None):
+def expect_error(frames, code=E.BAD_MESSAGE, *fragments, expected=None):
     with pytest.raises(P.ProtocolError) as info:
-        P.decode(frames, expected)
+        codec.decode(frames, expected)
     assert info.value.code == code, info.value
     for fragment in fragments:
         assert fragment in info.value.message, info.value.message
@@ -101,9 +103,9 @@ def test_samples_cover_every_message_type():
 
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
 def test_round_trip(msg):
-    frames = P.encode(msg)
+    frames = codec.encode(msg)
     for copy in (False, True):  # views as encoded, and bytes as a socket would give
-        got = P.decode([bytes(f) for f in frames] if copy else frames)
+        got = codec.decode([bytes(f) for f in frames] if copy else frames)
         assert got == msg and type(got) is type(msg)
         for name, t in getattr(msg, "tensors", {}).items():
             assert got.tensors[name].dtype == t.dtype and torch.equal(got.tensors[name], t)
@@ -112,20 +114,20 @@ def test_round_trip(msg):
 @pytest.mark.parametrize("dtype", list(P.DTYPES))
 def test_tensor_round_trip_every_dtype(dtype):
     msg = kv_chunk(dtype, checksums=True)
-    got = P.decode([bytes(f) for f in P.encode(msg)])
+    got = codec.decode([bytes(f) for f in codec.encode(msg)])
     assert list(got.tensors) == list(msg.tensors)
     for name, t in msg.tensors.items():
         assert torch.equal(got.tensors[name], t)
-    assert [P.checksum_of(t) for t in got.tensors.values()] == got.checksums
+    assert [codec.checksum_of(t) for t in got.tensors.values()] == got.checksums
 
 
 def test_encode_takes_views_and_decode_is_zero_copy():
     msg = kv_chunk("float16", num_tokens=64)
-    frames = P.encode(msg)
+    frames = codec.encode(msg)
     assert frames[1].obj is not None and not isinstance(frames[1], bytes)
     assert torch.frombuffer(frames[1], dtype=torch.uint8).data_ptr() == msg.tensors["k0"].data_ptr()
     buffers = [bytearray(f) for f in frames]
-    got = P.decode(buffers)
+    got = codec.decode(buffers)
     for buf, t in zip(buffers[1:], got.tensors.values()):
         start = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
         assert start <= t.data_ptr() < start + len(buf)
@@ -136,10 +138,10 @@ def test_encode_takes_views_and_decode_is_zero_copy():
 def test_unaligned_frame_is_copied_to_aligned_memory():
     # ZeroMQ packs small frames into its receive batch at any offset.
     t = torch.arange(6, dtype=torch.float32)
-    meta, frame = P.tensor_to_frame("x", t)
+    meta, frame = codec.tensor_to_frame("x", t)
     unaligned = memoryview(bytearray(len(frame) + 1))[1:]
     unaligned[:] = frame
-    got = P.frame_to_tensor(meta, unaligned)
+    got = codec.frame_to_tensor(meta, unaligned)
     assert got.data_ptr() % 4 == 0 and torch.equal(got, t)
 
 
@@ -149,177 +151,177 @@ def test_non_contiguous_tensor_is_made_contiguous():
     strided = t.transpose(0, 1).contiguous().transpose(0, 1)  # same values, other strides
     assert not strided.is_contiguous()
     tensors = dict(msg.tensors, k0=strided)
-    got = P.decode(P.encode(P.KVChunk(**{**msg.__dict__, "tensors": tensors})))
+    got = codec.decode(codec.encode(P.KVChunk(**{**msg.__dict__, "tensors": tensors})))
     assert torch.equal(got.tensors["k0"], t)
 
 
 def test_int_accepted_for_float_and_converted():
-    got = P.decode(P.encode(P.Welcome(accepted=True, reason="", heartbeat_interval_s=2,
+    got = codec.decode(codec.encode(P.Welcome(accepted=True, reason="", heartbeat_interval_s=2,
                                       liveness=3)))
     assert type(got.heartbeat_interval_s) is float
 
 
 def test_checksum_of_tensor_and_frame_agree():
     t = torch.arange(10, dtype=torch.int64)
-    assert P.checksum_of(t) == xxhash.xxh3_64_intdigest(t.numpy().tobytes()) \
-        == P.checksum_of(t.numpy().tobytes())
+    assert codec.checksum_of(t) == xxhash.xxh3_64_intdigest(t.numpy().tobytes()) \
+        == codec.checksum_of(t.numpy().tobytes())
 
 
 def test_protocol_error_answers_as_error_message():
-    err = expect_error([b"\xc1"], P.BAD_MESSAGE, "MessagePack")
-    reply = P.decode(P.encode(err.to_message("r9")))
-    assert reply == P.Error(req_id="r9", code=P.BAD_MESSAGE, message=err.message)
+    err = expect_error([b"\xc1"], E.BAD_MESSAGE, "MessagePack")
+    reply = codec.decode(codec.encode(err.to_message("r9")))
+    assert reply == P.Error(req_id="r9", code=E.BAD_MESSAGE, message=err.message)
 
 
 # ---------------------------------------------------------------- malformed input
 
 def test_garbage_and_truncated_headers():
-    expect_error([], P.BAD_MESSAGE, "empty message")
-    expect_error([b"\x00\xff\xfe garbage"], P.BAD_MESSAGE, "MessagePack")
-    good = P.encode(hello())
-    expect_error([good[0][:-5]], P.BAD_MESSAGE, "not valid MessagePack")
-    expect_error([msgpack.packb([1, 2])], P.BAD_MESSAGE, "header is a list, expected a map")
-    expect_error([object()], P.BAD_MESSAGE, "not a buffer")
+    expect_error([], E.BAD_MESSAGE, "empty message")
+    expect_error([b"\x00\xff\xfe garbage"], E.BAD_MESSAGE, "MessagePack")
+    good = codec.encode(hello())
+    expect_error([good[0][:-5]], E.BAD_MESSAGE, "not valid MessagePack")
+    expect_error([msgpack.packb([1, 2])], E.BAD_MESSAGE, "header is a list, expected a map")
+    expect_error([object()], E.BAD_MESSAGE, "not a buffer")
 
 
 def test_version_mismatch_names_both_versions():
-    frames = P.encode(hello())
+    frames = codec.encode(hello())
     other = P.PROTOCOL_VERSION + 1
-    err = expect_error(with_header(frames, {**header_of(frames), "v": other}), P.VERSION_MISMATCH)
+    err = expect_error(with_header(frames, {**header_of(frames), "v": other}), E.VERSION_MISMATCH)
     assert f"version {other}" in err.message and f"version {P.PROTOCOL_VERSION}" in err.message
-    expect_error(with_header(frames, {**header_of(frames), "v": None}), P.BAD_MESSAGE, "'v'")
+    expect_error(with_header(frames, {**header_of(frames), "v": None}), E.BAD_MESSAGE, "'v'")
 
 
 def test_unknown_and_unexpected_types():
-    frames = P.encode(hello())
-    expect_error(with_header(frames, {**header_of(frames), "t": "teleport"}), P.UNKNOWN_TYPE,
+    frames = codec.encode(hello())
+    expect_error(with_header(frames, {**header_of(frames), "t": "teleport"}), E.UNKNOWN_TYPE,
                  "'teleport'")
-    expect_error(with_header(frames, {**header_of(frames), "t": [1]}), P.UNKNOWN_TYPE)
-    expect_error(frames, P.UNEXPECTED_TYPE,
+    expect_error(with_header(frames, {**header_of(frames), "t": [1]}), E.UNKNOWN_TYPE)
+    expect_error(frames, E.UNEXPECTED_TYPE,
                  "unexpected message type Hello on this socket, expected one of Heartbeat, Bye",
                  expected=(P.Heartbeat, P.Bye))
-    assert P.decode(frames, expected=(P.Hello,)) == hello()
+    assert codec.decode(frames, expected=(P.Hello,)) == hello()
 
 
 def test_missing_and_wrong_typed_fields():
-    frames = P.encode(hello())
+    frames = codec.encode(hello())
     header = header_of(frames)
     del header["pid"]
-    expect_error(with_header(frames, header), P.BAD_MESSAGE, "Hello.pid: missing field")
+    expect_error(with_header(frames, header), E.BAD_MESSAGE, "Hello.pid: missing field")
     header = header_of(frames)
     del header["kv_address"]  # optional with a default: fine
-    assert P.decode(with_header(frames, header)).kv_address is None
+    assert codec.decode(with_header(frames, header)).kv_address is None
     header = header_of(frames)
     header["capacity"]["num_running"] = True  # bool is not an int
-    expect_error(with_header(frames, header), P.BAD_MESSAGE,
+    expect_error(with_header(frames, header), E.BAD_MESSAGE,
                  "Hello.capacity.num_running: expected int, got bool")
     header = header_of(frames)
     header["model"] = "tiny"
-    expect_error(with_header(frames, header), P.BAD_MESSAGE,
+    expect_error(with_header(frames, header), E.BAD_MESSAGE,
                  "Hello.model: expected ModelIdentity, got str")
 
 
 def test_wrong_typed_field_inside_a_list():
-    frames = P.encode(prefill_batch())
+    frames = codec.encode(prefill_batch())
     header = header_of(frames)
     header["requests"][2]["prompt_token_ids"] = "1 2 3"
-    expect_error(with_header(frames, header), P.BAD_MESSAGE,
+    expect_error(with_header(frames, header), E.BAD_MESSAGE,
                  "PrefillBatch.requests[2].prompt_token_ids: expected list[int], got str")
     header = header_of(frames)
     header["requests"][1]["prompt_token_ids"][4] = 1.5
-    expect_error(with_header(frames, header), P.BAD_MESSAGE,
+    expect_error(with_header(frames, header), E.BAD_MESSAGE,
                  "PrefillBatch.requests[1].prompt_token_ids[4]: expected int, got float")
     header = header_of(frames)
     header["requests"][0]["sampling"]["seed"] = "7"
-    expect_error(with_header(frames, header), P.BAD_MESSAGE,
+    expect_error(with_header(frames, header), E.BAD_MESSAGE,
                  "PrefillBatch.requests[0].sampling.seed: expected int, got str")
 
 
 def test_encode_checks_fields_too():
     with pytest.raises(P.ProtocolError, match="Hello.pid: expected int, got str"):
-        P.encode(hello(pid="1234"))
+        codec.encode(hello(pid="1234"))
     with pytest.raises(P.ProtocolError, match="Hello.role"):
-        P.encode(hello(role="router"))
+        codec.encode(hello(role="router"))
     with pytest.raises(P.ProtocolError, match="not a registered message type"):
-        P.encode(MODEL)
+        codec.encode(MODEL)
     with pytest.raises(P.ProtocolError, match="cannot pack"):
-        P.encode(P.Heartbeat(node_id="x", stats=P.NodeStats(
+        codec.encode(P.Heartbeat(node_id="x", stats=P.NodeStats(
             num_free_blocks=2**70, num_total_blocks=0, num_running=0, num_waiting=0,
             queued_prompt_tokens=0)))
 
 
 def test_tensor_meta_mismatches():
-    frames = P.encode(kv_chunk("bfloat16"))
+    frames = codec.encode(kv_chunk("bfloat16"))
     header = header_of(frames)
     header["tensors"][0]["nbytes"] += 2
-    expect_error(with_header(frames, header), P.BAD_MESSAGE, "'k0'", "nbytes=")
+    expect_error(with_header(frames, header), E.BAD_MESSAGE, "'k0'", "nbytes=")
     header = header_of(frames)
     header["tensors"][1]["dtype"] = "float32"  # same shape, twice the bytes
-    expect_error(with_header(frames, header), P.BAD_MESSAGE, "'v0'", "x float32 is")
+    expect_error(with_header(frames, header), E.BAD_MESSAGE, "'v0'", "x float32 is")
     header = header_of(frames)
     header["tensors"][1]["dtype"] = "float64"
-    expect_error(with_header(frames, header), P.BAD_MESSAGE, "'v0'", "float64")
+    expect_error(with_header(frames, header), E.BAD_MESSAGE, "'v0'", "float64")
     header = header_of(frames)
     header["tensors"][0]["shape"][0] = -1
-    expect_error(with_header(frames, header), P.BAD_MESSAGE, "non-negative")
+    expect_error(with_header(frames, header), E.BAD_MESSAGE, "non-negative")
     short = list(frames)
     short[2] = bytes(frames[2])[:-1]
-    expect_error(short, P.BAD_MESSAGE, "'v0'", "frame has")
+    expect_error(short, E.BAD_MESSAGE, "'v0'", "frame has")
     header = header_of(frames)
     header["tensors"][0].update(shape=[2**62] * 4, nbytes=2**63)  # claims, never allocates
-    expect_error(with_header(frames, header), P.BAD_MESSAGE, "'k0'")
+    expect_error(with_header(frames, header), E.BAD_MESSAGE, "'k0'")
     header = header_of(frames)
     header["tensors"][0]["name"] = "v0"
-    expect_error(with_header(frames, header), P.BAD_MESSAGE, "appears twice")
+    expect_error(with_header(frames, header), E.BAD_MESSAGE, "appears twice")
 
 
 def test_frame_count_must_match_tensor_count():
-    frames = P.encode(kv_chunk())
-    expect_error(frames[:-1], P.BAD_MESSAGE, "declares 4 tensor frame(s) but 3 followed")
-    expect_error([*frames, b"extra"], P.BAD_MESSAGE, "declares 4 tensor frame(s) but 5 followed")
-    hello_frames = P.encode(hello())
+    frames = codec.encode(kv_chunk())
+    expect_error(frames[:-1], E.BAD_MESSAGE, "declares 4 tensor frame(s) but 3 followed")
+    expect_error([*frames, b"extra"], E.BAD_MESSAGE, "declares 4 tensor frame(s) but 5 followed")
+    hello_frames = codec.encode(hello())
     header = {**header_of(hello_frames), "tensors": header_of(frames)["tensors"]}
-    expect_error([msgpack.packb(header), *frames[1:]], P.BAD_MESSAGE, "Hello carries no tensors")
+    expect_error([msgpack.packb(header), *frames[1:]], E.BAD_MESSAGE, "Hello carries no tensors")
     header = {**header_of(hello_frames), "tensors": {}}
-    expect_error([msgpack.packb(header)], P.BAD_MESSAGE, "'tensors' must be a list")
+    expect_error([msgpack.packb(header)], E.BAD_MESSAGE, "'tensors' must be a list")
 
 
 def test_kv_chunk_must_match_its_layout():
     with pytest.raises(P.ProtocolError, match="expected \\['k0', 'v0', 'k1', 'v1'\\]"):
-        P.encode(kv_chunk(tensors={"k0": torch.zeros(2, 4, 2, 8, dtype=torch.bfloat16)}))
+        codec.encode(kv_chunk(tensors={"k0": torch.zeros(2, 4, 2, 8, dtype=torch.bfloat16)}))
     with pytest.raises(P.ProtocolError, match="tensor 'k0' is \\[2, 4, 2, 8\\] torch.float32"):
-        P.encode(kv_chunk(tensors=dict(kv_chunk().tensors, k0=torch.zeros(2, 4, 2, 8))))
+        codec.encode(kv_chunk(tensors=dict(kv_chunk().tensors, k0=torch.zeros(2, 4, 2, 8))))
     with pytest.raises(P.ProtocolError, match="not last"):
-        P.encode(kv_chunk(last=False))
+        codec.encode(kv_chunk(last=False))
     with pytest.raises(P.ProtocolError, match="layers \\[1, 3\\)"):
-        P.encode(kv_chunk(layer_start=1, layer_end=3))
-    frames = P.encode(kv_chunk())
+        codec.encode(kv_chunk(layer_start=1, layer_end=3))
+    frames = codec.encode(kv_chunk())
     header = header_of(frames)
     header["kv_layout"]["num_kv_heads"] = 4  # the peer's layout disagrees with its tensors
-    expect_error(with_header(frames, header), P.BAD_MESSAGE, "expected [2, 4, 4, 8]")
+    expect_error(with_header(frames, header), E.BAD_MESSAGE, "expected [2, 4, 4, 8]")
     header = header_of(frames)
     header["checksums"] = [1, 2]
-    expect_error(with_header(frames, header), P.BAD_MESSAGE, "2 checksums for 4 tensors")
+    expect_error(with_header(frames, header), E.BAD_MESSAGE, "2 checksums for 4 tensors")
 
 
 def test_encode_rejects_unsupported_tensors():
     with pytest.raises(P.ProtocolError, match="float64"):
-        P.tensor_to_frame("x", torch.zeros(3, dtype=torch.float64))
+        codec.tensor_to_frame("x", torch.zeros(3, dtype=torch.float64))
     with pytest.raises(P.ProtocolError, match="expected torch.Tensor"):
-        P.tensor_to_frame("x", [1, 2])
+        codec.tensor_to_frame("x", [1, 2])
 
 
 def test_header_size_limit(monkeypatch):
-    frames = P.encode(prefill_batch(50))
-    monkeypatch.setattr(P, "MAX_HEADER_BYTES", 1000)
-    expect_error(frames, P.TOO_LARGE, "MAX_HEADER_BYTES=1000")
+    frames = codec.encode(prefill_batch(50))
+    monkeypatch.setattr(codec, "MAX_HEADER_BYTES", 1000)  # the limit the codec enforces
+    expect_error(frames, E.TOO_LARGE, "MAX_HEADER_BYTES=1000")
     with pytest.raises(P.ProtocolError, match="send fewer items"):
-        P.encode(prefill_batch(50))
+        codec.encode(prefill_batch(50))
 
 
 def test_only_protocol_error_escapes_random_input():
     rng = random.Random(1234)
-    valid = [P.encode(m) for m in SAMPLES]
+    valid = [codec.encode(m) for m in SAMPLES]
     outcomes = {"ok": 0, "error": 0}
     for _ in range(500):
         kind = rng.randrange(4)
@@ -342,9 +344,9 @@ def test_only_protocol_error_escapes_random_input():
                                 {"v": 1, "t": "kv_chunk", "tensors": [{"name": 1}]}])
             frames = [msgpack.packb(value)] + [b"\x00" * rng.randrange(4)] * rng.randrange(2)
         try:
-            P.decode(frames)
+            codec.decode(frames)
             outcomes["ok"] += 1
         except P.ProtocolError as e:
-            assert e.code in P.ERROR_CODES and e.message
+            assert e.code in E.WIRE_CODES and e.message
             outcomes["error"] += 1
     assert outcomes["error"] > 400

@@ -18,6 +18,7 @@ import typing
 
 import msgpack
 
+from pdserve.common import errors as E
 from pdserve.common import protocol as P
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4, "int64": 8, "uint8": 1}
@@ -79,26 +80,26 @@ def _cross_fields_ok(tag: str, header: dict, metas: list) -> bool:
 
 def reference(frames: list[bytes], accepted: tuple[type, ...]) -> str:
     if not frames:
-        return P.BAD_MESSAGE
+        return E.BAD_MESSAGE
     if len(frames[0]) > P.MAX_HEADER_BYTES:
-        return P.TOO_LARGE
+        return E.TOO_LARGE
     try:
         header = msgpack.unpackb(frames[0], raw=False)
     except Exception:
-        return P.BAD_MESSAGE
+        return E.BAD_MESSAGE
     if not isinstance(header, dict):
-        return P.BAD_MESSAGE
+        return E.BAD_MESSAGE
     version = header.get("v")
     if not isinstance(version, int) or isinstance(version, bool):
-        return P.BAD_MESSAGE
+        return E.BAD_MESSAGE
     if version != P.PROTOCOL_VERSION:
-        return P.VERSION_MISMATCH
+        return E.VERSION_MISMATCH
     tag = header.get("t")
     cls = P.MESSAGE_TYPES.get(tag) if isinstance(tag, str) else None
     if cls is None:
-        return P.UNKNOWN_TYPE
+        return E.UNKNOWN_TYPE
     if cls not in accepted:
-        return P.UNEXPECTED_TYPE
+        return E.UNEXPECTED_TYPE
     metas = header.get("tensors")
     takes_tensors = any(f.name == "tensors" for f in dataclasses.fields(cls))
     if (not isinstance(metas, list) or (metas and not takes_tensors)
@@ -106,5 +107,5 @@ def reference(frames: list[bytes], accepted: tuple[type, ...]) -> str:
             or not all(_tensor_ok(m, f) for m, f in zip(metas, frames[1:]))
             or len({m["name"] for m in metas}) != len(metas)
             or not _cross_fields_ok(tag, header, metas)):
-        return P.BAD_MESSAGE
+        return E.BAD_MESSAGE
     return tag

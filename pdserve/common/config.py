@@ -8,7 +8,7 @@ if TYPE_CHECKING:  # the types of two fields; imported by whoever builds a NodeC
     from pdserve.common.kv_events import KVEventsConfig
     from pdserve.engine.config import EngineConfig
 
-NODE_ROLES = ("prefill", "decode", "colocated")
+ROLES = ("prefill", "decode", "colocated")  # of a node process (Hello.role on the wire)
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,8 @@ class NodeConfig:
     insecure: bool = False                    # allow a KV socket off loopback without CURVE
 
     def __post_init__(self):
-        if self.role not in NODE_ROLES:
-            raise ValueError(f"role must be one of {NODE_ROLES}, got {self.role!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if not self.router.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"router address {self.router!r} must look like tcp://HOST:PORT")
         if self.heartbeat_interval_s <= 0:

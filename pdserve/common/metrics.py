@@ -50,6 +50,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily
 
+from pdserve.common.config import ROLES
+
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
@@ -65,7 +67,6 @@ KV_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 FINISH_REASONS = ("stop", "length", "abort", "error")   # "error": see request_errors_total
-NODE_ROLES = ("prefill", "decode", "colocated")
 NODE_STATES = ("live", "draining")
 
 
@@ -233,7 +234,7 @@ class _RouterGauges:
                                     "router.", labels=["model_name"])
         running.add_metric([self.model_name], self.requests_running())
         yield running
-        counts = {(r, s): 0 for r in NODE_ROLES for s in NODE_STATES}
+        counts = {(r, s): 0 for r in ROLES for s in NODE_STATES}
         for role, state in list(self.nodes()):
             counts[(role, state)] = counts.get((role, state), 0) + 1
         nodes = GaugeMetricFamily("pdserve_nodes", "Registered nodes, by role and state.",

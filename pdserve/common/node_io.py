@@ -26,6 +26,7 @@ from typing import Callable
 
 import zmq
 
+from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.common.logs import LogThrottle
 from pdserve.common.rate_limit import PeerBudgets
@@ -335,12 +336,12 @@ class NodeIO(threading.Thread):
             except zmq.ZMQError as exc:  # e.g. an address that cannot be connected to
                 log.warning("cannot connect to %r for %s: %s", peer, type(msg).__name__, exc)
                 self._inbox_put(InboxItem(channel, peer, P.Error(
-                    req_id=getattr(msg, "req_id", None), code=P.UNREACHABLE,
+                    req_id=getattr(msg, "req_id", None), code=E.UNREACHABLE,
                     message=f"cannot connect to {peer!r}: {exc}")))
             except SendError as exc:
                 # Never silent: the compute loop learns the send failed and ends the request.
                 log.warning("send on %s to %r failed: %s", channel, peer, exc)
                 req_id = getattr(msg, "req_id", None)
                 self._inbox_put(InboxItem(channel, peer, P.Error(
-                    req_id=req_id, code=P.TIMEOUT if exc.reason == "full" else P.INTERNAL,
+                    req_id=req_id, code=E.TIMEOUT if exc.reason == "full" else E.INTERNAL,
                     message=f"send to {peer or 'router'} failed: {exc}")))

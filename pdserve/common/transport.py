@@ -25,7 +25,8 @@ from typing import Callable, Optional
 import zmq
 import zmq.asyncio
 
-from pdserve.common.protocol import Message, ProtocolError, decode, encode
+from pdserve.common.codec import decode, encode
+from pdserve.common.protocol import Message, ProtocolError
 from pdserve.common.sockets import (  # noqa: F401 (transport's API since the start)
     COPY_THRESHOLD,
     DEFAULT_LINGER_MS,

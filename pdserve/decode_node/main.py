@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.common.config import NodeConfig
 from pdserve.common.node_io import InboxItem
@@ -73,13 +74,13 @@ class DecodeNode(Node):
             return P.ReserveReply(req_id=msg.req_id, ok=False, reason=reason, num_blocks=0)
 
         if msg.req_id in self.jobs:
-            return refuse(f"{P.BAD_MESSAGE}: request id {msg.req_id!r} is already here")
+            return refuse(f"{E.BAD_MESSAGE}: request id {msg.req_id!r} is already here")
         if self.draining:
-            return refuse(f"{P.NO_CAPACITY}: node {self.node_id} is draining")
+            return refuse(f"{E.NO_CAPACITY}: node {self.node_id} is draining")
         try:
             params = self.request_params(msg.req_id, msg.prompt_token_ids, msg.sampling)
         except ValueError as exc:
-            return refuse(f"{P.BAD_MESSAGE}: {exc}")
+            return refuse(f"{E.BAD_MESSAGE}: {exc}")
         alloc, sched = self.worker.allocator, self.worker.scheduler
         seq = Sequence(msg.req_id, msg.prompt_token_ids, params)
         seq.scores_prompt = False  # the prefill node scores the prompt
@@ -87,7 +88,7 @@ class DecodeNode(Node):
         need = sched.blocks_for(len(msg.prompt_token_ids)) - cached
         if not alloc.can_allocate(need):
             sched.put_back_cached_prefix(seq, cached)
-            return refuse(f"{P.NO_CAPACITY}: needs {need} KV blocks, {alloc.num_free_blocks} "
+            return refuse(f"{E.NO_CAPACITY}: needs {need} KV blocks, {alloc.num_free_blocks} "
                           f"of {alloc.num_blocks} free")
         sched.count_prefix_lookup(seq)
         seq.block_table.extend(alloc.allocate(need))
@@ -116,7 +117,7 @@ class DecodeNode(Node):
             log.warning("KV for %s from %r refused: the reservation names prefill node %s",
                         chunk.req_id, peer, job.sender)
             self.io.send_kv_reply(peer, P.KVAck(req_id=chunk.req_id, ok=False, reason=(
-                f"{P.BAD_MESSAGE}: KV for {chunk.req_id!r} is taken only from prefill node "
+                f"{E.BAD_MESSAGE}: KV for {chunk.req_id!r} is taken only from prefill node "
                 f"{job.sender!r}, the one its reservation names")))
             return
         try:
@@ -141,7 +142,7 @@ class DecodeNode(Node):
     def _check_first_token(self, chunk: P.KVChunk) -> None:
         vocab = self.worker.model_config.vocab_size
         if chunk.first_token is None or not 0 <= chunk.first_token < vocab:
-            raise KVTransferError(P.BAD_MESSAGE, f"the last KV chunk of {chunk.req_id!r} "
+            raise KVTransferError(E.BAD_MESSAGE, f"the last KV chunk of {chunk.req_id!r} "
                                   f"carries first_token={chunk.first_token!r}, not a token id "
                                   f"in [0, {vocab})")
 
@@ -199,13 +200,13 @@ class DecodeNode(Node):
         for job in [j for j in self.jobs.values() if now > j.deadline]:
             # Its Abort may have been lost: it must not run on to max_tokens.
             self.drop(job.seq.seq_id, "error")
-            self.error_to_router(job.seq.seq_id, P.TIMEOUT, "the request passed its deadline "
+            self.error_to_router(job.seq.seq_id, E.TIMEOUT, "the request passed its deadline "
                                  "on the decode node")
         late = [j for j in self.jobs.values() if not j.placed and now > j.lease_deadline]
         for job in late:
             req_id = job.seq.seq_id
             self.drop(req_id, "error")
-            self.error_to_router(req_id, P.LEASE_EXPIRED, (
+            self.error_to_router(req_id, E.LEASE_EXPIRED, (
                 f"reservation of {len(job.transfer.block_ids)} KV blocks expired after "
                 f"{job.lease_s:g} s without the KV arriving"))
 

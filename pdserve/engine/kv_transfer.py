@@ -19,16 +19,13 @@ import torch
 import xxhash
 
 from pdserve import kernels
+from pdserve.common.codec import checksum_of
+from pdserve.common.errors import BAD_MESSAGE, CHECKSUM_MISMATCH, LAYOUT_MISMATCH, MODEL_MISMATCH
 from pdserve.common.protocol import (
-    BAD_MESSAGE,
-    CHECKSUM_MISMATCH,
     DTYPES,
-    LAYOUT_MISMATCH,
-    MODEL_MISMATCH,
     KVChunk,
     KVLayout,
     ModelIdentity,
-    checksum_of,
     kv_tensor_names,
 )
 from pdserve.common.shm import Segment, SegmentError

@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 
+from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.common import shm
 from pdserve.common.config import NodeConfig
@@ -109,13 +110,13 @@ class Node:
     def admit(self, req: P.PrefillRequest, known: bool) -> Sequence | None:
         """A sequence for a request to prefill here, or None after telling the router why not."""
         if known:
-            self.error_to_router(req.req_id, P.BAD_MESSAGE,
+            self.error_to_router(req.req_id, E.BAD_MESSAGE,
                                  f"request id {req.req_id!r} is already in flight here")
             return None
         try:
             params = self.request_params(req.req_id, req.prompt_token_ids, req.sampling)
         except ValueError as exc:
-            self.error_to_router(req.req_id, P.BAD_MESSAGE, str(exc))
+            self.error_to_router(req.req_id, E.BAD_MESSAGE, str(exc))
             return None
         return Sequence(req.req_id, req.prompt_token_ids, params)
 
@@ -144,7 +145,7 @@ class Node:
     def refuse_when_draining(self, req_id: str) -> bool:
         """While draining, new work is refused with a reason the router retries elsewhere."""
         if self.draining:
-            self.error_to_router(req_id, P.NO_CAPACITY, f"node {self.node_id} is draining")
+            self.error_to_router(req_id, E.NO_CAPACITY, f"node {self.node_id} is draining")
         return self.draining
 
     def drop_all(self, reason: str) -> None:
@@ -209,7 +210,7 @@ class Node:
             self.metrics.internal_error(f"{self.role}.step", log)
             for req_id in list(self.jobs):
                 self.drop(req_id, "error")
-                self.error_to_router(req_id, P.INTERNAL, f"node {self.node_id} hit an internal "
+                self.error_to_router(req_id, E.INTERNAL, f"node {self.node_id} hit an internal "
                                      "error while serving it; see the node's log")
 
     def _fail_requests_of(self, msg: P.Message) -> None:
@@ -220,7 +221,7 @@ class Node:
             ids = [msg.req_id] if isinstance(msg, (P.Reserve, P.KVChunk)) else []
         for req_id in ids:
             self.drop(req_id, "error")
-            self.error_to_router(req_id, P.INTERNAL, f"node {self.node_id} hit an internal "
+            self.error_to_router(req_id, E.INTERNAL, f"node {self.node_id} hit an internal "
                                  "error while taking the request; see the node's log")
 
     def _wait_welcome(self) -> bool:

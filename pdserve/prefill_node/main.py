@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.common.config import NodeConfig
 from pdserve.common.node_io import KV_OUT, InboxItem
@@ -115,7 +116,7 @@ class PrefillNode(Node):
             return
         most = (len(req.prompt_token_ids) - 1) // self.layout.block_size
         if not 0 <= req.skip_blocks <= most:
-            self.error_to_router(req.req_id, P.BAD_MESSAGE, (
+            self.error_to_router(req.req_id, E.BAD_MESSAGE, (
                 f"skip_blocks={req.skip_blocks} for a prompt of {len(req.prompt_token_ids)} "
                 f"tokens: at most {most} leading blocks can be cached on the decode node"))
             return
@@ -205,7 +206,7 @@ class PrefillNode(Node):
         for job in late:
             self.metrics.kv_failed(job.req.req_id)
             self.drop(job.req.req_id)
-            self.error_to_router(job.req.req_id, P.TIMEOUT, (
+            self.error_to_router(job.req.req_id, E.TIMEOUT, (
                 f"decode node {job.req.decode_node_id} at {job.req.kv_address} did not "
                 f"acknowledge the KV within {job.req.timeout_s:g} s"))
 

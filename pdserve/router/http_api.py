@@ -23,6 +23,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from pdserve.common.errors import REQUEST_TOO_LARGE, UNAUTHORIZED
 from pdserve.engine.logprobs import empty, join
 from pdserve.router.choices import (
     Choice,
@@ -37,8 +38,6 @@ from pdserve.router.openai_schema import (  # noqa: F401 (re-exported: the app's
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_BODY_BYTES,
     SSE_DONE,
-    TOO_LARGE,
-    UNAUTHORIZED,
     ChoiceOptions,
     Reply,
     bad,
@@ -56,7 +55,6 @@ from pdserve.router.openai_schema import (  # noqa: F401 (re-exported: the app's
     refuse_unsupported,
     sampling_params,
     sse,
-    status_of,
     stream_options,
     usage,
 )
@@ -71,7 +69,7 @@ logger = logging.getLogger(__name__)
 
 # -- serving ------------------------------------------------------------------------------
 def error_response(err: RequestError) -> JSONResponse:
-    status = status_of(err)
+    status = err.http_status
     if status >= 500:
         logger.error("request failed (%s): %s", err.code, err.message)
     else:
@@ -84,14 +82,14 @@ def error_response(err: RequestError) -> JSONResponse:
 async def read_json(request: Request) -> dict:
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise RequestError(TOO_LARGE, f"the request body has {length} bytes; at most "
+        raise RequestError(REQUEST_TOO_LARGE, f"the request body has {length} bytes; at most "
                            f"{MAX_BODY_BYTES} are accepted")
     data = bytearray()
     async for chunk in request.stream():
         data += chunk
         if len(data) > MAX_BODY_BYTES:
-            raise RequestError(TOO_LARGE, f"the request body is over {MAX_BODY_BYTES} bytes, "
-                               "the most accepted")
+            raise RequestError(REQUEST_TOO_LARGE, f"the request body is over "
+                               f"{MAX_BODY_BYTES} bytes, the most accepted")
     try:
         body = json.loads(bytes(data))
     except (ValueError, RecursionError) as e:  # RecursionError: hostile nesting ([[[[...)

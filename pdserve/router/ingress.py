@@ -28,7 +28,8 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from pdserve.common.protocol import unpack_bounded
+from pdserve.common.codec import unpack_bounded
+from pdserve.common.errors import DUPLICATE_ID
 from pdserve.common.transport import CurveConfig, endpoint_of, make_socket
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.limits import check_prompt_bytes
@@ -49,7 +50,6 @@ MAX_MSG_SIZE = 4 * 1024 * 1024  # bytes per frame; a bigger one disconnects the 
 # may have thousands of requests whose tokens all go out in the same loop tick.
 SNDHWM = 100_000
 MAX_FRAMES_PER_SEND = 256  # messages to one producer in one multipart send, at most
-DUPLICATE_ID = "duplicate_id"
 SUBMIT_FIELDS = ("type", "id", "prompt", "prompt_token_ids", "max_tokens", "temperature",
                  "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs")
 

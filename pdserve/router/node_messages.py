@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 
+from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.common.rate_limit import PeerBudgets
 from pdserve.common.transport import Throttled, async_recv_routed
@@ -27,7 +28,7 @@ RESERVING, PREFILLING, DECODING = "reserving", "prefilling", "decoding"
 CONTROL_IN = (P.Hello, P.Heartbeat, P.FirstTokens, P.ReserveReply, P.TokenBatch, P.Error,
               P.Drain, P.Bye)
 # Node errors another attempt can fix (a lost or corrupted transfer, a node gone quiet).
-RETRYABLE = (P.LEASE_EXPIRED, P.TIMEOUT, P.CHECKSUM_MISMATCH, P.NO_CAPACITY, P.UNREACHABLE)
+RETRYABLE = (E.LEASE_EXPIRED, E.TIMEOUT, E.CHECKSUM_MISMATCH, E.NO_CAPACITY, E.UNREACHABLE)
 MAX_EARLY_TOKENS = 256     # decode-node tokens held while the first token is on its way
 # Message budgets on the control socket (rate_limit.py). A registered node sends a few
 # messages per engine step: its own bucket is far above that. Unregistered peers share one
@@ -142,7 +143,7 @@ class NodeMessages:
             most = (len(flight.wire_prompt) - 1) // block_size
             flight.skip_blocks = min(max(0, msg.cached_blocks), most)
             self._to_prefill(flight)
-        elif msg.reason.startswith(P.BAD_MESSAGE):  # no node will take it: say why now
+        elif msg.reason.startswith(E.BAD_MESSAGE):  # no node will take it: say why now
             self._fail(flight, S.BAD_REQUEST, f"decode node {node_id} refused the "
                        f"request: {msg.reason.split(': ', 1)[-1]}")
         else:

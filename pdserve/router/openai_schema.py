@@ -17,8 +17,6 @@ from pdserve.router.structured import logits_processing
 MAX_BODY_BYTES = 4 << 20
 MAX_JSON_DEPTH = 32                      # nesting of arrays and objects in a request body
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
-TOO_LARGE, UNAUTHORIZED = "request_too_large", "invalid_api_key"  # HTTP-layer codes
-_EXTRA_STATUS = {TOO_LARGE: 413, UNAUTHORIZED: 401}
 
 # Fields we do not implement -> the values that mean "not used". Anything else is
 # refused with a 400 rather than silently ignored. None (or absent) is always fine.
@@ -304,15 +302,11 @@ def json_depth_problem(body, limit: int = MAX_JSON_DEPTH) -> str | None:
 
 # -- wire shapes (pure) -------------------------------------------------------------------
 def error_body(err: RequestError) -> dict:
-    status = status_of(err)
+    status = err.http_status
     kind = {401: "authentication_error", 429: "rate_limit_error"}.get(status) or (
         "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": err.message, "type": kind, "param": err.param,
                       "code": err.code}}
-
-
-def status_of(err: RequestError) -> int:
-    return _EXTRA_STATUS.get(err.code) or err.http_status
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -13,20 +13,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from pdserve.common.errors import (  # noqa: F401 (the front-ends' names: S.BAD_REQUEST)
+    BAD_REQUEST,
+    HTTP_STATUS,
+    INTERNAL,
+    NO_NODES,
+    NODE_ERROR,
+    NOT_FOUND,
+    OVERLOADED,
+    TIMEOUT,
+)
 from pdserve.common.protocol import Logprobs
 from pdserve.engine.logprobs import join
 from pdserve.engine.sampling_params import SamplingParams
-
-# Error codes a client sees (HTTP status in brackets).
-BAD_REQUEST = "bad_request"          # [400] the request itself is wrong
-NOT_FOUND = "model_not_found"        # [404] unknown model name
-OVERLOADED = "overloaded"            # [429] queues full: retry later
-NO_NODES = "no_nodes"                # [503] no live prefill or decode node
-TIMEOUT = "timeout"                  # [504] the request's deadline passed
-NODE_ERROR = "node_error"            # [500] a node failed the request
-INTERNAL = "internal"                # [500] a bug; logged with its traceback
-HTTP_STATUS = {BAD_REQUEST: 400, NOT_FOUND: 404, OVERLOADED: 429, NO_NODES: 503,
-               TIMEOUT: 504, NODE_ERROR: 500, INTERNAL: 500}
 
 
 class RequestError(Exception):
