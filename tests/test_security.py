@@ -78,7 +78,7 @@ def test_missing_keys_are_clear_errors(tmp_path, keys):
 def test_api_key_reaches_the_router_config_but_never_argv(monkeypatch):
     import click
 
-    from pdserve import cli
+    from pdserve import cli_config as cli
     from pdserve.common.config_io import ENV, child_env
     from pdserve.launch import _child
 
@@ -86,7 +86,7 @@ def test_api_key_reaches_the_router_config_but_never_argv(monkeypatch):
     @cli.router_options
     def show(**kw):
         kw.pop("log_level")
-        config = cli._router_config(kw)
+        config = cli.router_config(kw)
         assert API_KEY not in repr(config)  # configs get logged
         assert API_KEY not in " ".join(_child("router"))  # argv: visible to every user
         handed = json.loads(child_env(config, "info")[ENV])["config"]["api_key"]
