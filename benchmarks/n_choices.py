@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import statistics
 import tempfile
@@ -85,7 +84,7 @@ def main() -> None:
     with launched("--model", str(model_dir), "--prefill", "1", "--decode", "1",
                   "--threads", str(a.threads)) as c:
         r = asyncio.run(run(a, c.http_url, model_dir.name, c))
-    print(f"{datetime.now():%Y-%m-%d %H:%M} {machine()} load {os.getloadavg()[0]:.1f}")
+    print(f"{datetime.now():%Y-%m-%d %H:%M} {machine()}")
     print(f"n={N} of one {a.prompt_len}-token prompt: {r['shared'] * 1e3:.0f} ms "
           f"(prefix-cache hits {r['hits_shared']:.0f} tokens)")
     print(f"{N} prompts of {a.prompt_len} tokens:       {r['separate'] * 1e3:.0f} ms "
