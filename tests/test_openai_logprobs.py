@@ -294,6 +294,8 @@ def test_streamed_choices_carry_their_index(client, name):
     ("completions", {"n": 2, "seed": 2**63 - 1}, "seed", "2^63"),
     ("completions", {"max_tokens": 0}, "max_tokens", ">= 1"),
     ("completions", {"prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
+    ("completions", {"echo": True, "logprobs": 20, "prompt": [5] * 30000}, "logprobs",
+     "fewer logprobs"),
     ("chat/completions", {"logprobs": 1}, "logprobs", "boolean"),
     ("chat/completions", {"top_logprobs": 2}, "top_logprobs", "logprobs set to true"),
     ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),

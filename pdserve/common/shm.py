@@ -155,8 +155,8 @@ class Segment:
             except FileNotFoundError:
                 pass
         self.data = None
-        self.view.release()
         try:
+            self.view.release()
             self._mm.close()
         except BufferError:
             pass  # tensors over it still live: the mapping goes when they do

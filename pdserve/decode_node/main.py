@@ -182,8 +182,7 @@ class DecodeNode(Node):
             if reason is not None:
                 worker.scheduler.finish(seq, reason)
                 del self.jobs[seq.seq_id]
-        if firsts:
-            self.io.send_control(P.FirstTokens(items=firsts))
+        self.send_first_tokens(firsts)  # time to first token
         if items:
             self.io.send_control(P.TokenBatch(items=items))
 

@@ -120,6 +120,17 @@ class Node:
             return None
         return Sequence(req.req_id, req.prompt_token_ids, params)
 
+    def send_first_tokens(self, firsts: list[P.FirstToken]) -> None:
+        """The first tokens of one step to the router, together (time to first token); one
+        carrying its prompt's logprobs (a number or more per prompt token) in a message of
+        its own, so that the step's message stays under the header limit."""
+        plain = [f for f in firsts if f.prompt_logprobs is None]
+        if plain:
+            self.io.send_control(P.FirstTokens(items=plain))
+        for f in firsts:
+            if f.prompt_logprobs is not None:
+                self.io.send_control(P.FirstTokens(items=[f]))
+
     def error_to_router(self, req_id: str | None, code: str, message: str) -> None:
         log.warning("request %s failed (%s): %s", req_id, code, message)
         self.io.send_control(P.Error(req_id=req_id, code=code, message=message))

@@ -180,8 +180,7 @@ class PrefillNode(Node):
                 shipping.append((seq, token))
             else:
                 self.drop(seq.seq_id)  # finished at its first token: no decode needed
-        if firsts:
-            self.io.send_control(P.FirstTokens(items=firsts))  # time to first token
+        self.send_first_tokens(firsts)  # time to first token
         start, end = self.groups[-1]
         for seq, token in shipping:
             self._send_kv(seq, block_ids[seq.seq_id], start, end, last=True, first_token=token)

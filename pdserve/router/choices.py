@@ -15,7 +15,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
-from pdserve.common.protocol import Logprobs
+from pdserve.common.protocol import MAX_HEADER_BYTES, Logprobs
 from pdserve.engine.logprobs import empty, join
 from pdserve.router.limits import check_prompt_bytes
 from pdserve.router.openai_schema import (
@@ -33,6 +33,10 @@ from pdserve.router.openai_schema import (
 from pdserve.router.streams import GenerationRequest, RequestStream, StreamEvent
 
 LOWEST = -9999.0
+# Prompt logprobs travel in one FirstTokens header: at most half its limit, an entry (an id
+# and a float) packing in at most 14 bytes.
+MAX_PROMPT_LOGPROBS_BYTES = MAX_HEADER_BYTES // 2
+BYTES_PER_LOGPROB = 14
 
 
 # -- logprobs in vLLM's shapes ------------------------------------------------------------
@@ -192,6 +196,13 @@ def submit_choices(core, body: dict, chat: bool, opts: ChoiceOptions,
                   f"choices; at most {MAX_CHOICES} are accepted", "n")
     if opts.echo_only:
         body = {**body, "max_tokens": 1}  # scored by the prefill; the token is not shown
+    if opts.echo and opts.logprobs is not None:
+        longest = max(len(ids) for _, ids in prompt_list)
+        if longest * (opts.logprobs + 1) * BYTES_PER_LOGPROB > MAX_PROMPT_LOGPROBS_BYTES:
+            raise bad(f"echo with logprobs={opts.logprobs} on a {longest}-token prompt makes "
+                      f"more prompt logprobs than a node can send (at most "
+                      f"{MAX_PROMPT_LOGPROBS_BYTES // BYTES_PER_LOGPROB} token x alternative "
+                      "entries): ask for fewer logprobs", "logprobs")
     choices, base = [], uuid.uuid4().hex
     try:
         for i, (text, ids) in enumerate(prompt_list):
