@@ -28,7 +28,13 @@ from pdserve.common import codec
 from pdserve.common import protocol as P
 from pdserve.common.shm import Segment
 from pdserve.common.transport import make_socket, recv_message, recv_routed, send_message
-from pdserve.engine.kv_transfer import InboundTransfer, KVReceiver, kv_chunk, layer_groups
+from pdserve.engine.kv_transfer import (
+    InboundTransfer,
+    KVReceiver,
+    Outgoing,
+    kv_chunk,
+    layer_groups,
+)
 from pdserve.engine.model_runner import kv_tensor_bytes, kv_views
 
 LAYOUT = P.KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16",
@@ -75,10 +81,12 @@ def ours_receiver(address_q, args, scattered: bool):
         transfer = InboundTransfer("r", ids, args.tokens)
         while True:
             peer, chunk = recv_routed(sock, (P.KVChunk,))
-            receiver.place(chunk, transfer)
+            failed = receiver.place(chunk, {0: transfer})
+            assert not failed, failed
             if chunk.last:
                 break
-        sock.send_multipart([peer, *codec.encode(P.KVAck(req_id="r", ok=True, reason=""))])
+        ack = P.KVAck(results=[P.KVResult(req_id="r", ok=True)])
+        sock.send_multipart([peer, *codec.encode(ack)])
     receiver.segments.close()
     sock.close()
     ctx.term()
@@ -119,12 +127,12 @@ def run_ours(args, checksums: bool, scattered: bool, shm: bool = False) -> list[
             t0 = time.perf_counter()
             for start, end in groups:
                 last = end == LAYOUT.num_layers
-                msg = kv_chunk("r", MODEL, LAYOUT, caches, ids, args.tokens, start, end,
-                               checksums=checksums, last=last, first_token=1 if last else None,
-                               segment=segment)
+                part = Outgoing("r", ids.tolist(), args.tokens, first_token=1 if last else None)
+                msg = kv_chunk(MODEL, LAYOUT, caches, [part], start, end, checksums=checksums,
+                               last=last, segment=segment)
                 send_message(sock, msg)
             ack = recv_message(sock, (P.KVAck,))
-            assert ack.ok
+            assert ack.results[0].ok
             times.append(time.perf_counter() - t0)
     finally:
         sock.close(0)

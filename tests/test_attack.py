@@ -180,10 +180,10 @@ class FakeNode:
         blocks = -(-len(req.prompt_token_ids) // lay.block_size)
         shape = (blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
         tensors = {f"{kv}{i}": torch.zeros(shape) for i in range(lay.num_layers) for kv in "kv"}
-        return P.KVChunk(req_id=req.req_id, model=self.identity, kv_layout=lay,
-                         layer_start=0, layer_end=lay.num_layers,
-                         num_tokens=len(req.prompt_token_ids), last=True,
-                         first_token=first_token, tensors=tensors)
+        return P.KVChunk(model=self.identity, kv_layout=lay, layer_start=0,
+                         layer_end=lay.num_layers, last=True, tensors=tensors,
+                         parts=[P.KVPart(req_id=req.req_id, num_tokens=len(req.prompt_token_ids),
+                                         first_token=first_token)])
 
 
 def kv_send(address: str, identity: str, msg: P.Message) -> P.Message:
@@ -396,7 +396,8 @@ def test_bad_first_token_in_an_open_reservation(cluster, model_dir):
                                               fake.last_chunk(req, first_token))
                 return ack, await replies
             ack, replies = asyncio.run(attack())
-            assert isinstance(ack, P.KVAck) and not ack.ok and "first_token" in ack.reason
+            (result,) = ack.results
+            assert not result.ok and "first_token" in result.reason, ack
             codes = sorted(r.status_code for r in replies)
             assert codes == [200, 500], [r.text for r in replies]
             failed = next(r for r in replies if r.status_code == 500).json()["error"]
@@ -425,16 +426,19 @@ def _mutations(fake, vocab):
         return dataclasses.replace(chunk, kv_layout=lay, tensors={
             n: t.to(dtype) for n, t in chunk.tensors.items()})
 
+    def with_part(chunk, **kw):
+        return dataclasses.replace(chunk, parts=[dataclasses.replace(chunk.parts[0], **kw)])
+
     def tokens(req):
         chunk = valid(req)
-        n = chunk.num_tokens + chunk.kv_layout.block_size  # one block more
-        return dataclasses.replace(chunk, num_tokens=n, tensors={
+        n = chunk.parts[0].num_tokens + chunk.kv_layout.block_size  # one block more
+        return dataclasses.replace(with_part(chunk, num_tokens=n), tensors={
             k: torch.zeros(t.shape[0] + 1, *t.shape[1:]) for k, t in chunk.tensors.items()})
 
     def checksums(req):
         chunk = valid(req)
         sums = [checksum_of(t) for t in chunk.tensors.values()]
-        return dataclasses.replace(chunk, checksums=[sums[0] ^ 1, *sums[1:]])
+        return with_part(chunk, checksums=[sums[0] ^ 1, *sums[1:]])
 
     def missing_layers(req):
         chunk = valid(req)
@@ -475,8 +479,10 @@ def test_kv_inside_an_open_reservation(cluster, model_dir):
                                                   make(req))
                     return ack, await replies
             ack, replies = asyncio.run(attack())
-            assert isinstance(ack, P.KVAck) and ack.ok == (refusal is None), (name, ack)
-            assert refusal is None or refusal in ack.reason, (name, ack.reason)
+            assert isinstance(ack, P.KVAck) and len(ack.results) == 1, (name, ack)
+            (result,) = ack.results
+            assert result.ok == (refusal is None), (name, ack)
+            assert refusal is None or refusal in result.reason, (name, result.reason)
             codes = sorted(r.status_code for r in replies)
             assert codes == ([200, 500] if fails else [200, 200]), (name, codes)
             if not fails:
@@ -508,6 +514,7 @@ def test_kv_only_from_the_prefill_node_the_reservation_names(cluster, model_dir)
                                                 fake.last_chunk(req, 7))
                 return intruder, named, await replies
         intruder, named, replies = asyncio.run(attack())
+        ((intruder,), (named,)) = intruder.results, named.results
         assert not intruder.ok and "only from prefill node 'fake-named'" in intruder.reason
         assert named.ok, named.reason
         assert sorted(r.status_code for r in replies) == [200, 200], [r.text for r in replies]

@@ -53,8 +53,8 @@ def _base_messages():
     stats = P.NodeStats(num_free_blocks=1, num_total_blocks=1, num_running=0, num_waiting=0,
                         queued_prompt_tokens=0)
     k = torch.arange(32, dtype=torch.float32).view(1, 4, 2, 4)  # [blocks, block, heads, dim]
-    chunk = P.KVChunk(req_id="fuzz-req", model=model, kv_layout=layout, layer_start=0,
-                      layer_end=1, num_tokens=3, last=True, first_token=1,
+    chunk = P.KVChunk(model=model, kv_layout=layout, layer_start=0, layer_end=1, last=True,
+                      parts=[P.KVPart(req_id="fuzz-req", num_tokens=3, first_token=1)],
                       tensors={"k0": k, "v0": k.clone()})
     return [
         P.Hello(node_id="fuzz", role="prefill", protocol_version=P.PROTOCOL_VERSION,
@@ -236,7 +236,8 @@ def test_kv_socket(cluster, still_serves, dealer):
             assert [(type(r), r.code) for r in replies] == [(P.Error, want)], replies
         else:  # a well-formed chunk nobody reserved for: refused (its ack may come later)
             (ack,) = probe(frames, also=1)
-            assert isinstance(ack, P.KVAck) and not ack.ok and "no reservation" in ack.reason
+            assert isinstance(ack, P.KVAck) and ack.results, ack
+            assert all(not r.ok and "no reservation" in r.reason for r in ack.results), ack
 
     fuzz()
     assert_oversized_dropped(sock, 17 * 2**20)  # over the 16 MiB header cap for a tiny cache

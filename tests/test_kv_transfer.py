@@ -15,6 +15,7 @@ from pdserve.engine.kv_transfer import (
     InboundTransfer,
     KVReceiver,
     KVTransferError,
+    Outgoing,
     TransferState,
     kv_chunk,
     layer_groups,
@@ -31,6 +32,20 @@ def caches(fill: bool, seed: int = 0):
     make = (lambda: torch.randn(shape, generator=gen)) if fill else \
         (lambda: torch.full(shape, -7.0))
     return [(make(), make()) for _ in range(LAYOUT.num_layers)]
+
+
+def one(src, ids, num_tokens, start, end, *, last, segment=None, req_id="r"):
+    """A chunk of one request's pages."""
+    return kv_chunk(MODEL, LAYOUT, src, [Outgoing(req_id, list(ids), num_tokens,
+                                                  first_token=1 if last else None)],
+                    start, end, checksums=True, last=last, segment=segment)
+
+
+def place_one(receiver, chunk, transfer):
+    """Places a one-request chunk; raises its failure."""
+    failed = receiver.place(chunk, {0: transfer})
+    if failed:
+        raise failed[0]
 
 
 def test_paired_runs():
@@ -55,15 +70,49 @@ def test_pages_arrive_where_reserved(src_ids, dst_ids):
     groups = layer_groups(LAYOUT.num_layers, 2)
     for start, end in groups:
         last = end == LAYOUT.num_layers
-        chunk = kv_chunk("r", MODEL, LAYOUT, src, torch.tensor(src_ids), num_tokens, start, end,
-                         checksums=True, last=last, first_token=1 if last else None)
-        receiver.place(codec.decode(codec.encode(chunk)), transfer)  # through the wire format
+        chunk = one(src, src_ids, num_tokens, start, end, last=last)
+        place_one(receiver, codec.decode(codec.encode(chunk)), transfer)  # through the wire
     assert transfer.state is TransferState.DONE
     untouched = sorted(set(range(NUM_BLOCKS)) - set(dst_ids))
     for (sk, sv), (dk, dv), (bk, bv) in zip(src, dst, before):
         assert torch.equal(dk[dst_ids], sk[src_ids]) and torch.equal(dv[dst_ids], sv[src_ids])
         assert torch.equal(dk[untouched], bk[untouched])
         assert torch.equal(dv[untouched], bv[untouched])
+
+
+@pytest.mark.parametrize("src_ids", [list(range(0, 9)), [30, 2, 17, 8, 9, 10, 0, 33, 5]])
+def test_one_message_for_several_requests_each_settled_alone(src_ids):
+    """Three requests' pages in one chunk per layer group (one frame per tensor): the good
+    one lands where reserved; one with a page corrupted on the way fails with
+    checksum_mismatch, one with no transfer (not reserved here) is left out; neither
+    touches the good one's or anyone else's blocks."""
+    src, dst = caches(fill=True), caches(fill=False)
+    before = [(k.clone(), v.clone()) for k, v in dst]
+    spans = [src_ids[0:3], src_ids[3:5], src_ids[5:9]]
+    dsts = [[20, 21, 5], [11, 2], [36, 37, 38, 39]]
+    tokens = [len(s) * LAYOUT.block_size - 1 for s in spans]
+    transfers = {0: InboundTransfer("a", torch.tensor(dsts[0]), tokens[0]),
+                 2: InboundTransfer("c", torch.tensor(dsts[2]), tokens[2])}
+    receiver = KVReceiver(MODEL, LAYOUT, dst)
+    for start, end in layer_groups(LAYOUT.num_layers, 2):
+        last = end == LAYOUT.num_layers
+        outgoing = [Outgoing(rid, span, n, first_token=7 if last else None)
+                    for rid, span, n in zip("abc", spans, tokens)]
+        frames = codec.encode(kv_chunk(MODEL, LAYOUT, src, outgoing, start, end,
+                                       checksums=True, last=last))
+        assert len(frames) == 1 + 2 * (end - start)  # one frame per tensor, all requests
+        chunk = codec.decode([bytes(f) for f in frames])
+        if start == 2:  # request c's second page of v2 changed on the way
+            chunk.tensors["v2"][3 + 2 + 1, 0, 0, 0] += 1.0
+        failed = receiver.place(chunk, transfers)
+        assert list(failed) == ([2] if start == 2 else [])
+    assert failed[2].code == E.CHECKSUM_MISMATCH and "'c'" in failed[2].message
+    assert transfers[0].state is TransferState.DONE
+    for (sk, sv), (dk, dv), (bk, bv) in zip(src, dst, before):
+        assert torch.equal(dk[dsts[0]], sk[spans[0]]) and torch.equal(dv[dsts[0]], sv[spans[0]])
+        assert torch.equal(dk[dsts[1]], bk[dsts[1]]) and torch.equal(dv[dsts[1]], bv[dsts[1]])
+    for k in range(2):  # c's layers before the corrupt one landed; its blocks are only freed
+        assert torch.equal(dst[k][0][dsts[2]], src[k][0][spans[2]])
 
 
 # ---------------------------------------------------------------- same host, /dev/shm
@@ -88,12 +137,10 @@ def segment_caches():
 def send_all(src, ids, receiver, transfer, segment, num_tokens, corrupt=None):
     for start, end in layer_groups(LAYOUT.num_layers, 2):
         last = end == LAYOUT.num_layers
-        chunk = kv_chunk("r", MODEL, LAYOUT, src, torch.tensor(ids), num_tokens, start, end,
-                         checksums=True, last=last, first_token=1 if last else None,
-                         segment=segment)
+        chunk = one(src, ids, num_tokens, start, end, last=last, segment=segment)
         if corrupt is not None:
             corrupt(start)
-        receiver.place(codec.decode(codec.encode(chunk)), transfer)
+        place_one(receiver, codec.decode(codec.encode(chunk)), transfer)
 
 
 @pytest.mark.parametrize("src_ids,dst_ids", [
@@ -141,17 +188,16 @@ def test_corrupt_shm_region_is_caught_by_checksum(segment_caches):
 
 def test_shm_reference_outside_the_segment_is_refused(segment_caches):
     seg, src = segment_caches
-    chunk = kv_chunk("r", MODEL, LAYOUT, src, torch.tensor([1, 2]), 8, 0, 1, checksums=True,
-                     last=False, segment=seg)
+    chunk = one(src, [1, 2], 8, 0, 1, last=False, segment=seg)
     chunk.shm.block_ids[1] = NUM_BLOCKS * 2 * LAYOUT.num_layers  # past the end
     receiver = KVReceiver(MODEL, LAYOUT, caches(fill=False))
     with pytest.raises(KVTransferError) as err:
-        receiver.place(chunk, InboundTransfer("r", torch.tensor([0, 1]), 8))
+        place_one(receiver, chunk, InboundTransfer("r", torch.tensor([0, 1]), 8))
     assert err.value.code == E.BAD_MESSAGE and "do not lie inside segment" in err.value.message
     chunk = dataclasses.replace(chunk, shm=dataclasses.replace(
         chunk.shm, segment="pdserve-kv-1-1-00000000"))  # no such segment
     with pytest.raises(KVTransferError) as err:
-        receiver.place(chunk, InboundTransfer("r", torch.tensor([0, 1]), 8))
+        place_one(receiver, chunk, InboundTransfer("r", torch.tensor([0, 1]), 8))
     assert "shared memory this node cannot read" in err.value.message
     receiver.segments.close()
 

@@ -133,7 +133,7 @@ def test_corrupt_shm_region_is_caught_by_checksum(cluster):
 
     from pdserve.common.shm import Segment
     from pdserve.common.transport import make_socket, recv_message, send_message
-    from pdserve.engine.kv_transfer import kv_chunk
+    from pdserve.engine.kv_transfer import Outgoing, kv_chunk
     from pdserve.engine.model_runner import kv_tensor_bytes, kv_views
 
     driver, _, _ = cluster
@@ -149,9 +149,9 @@ def test_corrupt_shm_region_is_caught_by_checksum(cluster):
         for k, v in pages:
             k.normal_()
             v.normal_()
-        chunk = kv_chunk("bad-shm", hello.model, lay, pages, torch.tensor([5, 1, 2]),
-                         len(prompt), 0, lay.num_layers, checksums=True, last=True,
-                         first_token=5, segment=seg)
+        chunk = kv_chunk(hello.model, lay, pages, [Outgoing("bad-shm", [5, 1, 2], len(prompt),
+                                                           first_token=5)],
+                         0, lay.num_layers, checksums=True, last=True, segment=seg)
         pages[1][0][2, 0, 0, 0] += 1.0  # k1, block 2: changed after the checksum
         send_message(sock, chunk)
         assert sock.poll(10_000)
@@ -159,8 +159,9 @@ def test_corrupt_shm_region_is_caught_by_checksum(cluster):
     finally:
         sock.close(0)
         seg.close()
-    assert not ack.ok
-    assert ack.reason.startswith(f"checksum_mismatch: KV frame k1 (read from shared segment "
+    (result,) = ack.results
+    assert result.req_id == "bad-shm" and not result.ok
+    assert result.reason.startswith(f"checksum_mismatch: KV frame k1 (read from shared segment "
                                  f"{seg.name})")
     _, err = driver.take(P.Error, lambda m: m.req_id == "bad-shm")
     assert err.code == E.CHECKSUM_MISMATCH
@@ -239,9 +240,10 @@ def test_corrupt_kv_frame_is_caught_by_checksum(cluster):
     tensors = {f"{kv}{i}": torch.randn(shape) for i in range(lay.num_layers) for kv in "kv"}
     sums = [codec.checksum_of(t) for t in tensors.values()]
     tensors["v0"][0, 0, 0, 0] += 1.0  # flipped after the checksum: corrupted in flight
-    chunk = P.KVChunk(req_id="corrupt", model=hello.model, kv_layout=lay, layer_start=0,
-                      layer_end=lay.num_layers, num_tokens=len(prompt), checksums=sums,
-                      last=True, first_token=5, tensors=tensors)
+    chunk = P.KVChunk(model=hello.model, kv_layout=lay, layer_start=0, layer_end=lay.num_layers,
+                      last=True, tensors=tensors, parts=[P.KVPart(
+                          req_id="corrupt", num_tokens=len(prompt), checksums=sums,
+                          first_token=5)])
     sock = make_socket(driver.ctx, zmq.DEALER, connect=hello.kv_address)
     try:
         send_message(sock, chunk)
@@ -249,7 +251,8 @@ def test_corrupt_kv_frame_is_caught_by_checksum(cluster):
         ack = recv_message(sock, (P.KVAck,))
     finally:
         sock.close(0)
-    assert not ack.ok and ack.reason.startswith("checksum_mismatch: KV frame v0")
+    (result,) = ack.results
+    assert not result.ok and result.reason.startswith("checksum_mismatch: KV frame v0")
     _, err = driver.take(P.Error, lambda m: m.req_id == "corrupt")
     assert err.code == E.CHECKSUM_MISMATCH
     assert not any(isinstance(m, P.TokenBatch) and any(i.req_id == "corrupt" for i in m.items)

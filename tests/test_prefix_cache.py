@@ -303,11 +303,16 @@ def test_kv_after_the_cached_blocks_lands_after_them_and_a_wrong_start_is_refuse
     from pdserve.engine.kv_transfer import (
         InboundTransfer,
         KVReceiver,
-        KVTransferError,
+        Outgoing,
         TransferState,
         kv_chunk,
     )
     from tests.test_kv_transfer import LAYOUT, MODEL, caches
+
+    def chunk_of(req_id, ids, first_block=0, last=True, end=LAYOUT.num_layers):
+        return kv_chunk(MODEL, LAYOUT, src, [Outgoing(req_id, ids, num_tokens, first_block,
+                                                      1 if last else None)],
+                        0, end, checksums=True, last=last)
 
     src, dst = caches(fill=True), caches(fill=False)
     src_ids, dst_ids = list(range(4, 10)), [20, 21, 5, 6, 7, 30]   # 6 blocks, 2 cached
@@ -315,18 +320,14 @@ def test_kv_after_the_cached_blocks_lands_after_them_and_a_wrong_start_is_refuse
     cached_before = [(k[dst_ids[:2]].clone(), v[dst_ids[:2]].clone()) for k, v in dst]
     transfer = InboundTransfer("r", torch.tensor(dst_ids[2:]), num_tokens, first_block=2)
     receiver = KVReceiver(MODEL, LAYOUT, dst)
-    chunk = kv_chunk("r", MODEL, LAYOUT, src, torch.tensor(src_ids[2:]), num_tokens, 0,
-                     LAYOUT.num_layers, checksums=True, last=True, first_token=1, first_block=2)
-    receiver.place(codec.decode(codec.encode(chunk)), transfer)
+    chunk = chunk_of("r", src_ids[2:], first_block=2)
+    assert not receiver.place(codec.decode(codec.encode(chunk)), {0: transfer})
     assert transfer.state is TransferState.DONE
     for (sk, sv), (dk, dv), (ck, cv) in zip(src, dst, cached_before):
         assert torch.equal(dk[dst_ids[2:]], sk[src_ids[2:]])
         assert torch.equal(dk[dst_ids[:2]], ck) and torch.equal(dv[dst_ids[:2]], cv)
-    wrong = kv_chunk("q", MODEL, LAYOUT, src, torch.tensor(src_ids), num_tokens, 0,
-                     LAYOUT.num_layers, checksums=False, last=True, first_token=1)
-    with pytest.raises(KVTransferError, match="starts at block 0; this decode node holds 2"):
-        receiver.place(wrong, InboundTransfer("q", torch.tensor(dst_ids[2:]), num_tokens,
-                                              first_block=2))
+    failed = receiver.place(chunk_of("q", src_ids), {0: InboundTransfer(
+        "q", torch.tensor(dst_ids[2:]), num_tokens, first_block=2)})
+    assert "starts at block 0; this decode node holds 2" in failed[0].message
     with pytest.raises(P.ProtocolError, match="leaves no block"):
-        codec.encode(kv_chunk("z", MODEL, LAYOUT, src, torch.tensor([], dtype=torch.int64),
-                          num_tokens, 0, 1, checksums=False, last=False, first_block=6))
+        codec.encode(chunk_of("z", [], first_block=6, last=False, end=1))

@@ -37,9 +37,10 @@ def kv_chunk(dtype="bfloat16", num_tokens=7, checksums=False, **kw):
                 t = torch.randint(0, 100, shape).to(torch_dtype)
             tensors[f"{kv}{layer}"] = t  # [num_blocks, block_size, kv_heads, head_dim]
     sums = [codec.checksum_of(t) for t in tensors.values()] if checksums else []
-    fields = dict(req_id="r1", model=MODEL, kv_layout=lay, layer_start=0,
-                  layer_end=lay.num_layers, num_tokens=num_tokens, checksums=sums, last=True,
-                  first_token=42, tensors=tensors)
+    part = dict(req_id="r1", num_tokens=num_tokens, checksums=sums, first_token=42)
+    part.update((k, kw.pop(k)) for k in list(kw) if k in part)
+    fields = dict(model=MODEL, kv_layout=lay, layer_start=0, layer_end=lay.num_layers,
+                  last=True, parts=[P.KVPart(**part)], tensors=tensors)
     fields.update(kw)
     return P.KVChunk(**fields)
 
@@ -69,7 +70,8 @@ SAMPLES = [
               lease_s=5.0),
     P.ReserveReply(req_id="r0", ok=False, reason="no free blocks", num_blocks=0),
     kv_chunk(), kv_chunk(last=False, first_token=None, checksums=True),
-    P.KVAck(req_id="r0", ok=True, reason=""),
+    P.KVAck(results=[P.KVResult(req_id="r0", ok=True),
+                     P.KVResult(req_id="r1", ok=False, reason="no reservation")]),
     P.TokenBatch(items=[P.TokenItem(req_id="r0", token_ids=[7, 8]),
                         P.TokenItem(req_id="r1", token_ids=[], finish_reason="length")]),
     P.Abort(req_ids=["r0", "r1"], reason="client disconnected"),
@@ -118,7 +120,7 @@ def test_tensor_round_trip_every_dtype(dtype):
     assert list(got.tensors) == list(msg.tensors)
     for name, t in msg.tensors.items():
         assert torch.equal(got.tensors[name], t)
-    assert [codec.checksum_of(t) for t in got.tensors.values()] == got.checksums
+    assert [codec.checksum_of(t) for t in got.tensors.values()] == got.parts[0].checksums
 
 
 def test_encode_takes_views_and_decode_is_zero_copy():
@@ -300,8 +302,29 @@ def test_kv_chunk_must_match_its_layout():
     header["kv_layout"]["num_kv_heads"] = 4  # the peer's layout disagrees with its tensors
     expect_error(with_header(frames, header), E.BAD_MESSAGE, "expected [2, 4, 4, 8]")
     header = header_of(frames)
-    header["checksums"] = [1, 2]
+    header["parts"][0]["checksums"] = [1, 2]
     expect_error(with_header(frames, header), E.BAD_MESSAGE, "2 checksums for 4 tensors")
+
+
+def test_kv_chunk_parts_must_add_up():
+    """Several requests' pages in one chunk: the frames hold exactly the parts' blocks, one
+    after the other; ids are unique; every part has checksums or none does."""
+    a, b = P.KVPart(req_id="a", num_tokens=5), P.KVPart(req_id="b", num_tokens=3)
+    tensors = {name: torch.zeros(3, 4, 2, 8, dtype=torch.bfloat16) for name in
+               P.kv_tensor_names(0, 2)}  # 2 blocks of a, 1 of b
+    msg = kv_chunk(parts=[a, b], tensors=tensors)
+    assert codec.decode(codec.encode(msg)).parts == [a, b]
+    with pytest.raises(P.ProtocolError, match="expected \\[4, 4, 2, 8\\]"):
+        codec.encode(kv_chunk(parts=[a, b, P.KVPart(req_id="c", num_tokens=1)],
+                              tensors=tensors))
+    with pytest.raises(P.ProtocolError, match="a request id appears in two parts"):
+        codec.encode(kv_chunk(parts=[a, a], tensors=dict(tensors, **{
+            n: torch.zeros(4, 4, 2, 8, dtype=torch.bfloat16) for n in tensors})))
+    with pytest.raises(P.ProtocolError, match="0 parts, expected 1 to 4096"):
+        codec.encode(kv_chunk(parts=[]))
+    with pytest.raises(P.ProtocolError, match="every part has them, or none"):
+        codec.encode(kv_chunk(parts=[a, P.KVPart(req_id="b", num_tokens=3,
+                                                 checksums=[1, 2, 3, 4])], tensors=tensors))
 
 
 def test_encode_rejects_unsupported_tensors():

@@ -23,9 +23,9 @@ def big_chunk(nbytes=8 * MiB, req_id="r1"):
     num_blocks = nbytes // 2 // (16 * 8 * 128 * 4)
     shape = (num_blocks, 16, 8, 128)  # [num_blocks, block_size, kv_heads, head_dim]
     tensors = {"k0": torch.randn(shape), "v0": torch.randn(shape)}
-    return P.KVChunk(req_id=req_id, model=P.ModelIdentity(name="m", config_hash="h"),
-                     kv_layout=lay, layer_start=0, layer_end=1, num_tokens=num_blocks * 16,
-                     last=True, first_token=1, tensors=tensors)
+    return P.KVChunk(model=P.ModelIdentity(name="m", config_hash="h"), kv_layout=lay,
+                     layer_start=0, layer_end=1, last=True, tensors=tensors,
+                     parts=[P.KVPart(req_id=req_id, num_tokens=num_blocks * 16, first_token=1)])
 
 
 def same_tensors(a, b):

@@ -68,14 +68,40 @@ def _cross_fields_ok(tag: str, header: dict, metas: list) -> bool:
     if tag == "hello":
         return header["role"] in ("prefill", "decode", "colocated")
     if tag == "kv_chunk":
-        lay = header["kv_layout"]
-        names = [f"{kv}{i}" for i in range(header["layer_start"], header["layer_end"])
-                 for kv in "kv"]
-        return (lay["dtype"] in DTYPE_BYTES
-                and 0 <= header["layer_start"] < header["layer_end"] <= lay["num_layers"]
-                and header["num_tokens"] > 0 and lay["block_size"] > 0
-                and sorted(m["name"] for m in metas) == sorted(names))
+        return _kv_chunk_ok(header, metas)
     return True
+
+
+def _kv_chunk_ok(header: dict, metas: list) -> bool:
+    """One or more parts (requests), ids unique; each part's blocks after its first_block
+    follow the previous part's in every tensor; all parts carry checksums or none do;
+    first_token only on the last chunk; the pages in tensor frames or in shm, not both."""
+    lay, parts = header["kv_layout"], header["parts"]
+    names = [f"{kv}{i}" for i in range(header["layer_start"], header["layer_end"])
+             for kv in "kv"]
+    bs = lay["block_size"]
+    if not (lay["dtype"] in DTYPE_BYTES and bs > 0
+            and 0 <= header["layer_start"] < header["layer_end"] <= lay["num_layers"]
+            and 1 <= len(parts) <= P.MAX_KV_PARTS
+            and len({p["req_id"] for p in parts}) == len(parts)):
+        return False
+    sums = len(names) if parts[0].get("checksums") else 0
+    total = 0
+    for part in parts:
+        blocks, first = -(-part["num_tokens"] // bs), part.get("first_block", 0)
+        if (part["num_tokens"] <= 0 or not 0 <= first < blocks
+                or len(part.get("checksums", [])) != sums
+                or (part.get("first_token") is not None and not header["last"])):
+            return False
+        total += blocks - first
+    shm = header.get("shm")
+    if shm is not None:
+        return (not metas and len(shm["offsets"]) == len(names)
+                and len(shm["block_ids"]) == total
+                and all(0 <= v < 2**63 for v in (*shm["offsets"], *shm["block_ids"])))
+    shape = [total, bs, lay["num_kv_heads"], lay["head_dim"]]
+    return (sorted(m["name"] for m in metas) == sorted(names)
+            and all(m["shape"] == shape and m["dtype"] == lay["dtype"] for m in metas))
 
 
 def reference(frames: list[bytes], accepted: tuple[type, ...]) -> str:

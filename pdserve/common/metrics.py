@@ -310,8 +310,10 @@ class PrefillMetrics(NodeMetrics):
         if started is not None:
             self.prefill_time.observe(time.monotonic() - started)
 
-    def kv_sent(self, req_id: str, nbytes: int, path: str = "tcp") -> None:
-        self._kv_started.setdefault(req_id, time.monotonic())
+    def kv_sent(self, req_ids: list[str], nbytes: int, path: str = "tcp") -> None:
+        now = time.monotonic()
+        for req_id in req_ids:
+            self._kv_started.setdefault(req_id, now)
         self.kv_bytes.labels(**self.labels, path=path).inc(nbytes)
 
     def kv_blocks(self, sent: int, skipped: int) -> None:

@@ -3,8 +3,10 @@
 A request's way here::
 
     Reserve --> blocks allocated (or refused with the reason), lease started
-      --> KVChunk... checked (model, layout, checksum) and scattered into those blocks
-      --> last chunk: first token appended, sequence joins the running batch, KVAck
+      --> KVChunk... (several requests each) checked (model, layout, checksum) and
+          copied into those blocks
+      --> last chunk: first token appended, sequence joins the running batch, KVAck (one
+          per chunk, for all its requests)
       --> one TokenBatch per step to the router --> finished/aborted: blocks freed
     A lease that runs out before the KV has arrived frees the blocks and tells the router.
 """
@@ -107,44 +109,52 @@ class DecodeNode(Node):
                               num_blocks=len(seq.block_table), cached_blocks=cached)
 
     def _place(self, peer: bytes, chunk: P.KVChunk) -> None:
-        job = self.jobs.get(chunk.req_id)
-        if job is None or job.transfer is None or job.transfer.state not in (
-                TransferState.RESERVED, TransferState.TRANSFERRING):
-            reason = f"no reservation here for {chunk.req_id!r} (expired, aborted or never made)"
-            self.io.send_kv_reply(peer, P.KVAck(req_id=chunk.req_id, ok=False, reason=reason))
-            return
-        if job.sender and peer != job.sender.encode():  # refused; the reservation stands
-            log.warning("KV for %s from %r refused: the reservation names prefill node %s",
-                        chunk.req_id, peer, job.sender)
-            self.io.send_kv_reply(peer, P.KVAck(req_id=chunk.req_id, ok=False, reason=(
-                f"{E.BAD_MESSAGE}: KV for {chunk.req_id!r} is taken only from prefill node "
-                f"{job.sender!r}, the one its reservation names")))
-            return
-        try:
-            if chunk.last:
-                self._check_first_token(chunk)
-            self.receiver.place(chunk, job.transfer)
-        except KVTransferError as exc:
-            job.transfer.state = TransferState.FAILED
-            self.drop(chunk.req_id, "error")
-            self.io.send_kv_reply(peer, P.KVAck(req_id=chunk.req_id, ok=False,
-                                                reason=f"{exc.code}: {exc.message}"))
-            self.error_to_router(chunk.req_id, exc.code, exc.message)
-            return
-        if job.transfer.state is TransferState.DONE:
-            seq = job.seq
-            seq.num_computed_tokens = seq.num_prompt_tokens
-            seq.token_ids.append(chunk.first_token)
-            job.out.add([chunk.first_token])  # counted toward max_tokens; the router has it
-            self.worker.scheduler.add_running(seq)
-            self.io.send_kv_reply(peer, P.KVAck(req_id=chunk.req_id, ok=True, reason=""))
+        """Places each part whose reservation is here and names this sender; answers for
+        each part that is settled (placed whole, or refused) in one KVAck."""
+        results, transfers = [], {}
+        for i, part in enumerate(chunk.parts):
+            job = self.jobs.get(part.req_id)
+            if job is None or job.transfer is None or job.transfer.state not in (
+                    TransferState.RESERVED, TransferState.TRANSFERRING):
+                results.append(P.KVResult(req_id=part.req_id, ok=False, reason=(
+                    f"no reservation here for {part.req_id!r} (expired, aborted or never "
+                    "made)")))
+            elif job.sender and peer != job.sender.encode():  # refused; the reservation stands
+                log.warning("KV for %s from %r refused: the reservation names prefill node %s",
+                            part.req_id, peer, job.sender)
+                results.append(P.KVResult(req_id=part.req_id, ok=False, reason=(
+                    f"{E.BAD_MESSAGE}: KV for {part.req_id!r} is taken only from prefill node "
+                    f"{job.sender!r}, the one its reservation names")))
+            else:
+                transfers[i] = job.transfer
+        failed = {i: exc for i in transfers
+                  if (exc := self._check_first_token(chunk, chunk.parts[i])) is not None}
+        failed |= self.receiver.place(chunk, {i: t for i, t in transfers.items()
+                                              if i not in failed})
+        for i, exc in failed.items():
+            req_id = chunk.parts[i].req_id
+            transfers[i].state = TransferState.FAILED
+            self.drop(req_id, "error")
+            results.append(P.KVResult(req_id=req_id, ok=False, reason=f"{exc.code}: {exc.message}"))
+            self.error_to_router(req_id, exc.code, exc.message)
+        for i, transfer in transfers.items():
+            if i not in failed and transfer.state is TransferState.DONE:
+                part, job = chunk.parts[i], self.jobs[chunk.parts[i].req_id]
+                job.seq.num_computed_tokens = job.seq.num_prompt_tokens
+                job.seq.token_ids.append(part.first_token)
+                job.out.add([part.first_token])  # counted toward max_tokens; the router has it
+                self.worker.scheduler.add_running(job.seq)
+                results.append(P.KVResult(req_id=part.req_id, ok=True))
+        if results:
+            self.io.send_kv_reply(peer, P.KVAck(results=results))
 
-    def _check_first_token(self, chunk: P.KVChunk) -> None:
+    def _check_first_token(self, chunk: P.KVChunk, part: P.KVPart) -> KVTransferError | None:
         vocab = self.worker.model_config.vocab_size
-        if chunk.first_token is None or not 0 <= chunk.first_token < vocab:
-            raise KVTransferError(E.BAD_MESSAGE, f"the last KV chunk of {chunk.req_id!r} "
-                                  f"carries first_token={chunk.first_token!r}, not a token id "
-                                  f"in [0, {vocab})")
+        if chunk.last and (part.first_token is None or not 0 <= part.first_token < vocab):
+            return KVTransferError(E.BAD_MESSAGE, f"the last KV chunk of {part.req_id!r} "
+                                   f"carries first_token={part.first_token!r}, not a token id "
+                                   f"in [0, {vocab})")
+        return None
 
     def drop(self, req_id: str, reason: str) -> None:
         job = self.jobs.pop(req_id, None)

@@ -2,10 +2,10 @@
 
 The prefill node's KV pool *is* a shared-memory segment (``common/shm.py``), so
 a chunk for a decode node on the same host names the segment, the byte offset
-of each layer's K and V pool in it and the request's pages (``shm_ref``). The
+of each layer's K and V pool in it and the requests' pages (``shm_ref``). The
 decode node copies those pages into the blocks it reserved (``KVReceiver.place``
 in kv_transfer.py): the one memcpy end to end. Checksums stay as on the wire: the
-sender's is XXH3 of the pages in the request's order (the bytes a TCP frame would
+sender's is XXH3 of each request's pages in its order (the bytes a TCP frame would
 carry), and the receiver hashes what it placed, so a segment changed in between is
 caught.
 The sender's pages stay allocated until the KVAck, as for TCP.
@@ -79,16 +79,11 @@ def pages_checksum(pool: torch.Tensor, block_ids: list[int]) -> int:
     return h.intdigest()
 
 
-def shm_ref(segment: Segment, kv_caches, block_ids: list[int], layer_start: int,
-            layer_end: int, checksums: bool) -> tuple[P.ShmKV, list[int]]:
-    """Where layers [layer_start, layer_end) of a request's pages lie in ``segment``, and
-    their checksums (empty when off)."""
+def shm_ref(segment: Segment, pools: list[torch.Tensor], block_ids: list[int]) -> P.ShmKV:
+    """Where pages ``block_ids`` of the page pools ``pools`` (tensors in ``segment``) lie."""
     base = segment.data.data_ptr()
-    pools = [kv_caches[layer][i] for layer in range(layer_start, layer_end) for i in (0, 1)]
-    sums = [pages_checksum(pool, block_ids) for pool in pools] if checksums else []
-    ref = P.ShmKV(segment=segment.name, offsets=[p.data_ptr() - base for p in pools],
-                  block_ids=list(block_ids))
-    return ref, sums
+    return P.ShmKV(segment=segment.name, offsets=[p.data_ptr() - base for p in pools],
+                   block_ids=list(block_ids))
 
 
 class PeerSegments:

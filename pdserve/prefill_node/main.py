@@ -3,8 +3,9 @@
 A request's way here::
 
     PrefillBatch --> scheduler.waiting --> (chunked) prefill steps
-      --> last chunk's forward: layer groups' KV sent as each group finishes
-      --> first token sampled: FirstTokens to router, last KV chunk (with the token)
+      --> last chunk's forward: layer groups' KV sent as each group finishes, one message
+          per decode node for all the requests of the step bound for it
+      --> first token sampled: FirstTokens to router, last KV chunk (with the tokens)
       --> TRANSFERRING until the decode node's KVAck (or the deadline) --> blocks freed
 """
 from __future__ import annotations
@@ -13,14 +14,12 @@ import logging
 import time
 from dataclasses import dataclass
 
-import torch
-
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.common.config import NodeConfig
 from pdserve.common.node_io import KV_OUT, InboxItem
 from pdserve.common.shm import Segment, SegmentError
-from pdserve.engine.kv_transfer import kv_chunk, layer_groups, payload_bytes
+from pdserve.engine.kv_transfer import Outgoing, kv_chunk, layer_groups, payload_bytes
 from pdserve.engine.logprobs import prompt_of
 from pdserve.engine.node import Node
 from pdserve.engine.output import RequestOutputState
@@ -94,12 +93,15 @@ class PrefillNode(Node):
             for req_id in msg.req_ids:
                 self.drop(req_id)
         elif isinstance(msg, P.KVAck):
-            job = self.jobs.get(msg.req_id)
-            if job is not None and job.blocks is not None:
-                self.metrics.kv_acked(msg.req_id, msg.ok)
-                self.drop(msg.req_id)
-                if not msg.ok:  # the decode node told the router why
-                    log.warning("decode node refused KV of %s: %s", msg.req_id, msg.reason)
+            for result in msg.results:
+                job = self.jobs.get(result.req_id)
+                if job is None or job.blocks is None or job.req.kv_address != item.peer:
+                    continue  # not this decode node's to settle
+                self.metrics.kv_acked(result.req_id, result.ok)
+                self.drop(result.req_id)
+                if not result.ok:  # the decode node told the router why
+                    log.warning("decode node refused KV of %s: %s", result.req_id,
+                                result.reason)
         elif isinstance(msg, P.Error):
             if item.channel == KV_OUT and msg.req_id in self.jobs:
                 self.metrics.kv_failed(msg.req_id)
@@ -150,20 +152,18 @@ class PrefillNode(Node):
         # Sequences whose prompt completes in this step: their KV ships as layers finish.
         done = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
         # Only the blocks the decode node does not hold travel.
-        block_ids = {s.seq_id: torch.tensor(s.block_table[self.jobs[s.seq_id].req.skip_blocks:],
-                                            dtype=torch.int64) for s in done}
+        block_ids = {s.seq_id: s.block_table[self.jobs[s.seq_id].req.skip_blocks:]
+                     for s in done}
         group_ends = {end - 1: (start, end) for start, end in self.groups[:-1]}
 
         def on_layer(layer: int) -> None:
             if layer in group_ends:
-                start, end = group_ends[layer]
-                for seq in done:
-                    self._send_kv(seq, block_ids[seq.seq_id], start, end, last=False)
+                self._send_kv(done, block_ids, *group_ends[layer], last=False)
 
         sampled = worker.runner.execute(batch, on_layer if done else None)
         worker.scheduler.postprocess(batch, sampled)
 
-        firsts, shipping = [], []
+        firsts, shipping = [], {}
         for seq, token in zip(batch.seqs, sampled):
             if token is None:
                 continue
@@ -177,27 +177,35 @@ class PrefillNode(Node):
             job.blocks = worker.scheduler.detach(seq)
             job.deadline = time.monotonic() + job.req.timeout_s
             if reason is None:
-                shipping.append((seq, token))
+                shipping[seq.seq_id] = token
             else:
                 self.drop(seq.seq_id)  # finished at its first token: no decode needed
         self.send_first_tokens(firsts)  # time to first token
-        start, end = self.groups[-1]
-        for seq, token in shipping:
-            self._send_kv(seq, block_ids[seq.seq_id], start, end, last=True, first_token=token)
+        self._send_kv([s for s in done if s.seq_id in shipping], block_ids, *self.groups[-1],
+                      last=True, first_tokens=shipping)
 
-    def _send_kv(self, seq: Sequence, block_ids: torch.Tensor, start: int, end: int, *,
-                 last: bool, first_token: int | None = None) -> None:
-        job = self.jobs[seq.seq_id]
-        segment = self._segment_for(job.req)
-        chunk = kv_chunk(seq.seq_id, self.identity, self.layout, self.worker.runner.kv_caches,
-                         block_ids, seq.num_prompt_tokens, start, end,
-                         checksums=self.config.kv_checksums, last=last, first_token=first_token,
-                         first_block=job.req.skip_blocks, segment=segment)
-        self.io.send_kv(job.req.kv_address, chunk)
-        self.metrics.kv_sent(seq.seq_id, payload_bytes(chunk),
-                             "tcp" if segment is None else "shm")
-        if last:
-            self.metrics.kv_blocks(len(block_ids), job.req.skip_blocks)
+    def _send_kv(self, seqs: list[Sequence], block_ids: dict[str, list[int]], start: int,
+                 end: int, *, last: bool, first_tokens: dict[str, int] | None = None) -> None:
+        """Layers [start, end) of these requests' KV: one message per decode node."""
+        by_address: dict[str, list[Outgoing]] = {}
+        for seq in seqs:
+            req = self.jobs[seq.seq_id].req
+            by_address.setdefault(req.kv_address, []).append(Outgoing(
+                seq.seq_id, block_ids[seq.seq_id], seq.num_prompt_tokens, req.skip_blocks,
+                first_tokens[seq.seq_id] if last else None))
+        for address, outgoing in by_address.items():
+            segment = self._segment_for(self.jobs[outgoing[0].req_id].req)
+            for at in range(0, len(outgoing), P.MAX_KV_PARTS):
+                parts = outgoing[at:at + P.MAX_KV_PARTS]
+                chunk = kv_chunk(self.identity, self.layout, self.worker.runner.kv_caches,
+                                 parts, start, end, checksums=self.config.kv_checksums,
+                                 last=last, segment=segment)
+                self.io.send_kv(address, chunk)
+                self.metrics.kv_sent([p.req_id for p in parts], payload_bytes(chunk),
+                                     "tcp" if segment is None else "shm")
+                if last:
+                    self.metrics.kv_blocks(sum(len(p.block_ids) for p in parts),
+                                           sum(p.first_block for p in parts))
 
     def expire(self) -> None:
         now = time.monotonic()

@@ -1,0 +1,67 @@
+"""The wire contract between router, prefill nodes and decode nodes.
+
+Every process must agree on exactly what travels, so every message type, its
+tag and the protocol version live in this package and nowhere else: base.py
+(version, limits, dtypes, the message registry, ProtocolError and Error),
+messages.py (the control plane), kv.py (the KV plane). The only logic is
+validation; codec.py turns messages into frames and back. docs/protocol.md is
+the prose version. Import it as one module: ``from pdserve.common import
+protocol as P``.
+
+Wire form: one multipart message ``[header, frame_1, ..., frame_n]``. The
+header is a MessagePack map ``{"v", "t", <fields>, "tensors": [meta, ...]}``;
+each tensor is its own raw frame, so a multi-GB KV transfer is neither copied
+into msgpack nor pickled, and the receiver rebuilds tensors over the received
+frame buffers without a copy. Times are relative durations in seconds
+(``*_s``): clocks differ between machines.
+
+Decoding never trusts the peer: anything malformed raises ``ProtocolError``
+with a message naming the offending field, so the receiver can answer with an
+``Error`` message and keep serving.
+"""
+from pdserve.common.protocol.base import (  # noqa: F401 (this package's API)
+    _DTYPE_NAMES,
+    DTYPES,
+    MAX_HEADER_BYTES,
+    MAX_HOST_ID,
+    MAX_KV_PARTS,
+    MAX_SEED,
+    MAX_WIRE_INT,
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    Error,
+    FrameLike,
+    Message,
+    ProtocolError,
+)
+from pdserve.common.protocol.kv import (  # noqa: F401 (this package's API)
+    KVAck,
+    KVChunk,
+    KVPart,
+    KVResult,
+    ShmKV,
+    kv_tensor_names,
+)
+from pdserve.common.protocol.messages import (  # noqa: F401 (this package's API)
+    Abort,
+    Bye,
+    Drain,
+    FirstToken,
+    FirstTokens,
+    GuideSpec,
+    Heartbeat,
+    Hello,
+    KVLayout,
+    LogitBias,
+    Logprobs,
+    ModelIdentity,
+    NodeStats,
+    PrefillBatch,
+    PrefillRequest,
+    Reserve,
+    ReserveReply,
+    SamplingSpec,
+    TokenBatch,
+    TokenItem,
+    Welcome,
+)

@@ -1,0 +1,141 @@
+"""KV-plane messages (prefill node -> decode node KV socket, and its acknowledgements)."""
+from dataclasses import field
+from typing import Optional
+
+import torch
+
+from pdserve.common.errors import BAD_MESSAGE
+from pdserve.common.protocol.base import (
+    DTYPES,
+    MAX_KV_PARTS,
+    MAX_WIRE_INT,
+    Message,
+    ProtocolError,
+    _message,
+    _struct,
+)
+from pdserve.common.protocol.messages import KVLayout, ModelIdentity
+
+
+@_struct
+class ShmKV:
+    """Where a KVChunk's pages lie in the sender's shared-memory segment (same host)."""
+    segment: str           # file name under /dev/shm
+    offsets: list[int]     # byte offset of each tensor's page pool, in tensor-name order
+    block_ids: list[int]   # the sender's pages of the request, in the request's order
+
+
+
+
+@_struct
+class KVPart:
+    """One request's share of a KVChunk: num_blocks(block_size) pages in every tensor, after
+    the pages of the parts before it. The leading first_block blocks of its prompt are the
+    decode node's cached ones and do not travel."""
+    req_id: str
+    num_tokens: int
+    first_block: int = 0
+    first_token: Optional[int] = None  # set on the last chunk
+    checksums: list[int] = field(default_factory=list)  # XXH3 of this part's pages, per tensor
+
+    def num_blocks(self, block_size: int) -> int:
+        return -(-self.num_tokens // block_size) - self.first_block
+
+
+@_message("kv_chunk")
+class KVChunk(Message):
+    """prefill -> decode (KV socket): KV of layers [layer_start, layer_end) of the requests
+    of one prefill step bound for this decode node, one part each (at most MAX_KV_PARTS).
+
+    Tensors "k{layer}" / "v{layer}", each [total_blocks, block_size, num_kv_heads,
+    head_dim] in kv_layout.dtype: the parts' pages one after the other. Each part's
+    checksums (all parts have them, or none) hash its own pages of each tensor, so a
+    corrupt page fails only its request.
+    """
+    model: ModelIdentity
+    kv_layout: KVLayout
+    layer_start: int
+    layer_end: int
+    last: bool
+    parts: list[KVPart]
+    shm: Optional[ShmKV] = None  # same host: the pages are there, not in tensor frames
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def _validate(self) -> None:
+        lay = self.kv_layout
+        where = f"KVChunk {self.parts[0].req_id!r}.." if self.parts else "KVChunk"
+        if lay.dtype not in DTYPES:
+            raise ProtocolError(BAD_MESSAGE, f"{where}: kv_layout.dtype {lay.dtype!r} is not one "
+                                f"of {list(DTYPES)}")
+        if not 0 <= self.layer_start < self.layer_end <= lay.num_layers:
+            raise ProtocolError(BAD_MESSAGE, f"{where}: layers [{self.layer_start}, "
+                                f"{self.layer_end}) not inside [0, {lay.num_layers})")
+        if not 1 <= len(self.parts) <= MAX_KV_PARTS:
+            raise ProtocolError(BAD_MESSAGE, f"{where}: {len(self.parts)} parts, expected 1 to "
+                                f"{MAX_KV_PARTS}")
+        if len({p.req_id for p in self.parts}) != len(self.parts):
+            raise ProtocolError(BAD_MESSAGE, f"{where}: a request id appears in two parts")
+        names = kv_tensor_names(self.layer_start, self.layer_end)
+        for part in self.parts:
+            _validate_part(part, lay.block_size, len(names), self.last, self.parts[0])
+        total = sum(p.num_blocks(lay.block_size) for p in self.parts)
+        if self.shm is not None:
+            self._validate_shm(where, len(names), total)
+        elif sorted(self.tensors) != sorted(names):
+            raise ProtocolError(BAD_MESSAGE, f"{where}: tensors {list(self.tensors)}, "
+                                f"expected {names}")
+        shape = (total, lay.block_size, lay.num_kv_heads, lay.head_dim)
+        for name, t in self.tensors.items():
+            if tuple(t.shape) != shape or t.dtype != DTYPES[lay.dtype]:
+                raise ProtocolError(BAD_MESSAGE, f"{where}: tensor {name!r} is {list(t.shape)} "
+                                    f"{t.dtype}, expected {list(shape)} {lay.dtype}")
+
+    def _validate_shm(self, where: str, num_tensors: int, num_blocks: int) -> None:
+        shm = self.shm
+        if self.tensors:
+            raise ProtocolError(BAD_MESSAGE, f"{where}: carries tensor frames and shm; one "
+                                "or the other")
+        if len(shm.offsets) != num_tensors or len(shm.block_ids) != num_blocks:
+            raise ProtocolError(BAD_MESSAGE, f"{where}: shm has {len(shm.offsets)} offsets and "
+                                f"{len(shm.block_ids)} block ids, expected {num_tensors} and "
+                                f"{num_blocks}")
+        if any(not 0 <= v < MAX_WIRE_INT for v in (*shm.offsets, *shm.block_ids)):
+            raise ProtocolError(BAD_MESSAGE, f"{where}: shm offsets and block ids must be in "
+                                f"[0, 2^63)")
+
+
+def _validate_part(part: KVPart, block_size: int, num_tensors: int, last: bool,
+                   first: KVPart) -> None:
+    where = f"KVChunk part {part.req_id!r}"
+    if part.num_tokens <= 0 or block_size <= 0:
+        raise ProtocolError(BAD_MESSAGE, f"{where}: num_tokens={part.num_tokens} and "
+                            f"block_size={block_size} must be positive")
+    if not 0 <= part.first_block < -(-part.num_tokens // block_size):
+        raise ProtocolError(BAD_MESSAGE, f"{where}: first_block={part.first_block} leaves "
+                            "no block of the prompt to send")
+    if len(part.checksums) != (num_tensors if first.checksums else 0):
+        raise ProtocolError(BAD_MESSAGE, f"{where}: {len(part.checksums)} checksums for "
+                            f"{num_tensors} tensors (every part has them, or none)")
+    if part.first_token is not None and not last:
+        raise ProtocolError(BAD_MESSAGE, f"{where}: first_token set on a chunk that is "
+                            "not last")
+
+
+def kv_tensor_names(layer_start: int, layer_end: int) -> list[str]:
+    """A KVChunk's tensors, in wire order: k{l}, v{l} for each layer l."""
+    return [f"{kv}{i}" for i in range(layer_start, layer_end) for kv in "kv"]
+
+
+@_struct
+class KVResult:
+    """Whether one request's KV arrived whole (ok), or why not."""
+    req_id: str
+    ok: bool
+    reason: str = ""
+
+
+@_message("kv_ack")
+class KVAck(Message):
+    """decode -> prefill (KV socket): the outcome of each request of a KVChunk that is
+    settled (placed whole with the last chunk, or refused)."""
+    results: list[KVResult]
