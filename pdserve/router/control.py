@@ -85,17 +85,14 @@ class Control:
 
     # -- sending what dispatch decided ------------------------------------------------------
     def apply(self, out: Output) -> None:
-        """Sends ``out``'s messages and hands its client events over. A send that fails
-        goes back to dispatch (which picks another node or retries); a node found not
-        connected leaves the registry at once (nobody may pick it) and its other requests
-        move once the failed sends are dealt with."""
+        """Sends ``out``'s messages, then hands its client events over (a client that
+        cancels on an event must find its Abort sent after what it aborts). A send that
+        fails goes back to dispatch (which picks another node or retries); a node found
+        not connected leaves the registry at once (nobody may pick it) and its other
+        requests move once the failed sends are dealt with."""
         todo = [out]
         while todo:
             out = todo.pop(0)
-            if out.events:
-                self.on_events(out.events)
-            for node_id, what, req_id, why in out.dropped:
-                self._refuse(node_id, what, req_id, why)
             gone = []
             for node_id, msg in out.sends:
                 why = self._send(node_id, msg)
@@ -109,6 +106,10 @@ class Control:
             for node in gone:
                 todo.append(self.dispatch.node_gone(
                     node, f"node {node.node_id} is not connected any more", time.monotonic()))
+            for node_id, what, req_id, why in out.dropped:
+                self._refuse(node_id, what, req_id, why)
+            if out.events:
+                self.on_events(out.events)
         if self.dispatch.has_batches() and not self._flush_scheduled:
             self._flush_scheduled = True  # what comes in this loop turn leaves together
             asyncio.get_running_loop().call_soon(self._flush)
