@@ -1,20 +1,15 @@
 """The prefill side of the router's dispatch: which prefill node an attempt goes to, and
-how what one node gets in one loop turn leaves as PrefillBatch messages that fit the
-protocol's header limit. ``PrefillDispatch`` is mixed into RouterCore."""
+how what one node got since the last flush leaves as PrefillBatch messages that fit the
+protocol's header limit. Pure (no sockets, no clock): ``PrefillDispatch`` is part of
+dispatch.Dispatch, and control.py calls ``flush`` once per event-loop turn."""
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
-from typing import TYPE_CHECKING
 
 from pdserve.common import protocol as P
 from pdserve.router import streams as S
-from pdserve.router.node_messages import PREFILLING
+from pdserve.router.flight import Flight, State
 from pdserve.router.registry import LIVE, NodeInfo
-
-if TYPE_CHECKING:
-    from pdserve.router.core import Flight
 
 log = logging.getLogger(__name__)
 
@@ -50,56 +45,59 @@ def split_by_size(requests: list[P.PrefillRequest], limit: int) -> list[list[P.P
     return parts
 
 
-def prefill_timeout(deadline: float, lease_s: float, colocated: bool) -> float:
+def prefill_timeout(deadline: float, now: float, lease_s: float, colocated: bool) -> float:
     """A PrefillRequest's timeout_s: the request's time left. A prefill node waits this long
     for the decode node's KV acknowledgement after the first token, so there it is at most
     the reservation's lease: an unreachable decode node must not hold the request until
     its deadline."""
-    left = max(1.0, deadline - time.monotonic())
+    left = max(1.0, deadline - now)
     return left if colocated else min(left, lease_s)
 
 
 class PrefillDispatch:
-    """Needs RouterCore's registry, policy, flights, metrics, config, _send, _retry and
-    _fail."""
+    """Needs Dispatch's registry, policy, flights, metrics, config, _batches, _send, _retry
+    and _fail."""
 
-    def _pick_prefill(self, flight: Flight) -> NodeInfo | None:
+    def has_batches(self) -> bool:
+        """Whether requests wait for ``flush``."""
+        return bool(self._batches)
+
+    def _pick_prefill(self, flight: Flight, now: float) -> NodeInfo | None:
         """The prefill node for this attempt; None: there is none, and the flight waits
         (one may join) until the deadline, looking less often the longer it takes."""
         nodes = self.registry.live("prefill")
         if nodes:
             return self.policy.pick("prefill", nodes, flight.wire_prompt)
         flight.waits += 1
-        self._retry(flight, "no live prefill node", count=False,
+        self._retry(flight, "no live prefill node", now, count=False,
                     delay=min(MAX_WAIT_RETRY_S, RETRY_WAIT_S * 2 ** flight.waits))
         return None
 
-    def _to_prefill(self, flight: Flight, node: NodeInfo | None = None) -> None:
+    def _to_prefill(self, flight: Flight, now: float, node: NodeInfo | None = None) -> None:
         decode = self.registry.nodes.get(flight.decode_node)
         node = node or self.registry.nodes.get(flight.prefill_node)
         if node is None or decode is None or node.state != LIVE:
             # The decode node takes KV only from the node its reservation names.
-            self._retry(flight, "its prefill node left during the reservation", count=False)
+            self._retry(flight, "its prefill node left during the reservation", now,
+                        count=False)
             return
-        flight.prefill_node, flight.state = node.node_id, PREFILLING
+        flight.prefill_node, flight.state = node.node_id, State.PREFILLING
         node.requests.add(flight.wire_id)
         node.queued_prompt_tokens += len(flight.wire_prompt)
         self._batches.setdefault(node.node_id, []).append(P.PrefillRequest(
             req_id=flight.wire_id, prompt_token_ids=flight.wire_prompt, sampling=flight.spec,
             decode_node_id=decode.node_id, kv_address=decode.hello.kv_address or "",
-            timeout_s=prefill_timeout(flight.deadline, self.config.reserve_lease_s,
+            timeout_s=prefill_timeout(flight.deadline, now, self.config.reserve_lease_s,
                                       colocated=node is decode),
             skip_blocks=flight.skip_blocks, decode_host_id=decode.hello.host_id))
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
 
-    def _flush(self) -> None:
-        """Everything bound for one prefill node in this loop turn leaves as one message
-        (several when that would pass MAX_BATCH_BYTES)."""
-        self._flush_scheduled = False
+    def flush(self, now: float):
+        """Everything queued for one prefill node since the last flush leaves as one
+        message (several when that would pass MAX_BATCH_BYTES). Requests that ended or
+        moved meanwhile (cancelled, failed over) are left out."""
         batches, self._batches = self._batches, {}
         for node_id, requests in batches.items():
+            requests = [r for r in requests if self._queued_on(r.req_id, node_id)]
             for part in split_by_size(requests, MAX_BATCH_BYTES):
                 if request_bytes(part[0]) > MAX_BATCH_BYTES:  # alone, and still too big
                     self._fail(self.flights[part[0].req_id], S.BAD_REQUEST, (
@@ -107,19 +105,17 @@ class PrefillDispatch:
                         f"prefill node, over the {MAX_BATCH_BYTES}-byte limit"))
                     continue
                 try:
-                    self._send_batch(node_id, part)
+                    self.metrics.dispatched(self.flights[r.req_id].req_id for r in part)
+                    self._send(node_id, P.PrefillBatch(requests=part))
                 except Exception:  # these requests fail; the other batches still leave
                     self.metrics.internal_error("router.flush", log)
                     for r in part:
                         if r.req_id in self.flights:
                             self._fail(self.flights[r.req_id], S.INTERNAL,
                                        "internal error while dispatching; see the router's log")
+        return self.take()
 
-    def _send_batch(self, node_id: str, requests: list[P.PrefillRequest]) -> None:
-        self.metrics.dispatched(self.flights[r.req_id].req_id for r in requests
-                                if r.req_id in self.flights)
-        if not self._send(node_id, P.PrefillBatch(requests=requests)):
-            for r in requests:
-                if r.req_id in self.flights:
-                    self._retry(self.flights[r.req_id],
-                                f"prefill node {node_id} could not be reached")
+    def _queued_on(self, wire_id: str, node_id: str) -> bool:
+        flight = self.flights.get(wire_id)
+        return flight is not None and flight.state is State.PREFILLING \
+            and flight.prefill_node == node_id

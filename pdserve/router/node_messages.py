@@ -1,15 +1,18 @@
-"""What nodes send the router, and who may say what.
+"""What nodes send the router about requests, and who may say what.
 
-Mixed into RouterCore (it shares the core's flights and registry). The rules:
+Part of dispatch.Dispatch (pure: no sockets, no clock). The rules:
 
-- Hello: a node speaks only for its own socket identity. The same node id with the
-  same ``incarnation`` again (the router stalled, the node said Hello once more) is a
-  resync: the node keeps its work. A new incarnation is a restart: its work moves.
+- A reservation's reply counts only from the decode node asked, for the current attempt,
+  while the request waits for it; a grant nobody wants any more is handed back (Abort).
 - A first token is taken only from the prefill node of the request's current attempt,
-  while the request waits for it; later tokens only from its decode node. Anything else
-  (another node, an earlier attempt, a duplicate) is dropped and logged, never shown to
-  a client. Token ids must lie inside the vocabulary.
+  while the request waits for it; later tokens only from its decode node (held back
+  while they beat the first token there). Anything else (another node, an earlier
+  attempt, a duplicate) is dropped and reported in ``Output.dropped``, never shown to a
+  client. Token ids must lie inside the vocabulary, logprobs fit what was asked.
 - An Error naming a request counts only from a node serving that request.
+
+Membership (Hello, Heartbeat, Drain, Bye) is control.py's; so is how much each peer may
+send (the budgets below).
 """
 from __future__ import annotations
 
@@ -17,14 +20,12 @@ import logging
 
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
-from pdserve.common.rate_limit import PeerBudgets
-from pdserve.common.transport import Throttled, async_recv_routed
 from pdserve.engine.logprobs import problem as logprobs_problem
 from pdserve.router import streams as S
+from pdserve.router.flight import Flight, State
 
 log = logging.getLogger(__name__)
 
-RESERVING, PREFILLING, DECODING = "reserving", "prefilling", "decoding"
 CONTROL_IN = (P.Hello, P.Heartbeat, P.FirstTokens, P.ReserveReply, P.TokenBatch, P.Error,
               P.Drain, P.Bye)
 # Node errors another attempt can fix (a lost or corrupted transfer, a node gone quiet).
@@ -38,101 +39,33 @@ STRANGER_MSGS_PER_S, STRANGER_BURST = 200.0, 400.0
 
 
 class NodeMessages:
-    """The control socket's receiving side of RouterCore (which sets ``_refusal_log``, a
-    LogThrottle, ``incarnation`` and ``loop_ticks``)."""
+    """Needs Dispatch's registry, flights, vocab_size, _out, _send, take, _to_prefill,
+    _refused, _retry, _fail and _deliver."""
 
-    def _message_budgets(self) -> PeerBudgets:
-        nodes = self.registry.nodes
-        return PeerBudgets(lambda peer: peer.decode(errors="replace") in nodes,
-                           rate=NODE_MSGS_PER_S, burst=NODE_BURST,
-                           stranger_rate=STRANGER_MSGS_PER_S, stranger_burst=STRANGER_BURST)
-
-    async def _receive_loop(self) -> None:
-        budgets = self._message_budgets()
-        while True:
-            try:
-                peer, msg = await async_recv_routed(self._sock, CONTROL_IN, admit=budgets.admit)
-            except Throttled as err:
-                self.metrics.dropped("rate_limit")
-                if self._refusal_log(("throttled", err.peer)) is not None:
-                    log.warning("messages from %r dropped: %s", err.peer, err)
-                continue
-            except P.ProtocolError as err:
-                if self._refusal_log(("bad", err.peer, err.code)) is not None:
-                    log.warning("bad message from node %r: %s", err.peer, err)
-                if err.peer is not None:
-                    self._send(err.peer, err.to_message())
-                continue
-            except Exception:  # a socket failure: count it, keep the loop
-                self.metrics.internal_error("router.receive", log)
-                continue
-            self.loop_ticks["receive"] += 1
-            try:
-                self._handle(peer.decode(errors="replace"), msg)
-            except Exception:  # one bad message must not stop the router
-                self.metrics.internal_error(f"router.receive.{type(msg).__name__}", log)
-
-    def _refuse(self, node_id: str, what: str, req_id: str, why: str) -> None:
-        if self._refusal_log((node_id, what, why)) is not None:
-            log.warning("%s for %s from node %s dropped: %s", what, req_id, node_id, why)
-
-    def _handle(self, node_id: str, msg: P.Message) -> None:
-        if isinstance(msg, P.Hello):
-            self._hello(node_id, msg)
-            return
-        node = self.registry.seen(node_id, getattr(msg, "stats", None))
-        if node is None:
-            if not isinstance(msg, (P.Heartbeat, P.Bye)):
-                self._refuse(node_id, type(msg).__name__, "-", "the node is not registered")
-            return
-        if isinstance(msg, P.ReserveReply):
-            self._reserve_reply(node_id, msg)
+    def node_message(self, node_id: str, msg: P.Message, now: float):
+        """A ReserveReply, FirstTokens, TokenBatch or Error from ``node_id``."""
+        if node_id not in self.registry.nodes:
+            self._drop(node_id, type(msg).__name__, "-", "the node is not registered")
+        elif isinstance(msg, P.ReserveReply):
+            self._reserve_reply(node_id, msg, now)
         elif isinstance(msg, P.FirstTokens):
             for item in msg.items:
-                self._first_token(node, item)
+                self._first_token(node_id, item)
         elif isinstance(msg, P.TokenBatch):
             for item in msg.items:
                 self._tokens(node_id, item)
         elif isinstance(msg, P.Error):
-            self._node_error(node_id, msg)
-        elif isinstance(msg, P.Drain):
-            node.state = "draining"
-            log.info("node %s is draining: %s", node_id, msg.reason)
-        elif isinstance(msg, P.Bye):
-            self._node_gone(self.registry.remove(node_id), f"node {node_id} left: {msg.reason}")
-
-    def _hello(self, node_id: str, msg: P.Hello) -> None:
-        def welcome(ok: bool, reason: str) -> None:
-            self._send(node_id, P.Welcome(
-                accepted=ok, reason=reason, liveness=self.config.liveness,
-                heartbeat_interval_s=self.config.heartbeat_interval_s,
-                router_incarnation=self.incarnation))
-
-        if msg.node_id != node_id:  # one node may not speak for another
-            log.warning("hello refused: node_id %r differs from its socket identity %r",
-                        msg.node_id, node_id)
-            welcome(False, f"node_id {msg.node_id!r} must equal the socket identity "
-                    f"{node_id!r}")
-            return
-        known = self.registry.nodes.get(node_id)
-        resync = known is not None and bool(msg.incarnation) \
-            and known.hello.incarnation == msg.incarnation
-        if known is not None and not resync:  # restarted: its old work is gone with it
-            self._node_gone(self.registry.remove(node_id), f"node {node_id} restarted")
-        ok, reason = self.registry.admit(msg, keep=resync)
-        if resync and ok:
-            log.info("%s node %s said hello again (same incarnation): resynced, its %d "
-                     "requests stay", msg.role, node_id, len(known.requests))
+            self._node_error(node_id, msg, now)
         else:
-            (log.info if ok else log.warning)("%s node %s %s%s", msg.role, node_id,
-                                              "joined" if ok else "refused: ", reason)
-        if resync and not ok:
-            self._node_gone(known, f"node {node_id} is not admitted any more: {reason}")
-        welcome(ok, reason)
+            self._drop(node_id, type(msg).__name__, "-", "not a message about requests")
+        return self.take()
 
-    def _reserve_reply(self, node_id: str, msg: P.ReserveReply) -> None:
+    def _drop(self, node_id: str, what: str, req_id: str, why: str) -> None:
+        self._out.dropped.append((node_id, what, req_id, why))
+
+    def _reserve_reply(self, node_id: str, msg: P.ReserveReply, now: float) -> None:
         flight = self.flights.get(msg.req_id)
-        if flight is None or flight.decode_node != node_id or flight.state != RESERVING:
+        if flight is None or flight.decode_node != node_id or flight.state is not State.RESERVING:
             # (a reply for an earlier attempt, or for a request already gone)
             if msg.ok:  # nobody wants it any more: give the blocks back
                 self._send(node_id, P.Abort(req_ids=[msg.req_id], reason="not needed"))
@@ -142,55 +75,54 @@ class NodeMessages:
             block_size = self.registry.nodes[node_id].hello.kv_layout.block_size
             most = (len(flight.wire_prompt) - 1) // block_size
             flight.skip_blocks = min(max(0, msg.cached_blocks), most)
-            self._to_prefill(flight)
+            self._to_prefill(flight, now)
         elif msg.reason.startswith(E.BAD_MESSAGE):  # no node will take it: say why now
             self._fail(flight, S.BAD_REQUEST, f"decode node {node_id} refused the "
                        f"request: {msg.reason.split(': ', 1)[-1]}")
         else:
-            self._refused(flight, node_id, msg.reason)
+            self._refused(flight, node_id, msg.reason, now)
 
-    def _bad_tokens(self, node_id: str, flight, token_ids: list[int]) -> bool:
+    def _bad_tokens(self, node_id: str, flight: Flight, token_ids: list[int]) -> bool:
         """Fails the request when a node sent token ids outside the vocabulary."""
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             self._fail(flight, S.NODE_ERROR, f"node {node_id} sent token id {bad[0]}, outside "
-                       f"the vocabulary [0, {vocab})")
+                       f"the vocabulary [0, {self.vocab_size})")
         return bool(bad)
 
-    def _bad_logprobs(self, node_id: str, flight, lp: P.Logprobs | None, num_tokens: int,
-                      k: int | None) -> bool:
+    def _bad_logprobs(self, node_id: str, flight: Flight, lp: P.Logprobs | None,
+                      num_tokens: int, k: int | None) -> bool:
         """Fails the request when logprobs it asked for (k alternatives) are missing or do
         not fit ``num_tokens`` tokens."""
-        why = None if k is None else logprobs_problem(lp, num_tokens, k,
-                                                      self.model_config.vocab_size)
+        why = None if k is None else logprobs_problem(lp, num_tokens, k, self.vocab_size)
         if why:
             self._fail(flight, S.NODE_ERROR, f"node {node_id}: {why}")
         return bool(why)
 
-    def _first_token(self, node, item: P.FirstToken) -> None:
+    def _first_token(self, node_id: str, item: P.FirstToken) -> None:
         flight = self.flights.get(item.req_id)
         if flight is None:
             return  # an earlier attempt's, or a request already gone
-        if flight.prefill_node != node.node_id or flight.state != PREFILLING:
-            why = "a first token was already taken" if flight.state == DECODING \
-                else f"the request is {flight.state} on other nodes"
-            self._refuse(node.node_id, "FirstToken", item.req_id, why)
+        if flight.prefill_node != node_id or flight.state is not State.PREFILLING:
+            why = "a first token was already taken" if flight.state is State.DECODING \
+                else f"the request is {flight.state.value} on other nodes"
+            self._drop(node_id, "FirstToken", item.req_id, why)
             return
-        if self._bad_tokens(node.node_id, flight, [item.token_id]) or self._bad_logprobs(
-                node.node_id, flight, item.logprobs, 1, flight.spec.logprobs) \
-                or self._bad_logprobs(node.node_id, flight, item.prompt_logprobs,
+        if self._bad_tokens(node_id, flight, [item.token_id]) or self._bad_logprobs(
+                node_id, flight, item.logprobs, 1, flight.spec.logprobs) \
+                or self._bad_logprobs(node_id, flight, item.prompt_logprobs,
                                       len(flight.wire_prompt) - 1, flight.spec.prompt_logprobs):
             return
+        node = self.registry.nodes[node_id]
         node.queued_prompt_tokens -= len(flight.wire_prompt)
-        if flight.decode_node != node.node_id:  # a colocated node serves it on
+        if flight.decode_node != node_id:  # a colocated node serves it on
             node.requests.discard(item.req_id)
-        flight.state = DECODING
+        flight.state = State.DECODING
         # A first token that ends the request leaves a decode reservation to release.
         self._deliver(flight, [item.token_id], item.finish_reason, nodes_done=False,
                       logprobs=item.logprobs, prompt_logprobs=item.prompt_logprobs)
         for early in flight.early_tokens:
-            if item.req_id in self.flights:
+            if item.req_id in self.flights:  # (not ended by the tokens before)
                 self._deliver(flight, early.token_ids, early.finish_reason,
                               logprobs=early.logprobs)
         flight.early_tokens.clear()
@@ -199,14 +131,15 @@ class NodeMessages:
         flight = self.flights.get(item.req_id)
         if flight is None:
             return
-        if flight.decode_node != node_id or flight.state not in (PREFILLING, DECODING):
-            self._refuse(node_id, "TokenItem", item.req_id,
-                         f"the node does not decode it (state {flight.state})")
+        if flight.decode_node != node_id or \
+                flight.state not in (State.PREFILLING, State.DECODING):
+            self._drop(node_id, "TokenItem", item.req_id,
+                       f"the node does not decode it (state {flight.state.value})")
             return
         if self._bad_tokens(node_id, flight, item.token_ids) or self._bad_logprobs(
                 node_id, flight, item.logprobs, len(item.token_ids), flight.spec.logprobs):
             return
-        if flight.state == DECODING:
+        if flight.state is State.DECODING:
             self._deliver(flight, item.token_ids, item.finish_reason, logprobs=item.logprobs)
         elif len(flight.early_tokens) < MAX_EARLY_TOKENS:
             flight.early_tokens.append(item)
@@ -214,13 +147,13 @@ class NodeMessages:
             self._fail(flight, S.NODE_ERROR, f"decode node {node_id} sent more than "
                        f"{MAX_EARLY_TOKENS} token batches before the first token arrived")
 
-    def _node_error(self, node_id: str, msg: P.Error) -> None:
+    def _node_error(self, node_id: str, msg: P.Error, now: float) -> None:
         flight = self.flights.get(msg.req_id) if msg.req_id else None
         if flight is None:
             log.warning("error from node %s: %s %s", node_id, msg.code, msg.message)
         elif node_id not in (flight.prefill_node, flight.decode_node):
-            self._refuse(node_id, "Error", msg.req_id, "the node does not serve it")
+            self._drop(node_id, "Error", msg.req_id, "the node does not serve it")
         elif msg.code in RETRYABLE:
-            self._retry(flight, f"node {node_id}: {msg.message} ({msg.code})")
+            self._retry(flight, f"node {node_id}: {msg.message} ({msg.code})", now)
         else:
             self._fail(flight, S.NODE_ERROR, f"node {node_id}: {msg.message} ({msg.code})")

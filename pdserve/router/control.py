@@ -1,0 +1,266 @@
+"""The router's control socket: node membership, heartbeats, the clock, and the I/O of
+dispatch.
+
+One ROUTER socket, bound; nodes connect (DEALER), say Hello and heartbeat. ``Control``
+owns the socket (the receive loop and every send), the registry's membership (Hello,
+Bye, Drain, heartbeats, expiry), the clock (every TICK_S: a stall of the router itself,
+dead nodes, heartbeats, then ``dispatch.tick``) and the flush of prefill batches once
+per event-loop turn. Node messages about requests go to the Dispatch; what it returns is
+sent here (``apply``), and its client events go to ``on_events``.
+
+Membership rules: a node speaks only for its own socket identity. The same node id with
+the same ``incarnation`` again (the router stalled, the node said Hello once more) is a
+resync: the node keeps its work. A new incarnation is a restart: its work moves. No
+failure of one message or one tick stops a loop, and a router that was itself stalled
+(SIGSTOP, swapped out) does not blame the nodes for its own silence.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Callable
+
+import zmq
+import zmq.asyncio
+
+from pdserve.common import protocol as P
+from pdserve.common.logs import LogThrottle
+from pdserve.common.metrics import RouterMetrics
+from pdserve.common.rate_limit import PeerBudgets
+from pdserve.common.security import CONTROL_DOMAIN, server_curve
+from pdserve.common.transport import (
+    SendError,
+    Throttled,
+    async_recv_routed,
+    make_socket,
+    send_routed_nowait,
+)
+from pdserve.router import streams as S
+from pdserve.router.config import RouterConfig
+from pdserve.router.dispatch import Dispatch
+from pdserve.router.flight import Output
+from pdserve.router.node_messages import (
+    CONTROL_IN,
+    NODE_BURST,
+    NODE_MSGS_PER_S,
+    STRANGER_BURST,
+    STRANGER_MSGS_PER_S,
+)
+from pdserve.router.registry import Registry
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.05              # deadlines, heartbeats and dead nodes are checked this often
+
+
+class Control:
+    def __init__(self, config: RouterConfig, registry: Registry, dispatch: Dispatch,
+                 metrics: RouterMetrics,
+                 on_events: Callable[[list[tuple[str, S.StreamEvent]]], None]):
+        self.config, self.registry, self.dispatch = config, registry, dispatch
+        self.metrics, self.on_events = metrics, on_events
+        self.incarnation = os.urandom(8).hex()
+        self.loop_ticks = {"receive": 0, "tick": 0}   # turns of each loop (/health reads them)
+        self.last_tick = time.monotonic()
+        self._next_beat = 0.0
+        self._refusal_log = LogThrottle(period_s=10.0)
+        self._flush_scheduled = False
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock = None
+
+    def open(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._sock = make_socket(self._ctx, zmq.ROUTER, bind=self.config.control,
+                                 max_msg_size=64 * 2**20,
+                                 curve=server_curve(self.config.curve_dir, CONTROL_DOMAIN))
+        self.last_tick = time.monotonic()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+            self._ctx.term()
+            self._sock = self._ctx = None
+
+    # -- sending what dispatch decided ------------------------------------------------------
+    def apply(self, out: Output) -> None:
+        """Sends ``out``'s messages, then hands its client events over (a client that
+        cancels on an event must find its Abort sent after what it aborts). A send that
+        fails goes back to dispatch (which picks another node or retries); a node found
+        not connected leaves the registry at once (nobody may pick it) and its other
+        requests move once the failed sends are dealt with."""
+        todo = [out]
+        while todo:
+            out = todo.pop(0)
+            gone = []
+            for node_id, msg in out.sends:
+                why = self._send(node_id, msg)
+                if why is None:
+                    continue
+                if why == "unreachable":
+                    node = self.registry.remove(_text(node_id))
+                    if node is not None:
+                        gone.append(node)
+                todo.append(self.dispatch.send_failed(node_id, msg, time.monotonic()))
+            for node in gone:
+                todo.append(self.dispatch.node_gone(
+                    node, f"node {node.node_id} is not connected any more", time.monotonic()))
+            for node_id, what, req_id, why in out.dropped:
+                self._refuse(node_id, what, req_id, why)
+            if out.events:
+                self.on_events(out.events)
+        if self.dispatch.has_batches() and not self._flush_scheduled:
+            self._flush_scheduled = True  # what comes in this loop turn leaves together
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _send(self, node_id: str | bytes, msg: P.Message) -> str | None:
+        """None when sent, else why not ("unreachable", "full", "unencodable")."""
+        peer = node_id if isinstance(node_id, bytes) else node_id.encode()
+        try:
+            send_routed_nowait(self._sock, peer, msg)
+            return None
+        except P.ProtocolError as exc:  # cannot be encoded: dispatch fails what it carried
+            log.error("%s to node %s not sent: %s", type(msg).__name__, _text(node_id), exc)
+            return "unencodable"
+        except SendError as exc:
+            log.warning("send of %s to node %s failed: %s", type(msg).__name__,
+                        _text(node_id), exc)
+            return exc.reason
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        try:
+            self.apply(self.dispatch.flush(time.monotonic()))
+        except Exception:  # the next flush must still come
+            self.metrics.internal_error("router.flush", log)
+            self._salvage("router.flush")
+
+    def _salvage(self, where: str) -> None:
+        """After a handler raised: what dispatch decided before the failure still goes out
+        (tokens already counted as the client's must reach it)."""
+        try:
+            self.apply(self.dispatch.take())
+        except Exception:
+            self.metrics.internal_error(where, log)
+
+    # -- receiving ------------------------------------------------------------------------
+    def _message_budgets(self) -> PeerBudgets:
+        nodes = self.registry.nodes
+        return PeerBudgets(lambda peer: peer.decode(errors="replace") in nodes,
+                           rate=NODE_MSGS_PER_S, burst=NODE_BURST,
+                           stranger_rate=STRANGER_MSGS_PER_S, stranger_burst=STRANGER_BURST)
+
+    async def receive_loop(self, handle: Callable[[str, P.Message], None]) -> None:
+        """Feeds each message to ``handle`` (node id, message), usually ``self.handle``."""
+        budgets = self._message_budgets()
+        while True:
+            try:
+                peer, msg = await async_recv_routed(self._sock, CONTROL_IN, admit=budgets.admit)
+            except Throttled as err:
+                self.metrics.dropped("rate_limit")
+                if self._refusal_log(("throttled", err.peer)) is not None:
+                    log.warning("messages from %r dropped: %s", err.peer, err)
+                continue
+            except P.ProtocolError as err:
+                if self._refusal_log(("bad", err.peer, err.code)) is not None:
+                    log.warning("bad message from node %r: %s", err.peer, err)
+                if err.peer is not None:
+                    self.apply(Output(sends=[(err.peer, err.to_message())]))
+                continue
+            except Exception:  # a socket failure: count it, keep the loop
+                self.metrics.internal_error("router.receive", log)
+                continue
+            self.loop_ticks["receive"] += 1
+            try:
+                handle(peer.decode(errors="replace"), msg)
+            except Exception:  # one bad message must not stop the router
+                where = f"router.receive.{type(msg).__name__}"
+                self.metrics.internal_error(where, log)
+                self._salvage(where)
+
+    def _refuse(self, node_id: str, what: str, req_id: str, why: str) -> None:
+        if self._refusal_log((node_id, what, why)) is not None:
+            log.warning("%s for %s from node %s dropped: %s", what, req_id, node_id, why)
+
+    def handle(self, node_id: str, msg: P.Message) -> None:
+        now = time.monotonic()
+        if isinstance(msg, P.Hello):
+            self._hello(node_id, msg, now)
+            return
+        node = self.registry.seen(node_id, getattr(msg, "stats", None), now)
+        if node is None:
+            if not isinstance(msg, (P.Heartbeat, P.Bye)):
+                self._refuse(node_id, type(msg).__name__, "-", "the node is not registered")
+        elif isinstance(msg, P.Drain):
+            self.dispatch.node_draining(node_id)
+            log.info("node %s is draining: %s", node_id, msg.reason)
+        elif isinstance(msg, P.Bye):
+            self.apply(self.dispatch.node_gone(self.registry.remove(node_id),
+                                               f"node {node_id} left: {msg.reason}", now))
+        elif not isinstance(msg, P.Heartbeat):  # (a heartbeat only says: alive)
+            self.apply(self.dispatch.node_message(node_id, msg, now))
+
+    def _hello(self, node_id: str, msg: P.Hello, now: float) -> None:
+        def welcome(ok: bool, reason: str) -> None:
+            self.apply(Output(sends=[(node_id, P.Welcome(
+                accepted=ok, reason=reason, liveness=self.config.liveness,
+                heartbeat_interval_s=self.config.heartbeat_interval_s,
+                router_incarnation=self.incarnation))]))
+
+        if msg.node_id != node_id:  # one node may not speak for another
+            log.warning("hello refused: node_id %r differs from its socket identity %r",
+                        msg.node_id, node_id)
+            welcome(False, f"node_id {msg.node_id!r} must equal the socket identity "
+                    f"{node_id!r}")
+            return
+        known = self.registry.nodes.get(node_id)
+        resync = known is not None and bool(msg.incarnation) \
+            and known.hello.incarnation == msg.incarnation
+        if known is not None and not resync:  # restarted: its old work is gone with it
+            self.apply(self.dispatch.node_gone(self.registry.remove(node_id),
+                                               f"node {node_id} restarted", now))
+        ok, reason = self.registry.admit(msg, now=now, keep=resync)
+        if resync and ok:
+            log.info("%s node %s said hello again (same incarnation): resynced, its %d "
+                     "requests stay", msg.role, node_id, len(known.requests))
+        else:
+            (log.info if ok else log.warning)("%s node %s %s%s", msg.role, node_id,
+                                              "joined" if ok else "refused: ", reason)
+        if resync and not ok:
+            self.apply(self.dispatch.node_gone(
+                known, f"node {node_id} is not admitted any more: {reason}", now))
+        welcome(ok, reason)
+
+    # -- the clock --------------------------------------------------------------------------
+    async def tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            try:
+                self.tick(time.monotonic())
+            except Exception:  # the clock must keep going: deadlines, liveness, heartbeats
+                self.metrics.internal_error("router.tick", log)
+                self._salvage("router.tick")
+            self.loop_ticks["tick"] += 1
+
+    def tick(self, now: float) -> None:
+        stalled, self.last_tick = now - self.last_tick, now
+        if stalled > self.registry.timeout_s / 2:
+            # This process was stalled (stopped, swapped out): the nodes' silence is ours.
+            # Their heartbeats wait unread in the socket; give them a fresh window.
+            log.warning("the router's loop stalled for %.1f s: no node is blamed for it",
+                        stalled)
+            for node in self.registry.nodes.values():
+                node.last_seen = max(node.last_seen, now)
+        for node in self.registry.expire(now):
+            self.apply(self.dispatch.node_gone(
+                node, f"node {node.node_id} missed {self.config.liveness} heartbeats", now))
+        if now >= self._next_beat:
+            self._next_beat = now + self.config.heartbeat_interval_s
+            beat = P.Heartbeat(node_id="router", stats=None)
+            self.apply(Output(sends=[(node_id, beat) for node_id in self.registry.nodes]))
+        self.apply(self.dispatch.tick(now))
+
+
+def _text(node_id: str | bytes) -> str:
+    return node_id.decode(errors="replace") if isinstance(node_id, bytes) else node_id
