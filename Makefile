@@ -25,7 +25,7 @@ install: $(VENV)/.installed
 serve: $(VENV)/.installed
 	$(VENV)/bin/pdserve launch
 
-# Prometheus (Debian's package) backs tests/test_prometheus.py; the script never fails.
+# Prometheus (Debian's package) backs tests/e2e/test_prometheus.py; the script never fails.
 test: $(VENV)/.installed
 	sh .ci/install-prometheus.sh
 	$(PY) -m pytest

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Installs Debian's prometheus package (prometheus + promtool) for tests/test_prometheus.py.
+# Installs Debian's prometheus package (prometheus + promtool) for tests/e2e/test_prometheus.py.
 # Idempotent: nothing to do when /usr/bin/prometheus exists. Never fails the build: when
 # apt cannot install it (no root, no network), the test skips and says why.
 if [ -x /usr/bin/prometheus ] && [ -x /usr/bin/promtool ]; then
@@ -8,7 +8,7 @@ fi
 SUDO=""
 if [ "$(id -u)" != 0 ]; then
     command -v sudo >/dev/null 2>&1 && SUDO="sudo -n" || {
-        echo "install-prometheus: not root and no sudo; tests/test_prometheus.py will skip" >&2
+        echo "install-prometheus: not root and no sudo; tests/e2e/test_prometheus.py will skip" >&2
         exit 0
     }
 fi
@@ -20,6 +20,6 @@ if $SUDO apt-get update -qq >/dev/null && \
     echo "install-prometheus: $(/usr/bin/prometheus --version 2>&1 | head -n 1)"
 else
     echo "install-prometheus: apt-get could not install prometheus;" \
-         "tests/test_prometheus.py will skip" >&2
+         "tests/e2e/test_prometheus.py will skip" >&2
 fi
 exit 0

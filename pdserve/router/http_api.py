@@ -240,12 +240,20 @@ async def sse_events(answer: Answer, choices: Choices, watch: ClientWatch, first
         watch.close(choices)
 
 
-def build_app(core, api_key: str | None = None) -> FastAPI:
-    """The app over ``core`` (see router/core.py). ``api_key``: require
-    ``Authorization: Bearer <key>`` on /v1/*."""
-    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
-    started = int(time.time())
+def make_authorize(api_key: str | None):
+    """A check of ``Authorization: Bearer <key>`` (none when ``api_key`` is None)."""
+    def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise RequestError(UNAUTHORIZED, "a valid API key is required: send "
+                               "'Authorization: Bearer <key>'")
+    return authorize
 
+
+def add_error_handlers(app: FastAPI) -> None:
+    """FastAPI's own refusals (validation, 404, 405) in the OpenAI error body."""
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, exc: RequestValidationError):
         msgs = [f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}"
@@ -259,69 +267,71 @@ def build_app(core, api_key: str | None = None) -> FastAPI:
                           "type": "invalid_request_error", "param": None, "code": code}}
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
-    def authorize(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise RequestError(UNAUTHORIZED, "a valid API key is required: send "
-                               "'Authorization: Bearer <key>'")
 
-    async def serve(request: Request, chat: bool) -> Response:
-        try:
-            authorize(request)
-            body = await read_json(request)
-            model = check_model(body, core.model_name)
-            refuse_unsupported(body, chat)
-            stream_on, include_usage = stream_options(body)
-            opts = choice_options(body, chat)
-            prompt_list = await prompts(core, body, chat)
-            choices = submit_choices(core, body, chat, opts, prompt_list)
-        except RequestError as e:
-            return error_response(e)
-        except ClientDisconnect:
-            return Response(status_code=499)
-        except Exception:
-            logger.exception("request failed before it was submitted")
-            return error_response(RequestError(INTERNAL, "internal error; see the router's log"))
+async def serve(core, authorize, request: Request, chat: bool) -> Response:
+    """One completions (``chat`` False) or chat completions request, from body to answer."""
+    try:
+        authorize(request)
+        body = await read_json(request)
+        model = check_model(body, core.model_name)
+        refuse_unsupported(body, chat)
+        stream_on, include_usage = stream_options(body)
+        opts = choice_options(body, chat)
+        prompt_list = await prompts(core, body, chat)
+        choices = submit_choices(core, body, chat, opts, prompt_list)
+    except RequestError as e:
+        return error_response(e)
+    except ClientDisconnect:
+        return Response(status_code=499)
+    except Exception:
+        logger.exception("request failed before it was submitted")
+        return error_response(RequestError(INTERNAL, "internal error; see the router's log"))
 
-        reply = Reply(chat, ("chatcmpl-" if chat else "cmpl-") + choices.request_id,
-                      int(choices.choices[0].stream.created), model, include_usage,
-                      continuous_usage_stats(body))
-        answer = Answer(reply, opts, TokenTexts(core.tokenizer),
-                        sum(len(ids) for _, ids in prompt_list))
-        watch, handed_over = ClientWatch(request), False
-        try:
-            if not stream_on:
-                return await collect(answer, choices, watch)
-            # Wait for the first event so that an early failure gets its own HTTP status.
-            first = await watch.next(choices)
-            if first is None:
-                return Response(status_code=499) if watch.gone else \
-                    error_response(_ended_early())
-            if first[1].error is not None:
-                return error_response(first[1].error)
-            handed_over = True
-            return StreamingResponse(
-                sse_events(answer, choices, watch, first),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                # Runs even when the body was never iterated (client gone before start).
-                background=BackgroundTask(watch.close, choices))
-        except Exception:
-            logger.exception("request %s failed", choices.request_id)
-            return error_response(RequestError(INTERNAL, "internal error; see the router's log"))
-        finally:
-            if not handed_over:
-                watch.close(choices)
+    reply = Reply(chat, ("chatcmpl-" if chat else "cmpl-") + choices.request_id,
+                  int(choices.choices[0].stream.created), model, include_usage,
+                  continuous_usage_stats(body))
+    answer = Answer(reply, opts, TokenTexts(core.tokenizer),
+                    sum(len(ids) for _, ids in prompt_list))
+    watch, handed_over = ClientWatch(request), False
+    try:
+        if not stream_on:
+            return await collect(answer, choices, watch)
+        # Wait for the first event so that an early failure gets its own HTTP status.
+        first = await watch.next(choices)
+        if first is None:
+            return Response(status_code=499) if watch.gone else error_response(_ended_early())
+        if first[1].error is not None:
+            return error_response(first[1].error)
+        handed_over = True
+        return StreamingResponse(
+            sse_events(answer, choices, watch, first),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            # Runs even when the body was never iterated (client gone before start).
+            background=BackgroundTask(watch.close, choices))
+    except Exception:
+        logger.exception("request %s failed", choices.request_id)
+        return error_response(RequestError(INTERNAL, "internal error; see the router's log"))
+    finally:
+        if not handed_over:
+            watch.close(choices)
+
+
+def build_app(core, api_key: str | None = None) -> FastAPI:
+    """The app over ``core`` (see router/core.py). ``api_key``: require
+    ``Authorization: Bearer <key>`` on /v1/*."""
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+    started = int(time.time())
+    authorize = make_authorize(api_key)
+    add_error_handlers(app)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await serve(request, chat=False)
+        return await serve(core, authorize, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await serve(request, chat=True)
+        return await serve(core, authorize, request, chat=True)
 
     def model_card() -> dict:
         return {"id": core.model_name, "object": "model", "created": started,

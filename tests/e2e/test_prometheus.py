@@ -35,10 +35,10 @@ import pytest
 import yaml
 
 from tests.cluster import free_port, launched
-from tests.test_metrics import metrics_urls
+from tests.e2e.test_metrics import metrics_urls
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "deploy.md"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
 RULE_FILES = sorted(glob.glob(str(DEPLOY / "prometheus" / "rules" / "*.yml")))
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"

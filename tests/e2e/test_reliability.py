@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from tests.cluster import launched
-from tests.test_metrics import metrics_urls, scrape, value
+from tests.e2e.test_metrics import metrics_urls, scrape, value
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,8 @@ from pdserve.engine.config import EngineConfig
 from pdserve.prefill_node.main import PrefillNode
 from pdserve.router import streams as S
 from tests.cluster import launched
-from tests.test_attack import process_tree
-from tests.test_router_core import Harness, collect, greedy
+from tests.e2e.test_attack import process_tree
+from tests.integration.test_router_core import Harness, collect, greedy
 
 
 @pytest.fixture(scope="module")

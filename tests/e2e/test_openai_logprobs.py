@@ -16,8 +16,8 @@ import torch
 from pdserve import SamplingParams
 from pdserve.router import streams as S
 from tests.cluster import launched
-from tests.test_failover_hardening import _kill
-from tests.test_router_core import Harness
+from tests.e2e.test_failover_hardening import _kill
+from tests.integration.test_router_core import Harness
 
 TOL = 1e-3
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the " \
@@ -406,7 +406,7 @@ def test_n_choices_share_one_prefill(cluster, client, name):
     siblings, which reach it while the first is being prefilled, wait for its 62 full
     blocks and take them from the prefix cache (3 x 992 tokens hit; without the wait
     they would compute them again beside it)."""
-    from tests.test_metrics import eventually, metrics_urls, scrape, value
+    from tests.e2e.test_metrics import eventually, metrics_urls, scrape, value
 
     url = metrics_urls(cluster)["prefill-0"]
     hits = "pdserve_prefix_cache_hits_tokens_total"

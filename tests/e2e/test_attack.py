@@ -332,7 +332,7 @@ def test_a_flooding_stranger_is_held_to_its_budget(cluster, where):
     and a reply it would otherwise owe), drops the rest unread and counts them."""
     from pdserve.common.node_io import KV_STRANGER_BURST, KV_STRANGER_MSGS_PER_S
     from pdserve.router.node_messages import STRANGER_BURST, STRANGER_MSGS_PER_S
-    from tests.test_metrics import metrics_urls, scrape, value
+    from tests.e2e.test_metrics import metrics_urls, scrape, value
 
     if where == "router control":
         address, url = cluster.control, metrics_urls(cluster)["router"]
@@ -609,7 +609,7 @@ def test_a_batch_over_the_frame_limit_is_split():
 
 def test_no_attack_reached_a_handler_failure(cluster):
     """Every input above was refused by a check: none needed the containment net."""
-    from tests.test_metrics import metrics_urls, scrape, value
+    from tests.e2e.test_metrics import metrics_urls, scrape, value
 
     for name, url in metrics_urls(cluster).items():
         assert value(scrape(url)[1], "pdserve_internal_errors_total") == 0, name

@@ -17,8 +17,8 @@ import openai
 import pytest
 
 from tests.cluster import child_config, launched
-from tests.test_attack import process_tree
-from tests.test_metrics import metrics_urls, scrape, value
+from tests.e2e.test_attack import process_tree
+from tests.e2e.test_metrics import metrics_urls, scrape, value
 
 SCHEMA = {
     "type": "object",

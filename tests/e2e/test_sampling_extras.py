@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.cluster import launched
-from tests.test_structured_output import decode_steps, kill_busy_decode_node
+from tests.e2e.test_structured_output import decode_steps, kill_busy_decode_node
 
 transformers = pytest.importorskip("transformers")
 # A repeated prompt whose greedy continuation repeats tokens, so every penalty shows.
