@@ -194,12 +194,13 @@ def test_protocol_error_answers_as_error_message():
 
 def test_garbage_and_truncated_headers():
     expect_error([], E.BAD_MESSAGE, "empty message")
-    expect_error([b"\x00\xff\xfe garbage"], E.BAD_MESSAGE, "not valid MessagePack")
+    expect_error([b"\x00\xff\xfe garbage"], E.BAD_MESSAGE, "not the array [version, message]")
+    expect_error([codec.encode(hello())[0] + b"\xc1"], E.BAD_MESSAGE, "not valid MessagePack")
     expect_error([b"\xc1"], E.BAD_MESSAGE, "not valid MessagePack")
     good = codec.encode(hello())
     expect_error([good[0][:-5]], E.BAD_MESSAGE, "not valid MessagePack")
     expect_error([msgpack.packb({"v": P.PROTOCOL_VERSION})], E.BAD_MESSAGE,
-                 "header is a dict, expected [version, message]")
+                 "header is not the array [version, message]")
     expect_error([object()], E.BAD_MESSAGE, "not a buffer")
 
 
@@ -210,7 +211,7 @@ def test_version_mismatch_names_both_versions():
     assert f"version {other}" in err.message and f"version {P.PROTOCOL_VERSION}" in err.message
     # A version 4 peer's map header is told apart too: it is not [version, message].
     expect_error([msgpack.packb({"v": 4, "t": "hello", "tensors": []})], E.BAD_MESSAGE,
-                 "expected [version, message]")
+                 "not the array [version, message]")
     expect_error(with_header(frames, [None, header_of(frames)[1]]), E.BAD_MESSAGE,
                  "no protocol version")
 

@@ -153,7 +153,7 @@ def unpack_bounded(data) -> Any:
 
 # ---------------------------------------------------------------- errors, in field names
 
-_AT = re.compile(r"^(.*?)(?: - at `\$(.*)`)?$", re.S)
+_AT = re.compile(r"^(.*?)(?: - at (?:`key` in )?`\$(.*)`)?$", re.S)
 _STEP = re.compile(r"\[(\d+|\.\.\.)\]|\.(\w+)")
 _SHORT = re.compile(r"array` of (?:at least )?length (\d+), got (\d+)")
 
@@ -201,22 +201,33 @@ def field_path(cls: type, path: str, error: str = "") -> str:
     return out
 
 
+_PROBE = msgspec.msgpack.Decoder(list[msgspec.Raw])  # an array, its entries left unread
+
+
 def _explain(head: memoryview, error: Exception, expected: Optional[tuple]) -> ProtocolError:
-    """Why a header failed the typed decoder, in the contract's terms (its slow path)."""
+    """Why a header failed the typed decoder, in the contract's terms (its slow path).
+    Only the version and the tag are decoded; the rest is skipped as msgspec skips it."""
+    header = version = body = None
     try:
-        header = msgspec.msgpack.decode(head)  # bounded: check_expansion passed
+        header = _PROBE.decode(head)
+        version = msgspec.msgpack.decode(header[0]) if len(header) == 2 else None
+        body = _PROBE.decode(header[1]) if len(header) == 2 else None
+    except msgspec.ValidationError:
+        pass  # not an array: said below
     except msgspec.DecodeError as e:
         return ProtocolError(BAD_MESSAGE, f"header is not valid MessagePack ({e})")
     if not isinstance(header, list) or len(header) != 2:
-        return ProtocolError(BAD_MESSAGE, f"header is a {type(header).__name__}, expected "
-                             "[version, message]")
-    version, body = header
+        return ProtocolError(BAD_MESSAGE, "header is not the array [version, message]")
     if not isinstance(version, int) or isinstance(version, bool):
-        return ProtocolError(BAD_MESSAGE, f"header has no protocol version (got {version!r})")
+        return ProtocolError(BAD_MESSAGE, f"header has no protocol version (got "
+                             f"{str(version)[:100]})")
     if version != PROTOCOL_VERSION:
         return ProtocolError(VERSION_MISMATCH, f"peer speaks protocol version {version}, this "
                              f"process speaks version {PROTOCOL_VERSION}; upgrade one side")
-    tag = body[0] if isinstance(body, list) and body else None
+    try:
+        tag = msgspec.msgpack.decode(body[0]) if body else None
+    except msgspec.DecodeError:  # e.g. not UTF-8: no tag this version knows
+        tag = None
     cls = MESSAGE_TYPES.get(tag) if isinstance(tag, str) else None
     if cls is None:
         return ProtocolError(UNKNOWN_TYPE, f"unknown message type {str(tag)[:100]!r}; known "
@@ -295,7 +306,7 @@ def _decode(frames: Sequence[FrameLike], expected: Optional[tuple[type, ...]]) -
         msg = decoder_for(None if expected is None else tuple(expected)).decode(head)[1]
     except ProtocolError:
         raise
-    except msgspec.ValidationError as e:
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:  # e.g. a tag not in UTF-8
         raise _explain(head, e, expected) from None
     except Exception as e:
         raise ProtocolError(BAD_MESSAGE, f"header is not valid MessagePack ({type(e).__name__}: "

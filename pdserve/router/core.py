@@ -25,7 +25,6 @@ greedy request's output equals a run without the failure.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import os
@@ -33,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -328,7 +328,7 @@ class RouterCore(NodeMessages, Clock, PrefillDispatch):
         flight.attempt += 1
         flight.wire_id = f"{flight.req_id}~{flight.attempt}"
         flight.wire_prompt = flight.prompt + flight.out.token_ids
-        flight.spec = dataclasses.replace(
+        flight.spec = msgspec.structs.replace(
             flight.spec, max_tokens=flight.out.params.max_tokens - done, seed_offset=done,
             min_tokens=max(0, flight.out.params.min_tokens - done),
             # the first attempt's first token brought the prompt's logprobs
