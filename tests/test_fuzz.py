@@ -73,10 +73,16 @@ BASES = [[bytes(f) for f in codec.encode(m)] for m in _base_messages()]
 @st.composite
 def wire_frames(draw):
     """Frames of a protocol message: mutated valid ones, random headers of the protocol's
-    shape ([version, [tag, field...]]), random bytes."""
-    kind = draw(st.sampled_from(["mutate", "mutate", "mutate", "shape", "bytes"]))
+    shape ([version, [tag, field...]]) and of the old one (a map), random bytes."""
+    kind = draw(st.sampled_from(["mutate", "mutate", "mutate", "shape", "old", "bytes"]))
     if kind == "bytes":
         return draw(st.lists(st.binary(max_size=64), min_size=1, max_size=4))
+    if kind == "old":  # a map, as versions up to 4 sent: {"v": version, "t": tag, ...}
+        header = draw(st.dictionaries(st.text(max_size=8), values, max_size=4))
+        header.update(draw(st.fixed_dictionaries({}, optional={
+            "v": st.sampled_from([P.PROTOCOL_VERSION, 4, 2, "1"]) | values,
+            "t": st.sampled_from([*P.MESSAGE_TYPES, "nope"]) | values})))
+        return [msgpack.packb(header)]
     if kind == "shape":
         version = draw(st.sampled_from([P.PROTOCOL_VERSION, P.PROTOCOL_VERSION, 4, "5"])
                        | values)
@@ -116,6 +122,28 @@ def wire_frames(draw):
         pos = draw(st.integers(0, len(frames[i]) - 1))
         frames[i] = frames[i][:pos] + bytes([frames[i][pos] ^ 0xFF]) + frames[i][pos + 1:]
     return frames
+
+
+# ------------------------------------------------------------------ the oracle, locally
+
+def test_reference_agrees_with_the_decoder():
+    """No sockets: the oracle and codec.decode give the same answer for every input, on
+    the router's control socket and on a decode node's KV socket (the cluster tests below
+    then check that the processes answer what the decoder says)."""
+    @settings(max_examples=1000, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(wire_frames())
+    def agree(frames):
+        for accepted in (CONTROL_IN, KV_IN_TYPES):
+            want = reference(frames, accepted)
+            try:
+                got = codec.decode(frames, accepted).TAG
+            except P.ProtocolError as e:
+                got = e.code
+            event(f"{accepted is CONTROL_IN and 'control' or 'kv'}: {want}")
+            assert got == want, (frames, accepted, want, got)
+
+    agree()
 
 
 # ------------------------------------------------------------------ the cluster

@@ -209,8 +209,11 @@ def test_version_mismatch_names_both_versions():
     other = P.PROTOCOL_VERSION + 1
     err = expect_error(with_header(frames, [other, header_of(frames)[1]]), E.VERSION_MISMATCH)
     assert f"version {other}" in err.message and f"version {P.PROTOCOL_VERSION}" in err.message
-    # A version 4 peer's map header is told apart too: it is not [version, message].
-    expect_error([msgpack.packb({"v": 4, "t": "hello", "tensors": []})], E.BAD_MESSAGE,
+    # A version 4 peer's header is a map: it hears which version it should speak.
+    err = expect_error([msgpack.packb({"v": 4, "t": "hello", "tensors": []})],
+                       E.VERSION_MISMATCH)
+    assert "version 4" in err.message and f"version {P.PROTOCOL_VERSION}" in err.message
+    expect_error([msgpack.packb({"v": P.PROTOCOL_VERSION, "t": "hello"})], E.BAD_MESSAGE,
                  "not the array [version, message]")
     expect_error(with_header(frames, [None, header_of(frames)[1]]), E.BAD_MESSAGE,
                  "no protocol version")

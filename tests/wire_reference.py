@@ -6,7 +6,8 @@ or the tag of the message it must take. It reads only the declared schema (field
 and order, types, defaults and ``Meta`` limits of the wire classes) from the package, as
 data, and parses the header with the ``msgpack`` library, not msgspec; the rules are the
 document's, in its order: header size, at most one container per 4 bytes, a MessagePack
-array ``[version, message]``, an integer version equal to ours, a message that is an
+array ``[version, message]`` (a map with an integer "v" other than ours is an older
+peer: version_mismatch), an integer version equal to ours, a message that is an
 array led by a known tag, a type this socket takes, every field of its declared type
 (array-like structs: fields in declared order, trailing fields with defaults may be left
 out, extra trailing entries are ignored; map structs: string keys, unknown keys ignored;
@@ -194,6 +195,10 @@ def reference(frames: list[bytes], accepted: tuple[type, ...]) -> str:
     header, containers = parsed
     if containers > max(MIN_CONTAINERS, len(head) // BYTES_PER_CONTAINER):
         return E.TOO_LARGE
+    if isinstance(header, dict):  # versions up to 4: a map with the version at "v"
+        old = header.get("v")
+        return (E.VERSION_MISMATCH if isinstance(old, int) and not isinstance(old, bool)
+                and old != P.PROTOCOL_VERSION else E.BAD_MESSAGE)
     if not isinstance(header, list) or len(header) != 2:
         return E.BAD_MESSAGE
     version, body = header

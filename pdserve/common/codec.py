@@ -202,6 +202,16 @@ def field_path(cls: type, path: str, error: str = "") -> str:
 
 
 _PROBE = msgspec.msgpack.Decoder(list[msgspec.Raw])  # an array, its entries left unread
+_OLD_PROBE = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
+
+
+def _old_version(head: memoryview) -> Optional[int]:
+    """The "v" of a version <= 4 header (a map), so that peer hears version_mismatch."""
+    try:
+        version = msgspec.msgpack.decode(_OLD_PROBE.decode(head)["v"])
+    except (msgspec.ValidationError, msgspec.DecodeError, KeyError):
+        return None
+    return version if isinstance(version, int) and not isinstance(version, bool) else None
 
 
 def _explain(head: memoryview, error: Exception, expected: Optional[tuple]) -> ProtocolError:
@@ -212,8 +222,12 @@ def _explain(head: memoryview, error: Exception, expected: Optional[tuple]) -> P
         header = _PROBE.decode(head)
         version = msgspec.msgpack.decode(header[0]) if len(header) == 2 else None
         body = _PROBE.decode(header[1]) if len(header) == 2 else None
-    except msgspec.ValidationError:
-        pass  # not an array: said below
+    except msgspec.ValidationError:  # not an array: an old peer's map header, or noise
+        old = _old_version(head)
+        if old is not None and old != PROTOCOL_VERSION:
+            return ProtocolError(VERSION_MISMATCH, f"peer speaks protocol version {old}, "
+                                 f"this process speaks version {PROTOCOL_VERSION}; upgrade "
+                                 "one side")
     except msgspec.DecodeError as e:
         return ProtocolError(BAD_MESSAGE, f"header is not valid MessagePack ({e})")
     if not isinstance(header, list) or len(header) != 2:
