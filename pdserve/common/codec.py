@@ -131,8 +131,24 @@ def check_expansion(data: FrameLike) -> None:
     if size <= budget:
         return
     raw = data if isinstance(data, bytes) else _as_bytes_view(data).tobytes()
-    if len(raw.translate(None, _NOT_CONTAINER)) > budget:
-        unpack_bounded(raw)
+    if len(raw.translate(None, _NOT_CONTAINER)) <= budget:
+        return
+    left = [budget]
+
+    def count(obj):
+        left[0] -= 1
+        if left[0] < 0:
+            raise ProtocolError(TOO_LARGE, f"a {size}-byte MessagePack value holds more "
+                                f"than one map or array per {BYTES_PER_CONTAINER} bytes")
+        return obj
+
+    try:  # maps stay lists of pairs: any key is fine here, the typed decoder judges them
+        msgpack.unpackb(raw, raw=True, strict_map_key=False, list_hook=count,
+                        object_pairs_hook=count)
+    except ProtocolError:
+        raise
+    except Exception:
+        pass  # not valid MessagePack: the typed decoder says so, with the position
 
 
 def unpack_bounded(data) -> Any:
