@@ -15,11 +15,13 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 
 import click
-import msgpack
+import msgspec
 import zmq
 import zmq.asyncio
 
+from pdserve.common import queue_protocol as Q
 from pdserve.common.cli_options import sampling_options
+from pdserve.common.queue_protocol import Done, Tokens  # noqa: F401 (this module's API)
 from pdserve.common.sockets import CurveConfig, make_socket
 
 DEFAULT_INGRESS = "tcp://127.0.0.1:5557"
@@ -37,20 +39,6 @@ class QueueError(Exception):
 
 
 @dataclass
-class Tokens:
-    id: str
-    token_ids: list[int]
-    text: str
-
-
-@dataclass
-class Done:
-    id: str
-    finish_reason: str
-    usage: dict  # {"prompt_tokens": int, "completion_tokens": int}
-
-
-@dataclass
 class Result:
     id: str
     token_ids: list[int]
@@ -60,12 +48,14 @@ class Result:
 
 
 def _submit_message(rid, prompt, prompt_token_ids, sampling, max_msg_size) -> bytes:
-    msg = {"type": "submit", "id": rid, **sampling}
-    if prompt is not None:
-        msg["prompt"] = prompt
-    if prompt_token_ids is not None:
-        msg["prompt_token_ids"] = list(prompt_token_ids)
-    data = msgpack.packb(msg)
+    unknown = sorted(set(sampling) - set(Q.Submit.__struct_fields__))
+    if unknown:  # the ingress would refuse it: say so before sending
+        raise QueueError("bad_request", f"unknown field(s) {', '.join(unknown)}")
+    msg = Q.Submit(id=rid, **sampling,
+                   prompt=msgspec.UNSET if prompt is None else prompt,
+                   prompt_token_ids=msgspec.UNSET if prompt_token_ids is None
+                   else list(prompt_token_ids))
+    data = Q.ENCODER.encode(msg)
     if len(data) > max_msg_size:
         # The ingress would drop the connection (and every request on it) without a word.
         raise QueueError("too_large", f"the request is {len(data)} bytes; the ingress takes "
@@ -73,18 +63,20 @@ def _submit_message(rid, prompt, prompt_token_ids, sampling, max_msg_size) -> by
     return data
 
 
-def _event(msg) -> tuple[str | None, Tokens | Done | QueueError | None]:
-    """(id, what the message means); (None, None) for a message this client cannot use."""
-    if not isinstance(msg, dict):
+def _cancel_message(rid: str) -> bytes:
+    return Q.ENCODER.encode(Q.Cancel(id=rid))
+
+
+def _event(data: bytes) -> tuple[str | None, Tokens | Done | QueueError | None]:
+    """(id, what the answer means); (None, None) for one this client cannot use (another
+    type, a malformed one). Keys it does not know are ignored: answers may grow."""
+    try:
+        msg = Q.ANSWER_DECODER.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError):
         return None, None
-    rid, kind = msg.get("id"), msg.get("type")
-    if kind == "tokens":
-        return rid, Tokens(rid, list(msg.get("token_ids", [])), msg.get("text", ""))
-    if kind == "done":
-        return rid, Done(rid, msg.get("finish_reason"), dict(msg.get("usage") or {}))
-    if kind == "error":
-        return rid, QueueError(msg.get("code", "unknown"), msg.get("message", ""))
-    return None, None
+    if isinstance(msg, Q.Error):
+        return msg.id, QueueError(msg.code, msg.message)
+    return msg.id, msg
 
 
 def _collect(rid: str, events) -> Result:
@@ -133,7 +125,7 @@ class QueueClient:
         """Ends the request on the router; its remaining replies are dropped."""
         if self._buffers.pop(id, None) is not None:
             self._discard[id] += 1
-            self._send(msgpack.packb({"type": "cancel", "id": id}))
+            self._send(_cancel_message(id))
 
     def stream(self, id: str, timeout_s: float | None = None):
         """Yields Tokens, then one Done; raises QueueError on an error answer, TimeoutError
@@ -184,10 +176,7 @@ class QueueClient:
         return buf.popleft()
 
     def _route(self, data: bytes) -> None:
-        try:
-            rid, ev = _event(msgpack.unpackb(data, raw=False))
-        except Exception:
-            return
+        rid, ev = _event(data)
         if self._discard.get(rid):
             if isinstance(ev, (Done, QueueError)):
                 self._discard[rid] -= 1
@@ -237,7 +226,7 @@ class AsyncQueueClient:
     async def cancel(self, id: str) -> None:
         if self._queues.pop(id, None) is not None:
             self._discard[id] += 1
-            await self._sock.send(msgpack.packb({"type": "cancel", "id": id}))
+            await self._sock.send(_cancel_message(id))
 
     async def stream(self, id: str, timeout_s: float | None = None):
         """As QueueClient.stream."""
@@ -266,8 +255,7 @@ class AsyncQueueClient:
                 # A `break` closes the generator later, from the loop's finalizer, where
                 # awaiting is unreliable: send without waiting (NOBLOCK resolves at once).
                 self._discard[id] += 1
-                fut = self._sock.send(msgpack.packb({"type": "cancel", "id": id}),
-                                      flags=zmq.NOBLOCK)
+                fut = self._sock.send(_cancel_message(id), flags=zmq.NOBLOCK)
                 if fut.done():
                     fut.exception()  # a full queue: the router's deadline ends it instead
 
@@ -281,10 +269,7 @@ class AsyncQueueClient:
     async def _read(self) -> None:
         while True:
             data = await self._sock.recv()
-            try:
-                rid, ev = _event(msgpack.unpackb(data, raw=False))
-            except Exception:
-                continue
+            rid, ev = _event(data)
             if self._discard.get(rid):
                 if isinstance(ev, (Done, QueueError)):
                     self._discard[rid] -= 1

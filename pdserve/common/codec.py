@@ -1,15 +1,22 @@
-"""Messages of protocol.py as frames and back: the MessagePack header, the tensors as
-raw frames beside it (zero-copy both ways), their checksums, and a decoder that checks
-every field against the schema and never trusts the peer (anything malformed is a
-``ProtocolError`` naming the field).
+"""Messages of protocol/ as frames and back: the MessagePack header (msgspec, checked in
+C against the schema's types and limits), the tensors as raw frames beside it (zero-copy
+both ways), their checksums, and a decoder that never trusts the peer: anything
+malformed is a ``ProtocolError`` naming the field.
+
+Header: ``[PROTOCOL_VERSION, [tag, field, ...]]``. A socket decodes with the one
+``msgspec`` decoder for the union of the types it expects (``decoder_for``), in one
+pass; only a header that fails is looked at again, to say why in the contract's terms
+(another version, an unknown or unexpected tag, which field).
 """
-import dataclasses
+import functools
 import math
+import re
 import typing
 import warnings
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Literal, Optional, Sequence, Union
 
 import msgpack
+import msgspec
 import torch
 import xxhash
 
@@ -27,8 +34,10 @@ from pdserve.common.protocol import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     FrameLike,
+    KVChunk,
     Message,
     ProtocolError,
+    TensorMeta,
 )
 
 # ---------------------------------------------------------------- tensors
@@ -44,11 +53,6 @@ def _as_bytes_view(frame: FrameLike) -> memoryview:
         view = view.cast("B")
     return view
 
-# Decoded MessagePack may hold at most one container (map or array) per this many bytes of
-# input: a header of empty maps ({} is 1 byte, a dict 64) cannot grow 70x in memory.
-BYTES_PER_CONTAINER = 16
-MIN_CONTAINERS = 256
-
 
 def checksum_of(buffer: Union[FrameLike, torch.Tensor]) -> int:
     """64-bit XXH3 of a frame or of a tensor's bytes (what KVPart.checksums hold).
@@ -61,8 +65,10 @@ def checksum_of(buffer: Union[FrameLike, torch.Tensor]) -> int:
     return xxhash.xxh3_64_intdigest(_as_bytes_view(buffer))
 
 
-def tensor_to_frame(name: str, tensor: torch.Tensor) -> tuple[dict, memoryview]:
-    """(meta, frame) for one tensor; the frame is a view of the tensor, not a copy."""
+def tensor_to_frame(name: str, tensor: torch.Tensor,
+                    frame: int = 1) -> tuple[TensorMeta, memoryview]:
+    """(meta, frame bytes) for one tensor travelling as frame ``frame`` after the header;
+    the bytes are a view of the tensor, not a copy."""
     if not isinstance(tensor, torch.Tensor):
         raise ProtocolError(BAD_MESSAGE, f"tensor {name!r}: expected torch.Tensor, "
                             f"got {type(tensor).__name__}")
@@ -73,39 +79,22 @@ def tensor_to_frame(name: str, tensor: torch.Tensor) -> tuple[dict, memoryview]:
         raise ProtocolError(BAD_MESSAGE, f"tensor {name!r}: dtype {tensor.dtype} is not one "
                             f"of {list(DTYPES)}")
     flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)  # bf16 has no numpy
-    meta = {"name": name, "dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
-            "nbytes": flat.numel()}
+    meta = TensorMeta(dtype=_DTYPE_NAMES[tensor.dtype], shape=list(tensor.shape), frame=frame)
     return meta, memoryview(flat.numpy())  # the view keeps the tensor alive
 
 
-def frame_to_tensor(meta: Any, frame: FrameLike, index: int = 0) -> torch.Tensor:
-    """Rebuild a tensor over the frame's memory after checking it against its meta."""
-    where = f"tensor {index}"
-    if not isinstance(meta, dict):
-        raise ProtocolError(BAD_MESSAGE, f"{where}: meta is a {type(meta).__name__}, "
-                            "expected a map")
-    name, dtype, shape, nbytes = (meta.get(k) for k in ("name", "dtype", "shape", "nbytes"))
-    if not isinstance(name, str):
-        raise ProtocolError(BAD_MESSAGE, f"{where}: meta.name must be a str")
-    where = f"tensor {name!r}"
-    if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise ProtocolError(BAD_MESSAGE, f"{where}: dtype {dtype!r} is not one of {list(DTYPES)}")
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise ProtocolError(BAD_MESSAGE, f"{where}: shape {shape!r} is not a list of "
-                            "non-negative ints")
-    if not _is_int(nbytes) or nbytes < 0:
-        raise ProtocolError(BAD_MESSAGE, f"{where}: nbytes {nbytes!r} is not a non-negative int")
-    torch_dtype = DTYPES[dtype]
-    want = math.prod(shape) * torch_dtype.itemsize
-    if want != nbytes:
-        raise ProtocolError(BAD_MESSAGE, f"{where}: shape {shape} x {dtype} is {want} bytes "
-                            f"but the header says nbytes={nbytes}")
+def frame_to_tensor(meta: TensorMeta, frame: FrameLike, name: str = "tensor") -> torch.Tensor:
+    """Rebuild a tensor over the frame's memory after checking it against its meta (whose
+    types the decoder has checked: a known dtype, non-negative dims)."""
+    torch_dtype = DTYPES[meta.dtype]
+    want = math.prod(meta.shape) * torch_dtype.itemsize
     view = _as_bytes_view(frame)
-    if view.nbytes != nbytes:
-        raise ProtocolError(BAD_MESSAGE, f"{where}: frame has {view.nbytes} bytes, header "
-                            f"says nbytes={nbytes}")
-    if nbytes == 0:
-        return torch.empty(shape, dtype=torch_dtype)
+    if view.nbytes != want:
+        size = f"{want} bytes" if want < 2**63 else "over 2^63 bytes"
+        raise ProtocolError(BAD_MESSAGE, f"tensor {name!r}: shape {meta.shape} x {meta.dtype} "
+                            f"is {size}, its frame {meta.frame} has {view.nbytes}")
+    if want == 0:
+        return torch.empty(meta.shape, dtype=torch_dtype)
     if view.readonly:  # e.g. bytes; zmq frames are writable. Torch warns, we know.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
@@ -116,122 +105,50 @@ def frame_to_tensor(meta: Any, frame: FrameLike, index: int = 0) -> torch.Tensor
         # Small frames can sit unaligned inside ZeroMQ's receive batch; copying
         # them is cheap. Large frames get their own (aligned) allocation.
         raw = raw.clone()
-    return raw.view(torch_dtype).view(shape)
+    return raw.view(torch_dtype).view(meta.shape)
 
 
-# ---------------------------------------------------------------- field types
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-_SCALARS = {
-    int: _is_int,
-    float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    bool: lambda v: isinstance(v, bool),
-    str: lambda v: isinstance(v, str),
-    bytes: lambda v: isinstance(v, (bytes, bytearray)),
-    dict: lambda v: isinstance(v, dict),
-}
+# ---------------------------------------------------------------- bounded decoding
+# Decoded MessagePack may hold at most one container (map, array, struct) per this many
+# bytes of input. An empty array is 1 byte on the wire and a 56-byte list in memory: a
+# header of nothing else would grow 64x. With this bound the worst header grows about
+# 16x, no more than a legitimate one (a token id: 3 bytes, 28 in memory).
+BYTES_PER_CONTAINER = 4
+MIN_CONTAINERS = 256
+# The bytes that can open a MessagePack container: fixmap, fixarray, array16/32, map16/32.
+_NOT_CONTAINER = bytes(b for b in range(256) if not (0x80 <= b <= 0x9F or 0xDC <= b <= 0xDF))
 
 
-_EXACT = {int: {int}, str: {str}, bool: {bool}, bytes: {bytes}}
+def check_expansion(data: FrameLike) -> None:
+    """ProtocolError TOO_LARGE if ``data`` holds more containers than its size allows.
 
+    The common case costs one C pass: the number of bytes that could open a container is
+    an upper bound on the containers. Only when that bound is over the budget does the
+    exact (slower) count run. Arrays cannot claim more entries than the input holds:
+    msgspec and msgpack both check lengths against the bytes left before allocating."""
+    size = len(data) if isinstance(data, bytes) else _as_bytes_view(data).nbytes
+    budget = max(MIN_CONTAINERS, size // BYTES_PER_CONTAINER)
+    if size <= budget:
+        return
+    raw = data if isinstance(data, bytes) else _as_bytes_view(data).tobytes()
+    if len(raw.translate(None, _NOT_CONTAINER)) <= budget:
+        return
+    left = [budget]
 
-def _type_name(tp: Any) -> str:
-    args = typing.get_args(tp)
-    if typing.get_origin(tp) is Union:
-        return " or ".join("None" if a is type(None) else _type_name(a) for a in args)
-    if typing.get_origin(tp) is list:
-        return f"list[{_type_name(args[0])}]"
-    return getattr(tp, "__name__", str(tp))
+    def count(obj):
+        left[0] -= 1
+        if left[0] < 0:
+            raise ProtocolError(TOO_LARGE, f"a {size}-byte MessagePack value holds more "
+                                f"than one map or array per {BYTES_PER_CONTAINER} bytes")
+        return obj
 
-
-def _fail(path: str, tp: Any, value: Any) -> typing.NoReturn:
-    raise ProtocolError(BAD_MESSAGE, f"{path}: expected {_type_name(tp)}, "
-                        f"got {type(value).__name__}")
-
-
-_FIELDS: dict[type, tuple] = {}
-
-
-def _fields_of(cls: type) -> tuple:
-    """(name, type, has_default) of a wire dataclass's fields, tensors excluded."""
-    if cls not in _FIELDS:
-        hints = typing.get_type_hints(cls)
-        _FIELDS[cls] = tuple(
-            (f.name, hints[f.name], f.default is not dataclasses.MISSING
-             or f.default_factory is not dataclasses.MISSING)
-            for f in dataclasses.fields(cls) if f.name != "tensors")
-    return _FIELDS[cls]
-
-
-def _convert(value: Any, tp: Any, path: str, out: bool) -> Any:
-    """Check value against tp; out=True: dataclass -> map, out=False: map -> dataclass."""
-    origin = typing.get_origin(tp)
-    if origin is Union:
-        if value is None:
-            if type(None) in typing.get_args(tp):
-                return None
-            _fail(path, tp, value)
-        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _convert(value, inner, path, out)
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            _fail(path, tp, value)
-        (item,) = typing.get_args(tp)
-        if item in _EXACT and set(map(type, value)) <= _EXACT[item]:
-            return list(value)  # fast path (C speed) for token id lists
-        return [_convert(v, item, f"{path}[{i}]", out) for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):
-        if out:
-            if not isinstance(value, tp):
-                _fail(path, tp, value)
-            return {name: _convert(getattr(value, name), hint, f"{path}.{name}", True)
-                    for name, hint, _ in _fields_of(tp)}
-        if not isinstance(value, dict):
-            _fail(path, tp, value)
-        kwargs = {}
-        for name, hint, has_default in _fields_of(tp):
-            if name in value:
-                kwargs[name] = _convert(value[name], hint, f"{path}.{name}", False)
-            elif not has_default:
-                raise ProtocolError(BAD_MESSAGE, f"{path}.{name}: missing field "
-                                    f"(expected {_type_name(hint)})")
-        return tp(**kwargs)
-    check = _SCALARS.get(tp)
-    if check is None:
-        raise TypeError(f"protocol: unsupported field type {tp!r} at {path}")
-    if not check(value):
-        _fail(path, tp, value)
-    return float(value) if tp is float else value
-
-
-# ---------------------------------------------------------------- codec
-
-def encode(msg: Message) -> list[Union[bytes, memoryview]]:
-    """``[header, *tensor_frames]``; tensor frames are views (keep the tensors unchanged
-    until ZeroMQ is done with them)."""
-    cls = type(msg)
-    if MESSAGE_TYPES.get(getattr(cls, "TAG", None)) is not cls:
-        raise ProtocolError(BAD_MESSAGE, f"{cls.__name__} is not a registered message type")
-    header = {"v": PROTOCOL_VERSION, "t": cls.TAG}
-    header.update(_convert(msg, cls, cls.__name__, out=True))
-    msg._validate()
-    metas, frames = [], []
-    for name, tensor in getattr(msg, "tensors", {}).items():
-        meta, frame = tensor_to_frame(name, tensor)
-        metas.append(meta)
-        frames.append(frame)
-    header["tensors"] = metas
-    try:
-        packed = msgpack.packb(header, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as e:  # e.g. an int over 64 bits
-        raise ProtocolError(BAD_MESSAGE, f"{cls.__name__}: cannot pack header ({e})") from None
-    if len(packed) > MAX_HEADER_BYTES:
-        raise ProtocolError(TOO_LARGE, f"{cls.__name__} header is {len(packed)} bytes, over "
-                            f"MAX_HEADER_BYTES={MAX_HEADER_BYTES}; send fewer items per message")
-    return [packed, *frames]
+    try:  # maps stay lists of pairs: any key is fine here, the typed decoder judges them
+        msgpack.unpackb(raw, raw=True, strict_map_key=False, list_hook=count,
+                        object_pairs_hook=count)
+    except ProtocolError:
+        raise
+    except Exception:
+        pass  # not valid MessagePack: the typed decoder says so, with the position
 
 
 def unpack_bounded(data) -> Any:
@@ -248,6 +165,148 @@ def unpack_bounded(data) -> Any:
         return obj
 
     return msgpack.unpackb(data, raw=False, list_hook=count, object_hook=count)
+
+
+# ---------------------------------------------------------------- errors, in field names
+
+_AT = re.compile(r"^(.*?)(?: - at (?:`key` in )?`\$(.*)`)?$", re.S)
+_STEP = re.compile(r"\[(\d+|\.\.\.)\]|\.(\w+)")
+_SHORT = re.compile(r"array` of (?:at least )?length (\d+), got (\d+)")
+
+
+def _inner(tp: Any) -> Any:
+    """The struct, list or dict inside Annotated / Optional wrappers."""
+    while True:
+        if typing.get_origin(tp) is typing.Annotated:
+            tp = typing.get_args(tp)[0]
+        elif typing.get_origin(tp) is Union:
+            tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        else:
+            return tp
+
+
+def field_path(cls: type, path: str, error: str = "") -> str:
+    """msgspec's ``[1][3][0]`` (array-like structs have no names on the wire) as
+    ``TokenBatch.items[3].token_ids[0]``, walking the schema from ``cls``; a too-short
+    array (``error``) names the first missing field."""
+    out, tp, tagged = cls.__name__, cls, True
+    for index, name in _STEP.findall(path):
+        tp = _inner(tp)
+        if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+            hints = typing.get_type_hints(tp, include_extras=True)
+            if name:
+                field = name
+            else:
+                i = int(index) - (1 if tagged else 0)
+                if i < 0:
+                    return out + ".<tag>"
+                field = tp.__struct_fields__[i]
+            out, tp = f"{out}.{field}", hints[field]
+        elif typing.get_origin(tp) in (list, tuple):
+            out, tp = f"{out}[{index}]", typing.get_args(tp)[0]
+        elif typing.get_origin(tp) is dict:
+            out, tp = f"{out}[{index}]", typing.get_args(tp)[1]
+        tagged = False
+    short = _SHORT.search(error)
+    tp = _inner(tp)
+    if short and isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        got = int(short.group(2)) - (1 if tagged else 0)
+        missing = [f.name for f in msgspec.structs.fields(tp)[max(got, 0):] if f.required]
+        if missing:
+            return f"{out}.{missing[0]}: missing field"
+    return out
+
+
+_PROBE = msgspec.msgpack.Decoder(list[msgspec.Raw])  # an array, its entries left unread
+_OLD_PROBE = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
+
+
+def _old_version(head: memoryview) -> Optional[int]:
+    """The "v" of a version <= 4 header (a map), so that peer hears version_mismatch."""
+    try:
+        version = msgspec.msgpack.decode(_OLD_PROBE.decode(head)["v"])
+    except (msgspec.ValidationError, msgspec.DecodeError, KeyError):
+        return None
+    return version if isinstance(version, int) and not isinstance(version, bool) else None
+
+
+def _explain(head: memoryview, error: Exception, expected: Optional[tuple]) -> ProtocolError:
+    """Why a header failed the typed decoder, in the contract's terms (its slow path).
+    Only the version and the tag are decoded; the rest is skipped as msgspec skips it."""
+    header = version = body = None
+    try:
+        header = _PROBE.decode(head)
+        version = msgspec.msgpack.decode(header[0]) if len(header) == 2 else None
+        body = _PROBE.decode(header[1]) if len(header) == 2 else None
+    except msgspec.ValidationError:  # not an array: an old peer's map header, or noise
+        old = _old_version(head)
+        if old is not None and old != PROTOCOL_VERSION:
+            return ProtocolError(VERSION_MISMATCH, f"peer speaks protocol version {old}, "
+                                 f"this process speaks version {PROTOCOL_VERSION}; upgrade "
+                                 "one side")
+    except msgspec.DecodeError as e:
+        return ProtocolError(BAD_MESSAGE, f"header is not valid MessagePack ({e})")
+    if not isinstance(header, list) or len(header) != 2:
+        return ProtocolError(BAD_MESSAGE, "header is not the array [version, message]")
+    if not isinstance(version, int) or isinstance(version, bool):
+        return ProtocolError(BAD_MESSAGE, f"header has no protocol version (got "
+                             f"{str(version)[:100]})")
+    if version != PROTOCOL_VERSION:
+        return ProtocolError(VERSION_MISMATCH, f"peer speaks protocol version {version}, this "
+                             f"process speaks version {PROTOCOL_VERSION}; upgrade one side")
+    try:
+        tag = msgspec.msgpack.decode(body[0]) if body else None
+    except msgspec.DecodeError:  # e.g. not UTF-8: no tag this version knows
+        tag = None
+    cls = MESSAGE_TYPES.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        return ProtocolError(UNKNOWN_TYPE, f"unknown message type {str(tag)[:100]!r}; known "
+                             f"types: {', '.join(MESSAGE_TYPES)}")
+    if expected is not None and cls not in expected:
+        return ProtocolError(UNEXPECTED_TYPE, f"unexpected message type {cls.__name__} on "
+                             f"this socket, expected one of "
+                             f"{', '.join(c.__name__ for c in expected)}")
+    what, path = _AT.match(str(error)).groups()
+    what = what[:1].lower() + what[1:]
+    return ProtocolError(BAD_MESSAGE, f"{field_path(cls, (path or '')[3:], what)}: {what}"[:500])
+
+
+# ---------------------------------------------------------------- codec
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+@functools.lru_cache(maxsize=64)
+def decoder_for(expected: Optional[tuple] = None) -> msgspec.msgpack.Decoder:
+    """The one decoder of a socket that takes ``expected`` (None: every type)."""
+    types = tuple(MESSAGE_TYPES.values()) if expected is None else expected
+    assert all(MESSAGE_TYPES.get(getattr(t, "TAG", None)) is t for t in types), types
+    return msgspec.msgpack.Decoder(tuple[Literal[PROTOCOL_VERSION], Union[types]])
+
+
+def encode(msg: Message) -> list[Union[bytes, memoryview]]:
+    """``[header, *tensor_frames]``; tensor frames are views (keep the tensors unchanged
+    until ZeroMQ is done with them). Field types are the receiver's to check (msgspec
+    checks them as it decodes); the cross-field rules and the sizes are checked here."""
+    cls = type(msg)
+    if MESSAGE_TYPES.get(getattr(cls, "TAG", None)) is not cls:
+        raise ProtocolError(BAD_MESSAGE, f"{cls.__name__} is not a registered message type")
+    msg._validate()
+    frames: list = []
+    if cls is KVChunk and msg.tensors:
+        metas = {}
+        for name, tensor in msg.tensors.items():
+            metas[name], frame = tensor_to_frame(name, tensor, len(frames) + 1)
+            frames.append(frame)
+        msg = msgspec.structs.replace(msg, tensors=metas)
+    try:
+        packed = _ENCODER.encode((PROTOCOL_VERSION, msg))
+    except (TypeError, ValueError, OverflowError) as e:  # e.g. an int over 64 bits
+        raise ProtocolError(BAD_MESSAGE, f"{cls.__name__}: cannot pack header ({e})") from None
+    if len(packed) > MAX_HEADER_BYTES:
+        raise ProtocolError(TOO_LARGE, f"{cls.__name__} header is {len(packed)} bytes, over "
+                            f"MAX_HEADER_BYTES={MAX_HEADER_BYTES}; send fewer items per message")
+    return [packed, *frames]
 
 
 def decode(frames: Sequence[FrameLike], expected: Optional[tuple[type, ...]] = None) -> Message:
@@ -273,48 +332,34 @@ def _decode(frames: Sequence[FrameLike], expected: Optional[tuple[type, ...]]) -
         raise ProtocolError(TOO_LARGE, f"header is {head.nbytes} bytes, over "
                             f"MAX_HEADER_BYTES={MAX_HEADER_BYTES}")
     try:
-        header = unpack_bounded(head)
+        check_expansion(head)
+        msg = decoder_for(None if expected is None else tuple(expected)).decode(head)[1]
     except ProtocolError:
         raise
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:  # e.g. a tag not in UTF-8
+        raise _explain(head, e, expected) from None
     except Exception as e:
         raise ProtocolError(BAD_MESSAGE, f"header is not valid MessagePack ({type(e).__name__}: "
                             f"{str(e)[:200]})") from None
-    if not isinstance(header, dict):
-        raise ProtocolError(BAD_MESSAGE, f"header is a {type(header).__name__}, expected a map")
-    version = header.get("v")
-    if not _is_int(version):
-        raise ProtocolError(BAD_MESSAGE, f"header has no protocol version 'v' (got {version!r})")
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(VERSION_MISMATCH, f"peer speaks protocol version {version}, this "
-                            f"process speaks version {PROTOCOL_VERSION}; upgrade one side")
-    tag = header.get("t")
-    cls = MESSAGE_TYPES.get(tag) if isinstance(tag, str) else None
-    if cls is None:
-        raise ProtocolError(UNKNOWN_TYPE, f"unknown message type {tag!r}; known types: "
-                            f"{', '.join(MESSAGE_TYPES)}")
-    if expected is not None and cls not in expected:
-        raise ProtocolError(UNEXPECTED_TYPE, f"unexpected message type {cls.__name__} on this "
-                            f"socket, expected one of {', '.join(c.__name__ for c in expected)}")
-    metas = header.get("tensors")
-    if not isinstance(metas, list):
-        raise ProtocolError(BAD_MESSAGE, f"{cls.__name__}: header 'tensors' must be a list, "
-                            f"got {type(metas).__name__}")
-    takes_tensors = any(f.name == "tensors" for f in dataclasses.fields(cls))
-    if metas and not takes_tensors:
-        raise ProtocolError(BAD_MESSAGE, f"{cls.__name__} carries no tensors but the header "
-                            f"declares {len(metas)}")
-    if len(frames) - 1 != len(metas):
-        raise ProtocolError(BAD_MESSAGE, f"{cls.__name__} header declares {len(metas)} tensor "
-                            f"frame(s) but {len(frames) - 1} followed")
-    msg = _convert(header, cls, cls.__name__, out=False)
-    if takes_tensors:
-        tensors = {}
-        for i, (meta, frame) in enumerate(zip(metas, frames[1:])):
-            tensor = frame_to_tensor(meta, frame, i)
-            if meta["name"] in tensors:
-                raise ProtocolError(BAD_MESSAGE, f"{cls.__name__}: tensor {meta['name']!r} "
-                                    "appears twice")
-            tensors[meta["name"]] = tensor
-        msg = dataclasses.replace(msg, tensors=tensors)
+    if type(msg) is KVChunk:
+        msg = _with_tensors(msg, frames)
+    elif len(frames) > 1:
+        raise ProtocolError(BAD_MESSAGE, f"{type(msg).__name__} carries no tensors but "
+                            f"{len(frames) - 1} frame(s) followed its header")
     msg._validate()
     return msg
+
+
+def _with_tensors(msg: KVChunk, frames: Sequence[FrameLike]) -> KVChunk:
+    """The chunk with its tensor metas replaced by tensors over their frames."""
+    metas = msg.tensors
+    if len(frames) - 1 != len(metas):
+        raise ProtocolError(BAD_MESSAGE, f"KVChunk header declares {len(metas)} tensor "
+                            f"frame(s) but {len(frames) - 1} followed")
+    if sorted(m.frame for m in metas.values()) != list(range(1, len(frames))):
+        raise ProtocolError(BAD_MESSAGE, f"KVChunk.tensors: frame indices "
+                            f"{[m.frame for m in metas.values()]} are not 1..{len(metas)}, "
+                            "each once")
+    tensors = {name: frame_to_tensor(meta, frames[meta.frame], name)
+               for name, meta in metas.items()}
+    return msgspec.structs.replace(msg, tensors=tensors)

@@ -14,7 +14,6 @@ Channels (the first item of each inbox entry):
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import queue
@@ -24,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import msgspec
 import zmq
 
 from pdserve.common import errors as E
@@ -169,7 +169,7 @@ class NodeIO(threading.Thread):
                                     curve=self.curve.kv_server if self.curve else None)
                 socks.append(kv_in)
                 address = advertised(endpoint_of(kv_in), self.advertise_host)
-                self.hello = dataclasses.replace(self.hello, kv_address=address)
+                self.hello = msgspec.structs.replace(self.hello, kv_address=address)
             kv_out: dict[str, zmq.Socket] = {}
             poller = zmq.Poller()
             poller.register(control, zmq.POLLIN)

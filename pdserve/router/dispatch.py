@@ -31,9 +31,10 @@ equals a run without the failure. After MAX_ATTEMPTS failures the request fails.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
+
+import msgspec
 
 from pdserve.common import protocol as P
 from pdserve.common.metrics import RouterMetrics
@@ -236,7 +237,7 @@ class Dispatch(NodeMessages, PrefillDispatch):
         flight.attempt += 1
         flight.wire_id = f"{flight.req_id}~{flight.attempt}"
         flight.wire_prompt = flight.prompt + flight.out.token_ids
-        flight.spec = dataclasses.replace(
+        flight.spec = msgspec.structs.replace(
             flight.spec, max_tokens=flight.out.params.max_tokens - done, seed_offset=done,
             min_tokens=max(0, flight.out.params.min_tokens - done),
             # the first attempt's first token brought the prompt's logprobs

@@ -1,10 +1,12 @@
 """Queue-producer ingress: a ROUTER socket where producers (DEALERs) submit requests
 as plain MessagePack maps and get their tokens back on the same socket.
 
-The contract is docs/queue-protocol.md. It runs in the router's asyncio loop:
+The contract is docs/queue-protocol.md; its messages are the Structs of
+common/queue_protocol.py, which the clients use too. It runs in the router's asyncio loop:
 
-1. ``run`` receives one message, checks it and answers bad input with an ``error``
-   at once (the ingress keeps serving whatever a producer sends).
+1. ``run`` receives one message, decodes it (one typed msgspec pass, bounded in how far it
+   may outgrow its frame) and answers bad input with an ``error`` at once, naming the
+   field (the ingress keeps serving whatever a producer sends).
 2. A ``submit`` becomes ``core.submit(GenerationRequest)`` (never waits); the stream
    hands each event to ``_deliver`` (no task per request), which turns it into a
    ``tokens`` message and, at the end, exactly one ``done`` or ``error``.
@@ -21,14 +23,16 @@ import asyncio
 import errno
 import functools
 import logging
+import re
 import reprlib
 from dataclasses import dataclass
 
-import msgpack
+import msgspec
 import zmq
 import zmq.asyncio
 
-from pdserve.common.codec import unpack_bounded
+from pdserve.common import queue_protocol as Q
+from pdserve.common.codec import check_expansion
 from pdserve.common.errors import DUPLICATE_ID
 from pdserve.common.transport import CurveConfig, endpoint_of, make_socket
 from pdserve.engine.sampling_params import SamplingParams
@@ -50,8 +54,11 @@ MAX_MSG_SIZE = 4 * 1024 * 1024  # bytes per frame; a bigger one disconnects the 
 # may have thousands of requests whose tokens all go out in the same loop tick.
 SNDHWM = 100_000
 MAX_FRAMES_PER_SEND = 256  # messages to one producer in one multipart send, at most
-SUBMIT_FIELDS = ("type", "id", "prompt", "prompt_token_ids", "max_tokens", "temperature",
-                 "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs")
+SUBMIT_FIELDS = ("type", *Q.Submit.__struct_fields__)
+SAMPLING_FIELDS = tuple(f for f in Q.Submit.__struct_fields__
+                        if f not in ("id", "prompt", "prompt_token_ids"))
+_FIELD = re.compile(r"`\$\.(\w+)")                       # msgspec's path to a bad value
+_MISSING = re.compile(r"missing required field `(\w+)`")  # ... and to a missing one
 
 
 @dataclass
@@ -111,26 +118,18 @@ class Ingress:
             return self._reject(peer, None, f"expected one frame (a MessagePack map), got "
                                             f"{len(frames)}")
         try:
-            msg = unpack_bounded(frames[0])
-        except Exception as e:
+            check_expansion(frames[0])
+            msg = Q.PRODUCER_DECODER.decode(frames[0])
+        except msgspec.ValidationError as e:
+            return self._reject(peer, *_explain(frames[0], e))
+        except Exception as e:  # not MessagePack, or a frame that would grow too far
             return self._reject(peer, None, f"not valid MessagePack: {e}")
-        if not isinstance(msg, dict):
-            return self._reject(peer, None, f"message must be a MessagePack map, got "
-                                            f"{type(msg).__name__}")
-        rid, kind = msg.get("id"), msg.get("type")
-        readable = rid if isinstance(rid, str) and rid else None  # to answer with
-        if kind not in ("submit", "cancel"):
-            return self._reject(peer, readable, f"field 'type' must be 'submit' or 'cancel', "
-                                                f"got {_describe(kind)}")
-        if readable is None:
-            return self._reject(peer, None, f"field 'id' must be a non-empty string, got "
-                                            f"{_describe(rid)}")
-        if kind == "submit":
-            self._submit(peer, rid, msg)
+        if isinstance(msg, Q.Submit):
+            self._submit(peer, msg.id, msg)
         else:
-            self._cancel(peer, rid)
+            self._cancel(peer, msg.id)
 
-    def _submit(self, peer: bytes, rid: str, msg: dict) -> None:
+    def _submit(self, peer: bytes, rid: str, msg: Q.Submit) -> None:
         if (peer, rid) in self._flights:
             self._send_error(peer, rid, DUPLICATE_ID,
                              f"request id {rid!r} is already in flight from this producer")
@@ -139,7 +138,7 @@ class Ingress:
         self._flights[(peer, rid)] = flight
         flight.task = asyncio.get_running_loop().create_task(self._start(peer, rid, msg, flight))
 
-    async def _start(self, peer: bytes, rid: str, msg: dict, flight: _Flight) -> None:
+    async def _start(self, peer: bytes, rid: str, msg: Q.Submit, flight: _Flight) -> None:
         try:
             stream = self.core.submit(await self._request(msg))  # core.check runs inside
         except RequestError as e:
@@ -154,35 +153,25 @@ class Ingress:
         flight.stream, flight.prompt_tokens = stream, len(stream.prompt_token_ids)
         stream.sink = functools.partial(self._deliver, peer, rid, flight)
 
-    async def _request(self, msg: dict) -> GenerationRequest:
-        """The GenerationRequest of a submit map; RequestError(bad_request) naming the field."""
-        unknown = sorted(str(k) for k in msg if k not in SUBMIT_FIELDS)
-        if unknown:
-            raise RequestError(BAD_REQUEST, f"unknown field(s) {', '.join(unknown)}; allowed: "
-                               f"{', '.join(SUBMIT_FIELDS)}", unknown[0])
-        has_text, has_ids = "prompt" in msg, "prompt_token_ids" in msg
+    async def _request(self, msg: Q.Submit) -> GenerationRequest:
+        """The GenerationRequest of a submit whose types the decoder checked; RequestError
+        (bad_request) naming the field for what the types cannot say."""
+        has_text, has_ids = msg.prompt is not msgspec.UNSET, msg.prompt_token_ids is not \
+            msgspec.UNSET
         if has_text == has_ids:
             raise RequestError(BAD_REQUEST, "exactly one of 'prompt' (string) or "
                                "'prompt_token_ids' (list of integers) is required", "prompt")
         if has_text:
-            if not isinstance(msg["prompt"], str):
-                _bad_type("prompt", "a string", msg["prompt"])
-            check_prompt_bytes(msg["prompt"], self.core.config)
+            check_prompt_bytes(msg.prompt, self.core.config)
             ids = await self.core.tokenizing.run(encode_text, self.core.tokenizer,
-                                                 msg["prompt"]) if msg["prompt"] else []
+                                                 msg.prompt) if msg.prompt else []
         else:
-            ids = msg["prompt_token_ids"]
-            if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
-                _bad_type("prompt_token_ids", "a list of integers", ids)
-        if "max_tokens" not in msg:
+            ids = msg.prompt_token_ids
+        if msg.max_tokens is msgspec.UNSET:
             raise RequestError(BAD_REQUEST, "field 'max_tokens' (integer >= 1) is required",
                                "max_tokens")
-        kwargs = {}
-        for name, ok, what in _SAMPLING_TYPES:
-            if name in msg:
-                if not ok(msg[name]):
-                    _bad_type(name, what, msg[name])
-                kwargs[name] = msg[name]
+        kwargs = {name: getattr(msg, name) for name in SAMPLING_FIELDS
+                  if getattr(msg, name) is not msgspec.UNSET}
         try:
             params = SamplingParams(**kwargs)
         except ValueError as e:
@@ -224,7 +213,7 @@ class Ingress:
             self._send(peer, _error(rid, INTERNAL, f"internal error: {e}"))
         del self._flights[(peer, rid)]
 
-    def _send(self, peer: bytes, msg: dict) -> None:
+    def _send(self, peer: bytes, msg: Q.Tokens | Q.Done | Q.Error) -> None:
         """Queues one message; each producer's messages of this loop turn leave together as
         one multipart message (one frame per message) when the turn ends."""
         if self._closed:
@@ -234,7 +223,7 @@ class Ingress:
             if not self._outbox:
                 asyncio.get_running_loop().call_soon(self._flush)
             frames = self._outbox[peer] = []
-        frames.append(msgpack.packb(msg))
+        frames.append(Q.ENCODER.encode(msg))
 
     def _flush(self) -> None:
         """NOBLOCK sends of the turn's messages; a producer that cannot take them (gone, or
@@ -281,53 +270,54 @@ class Ingress:
         self._send(peer, _error(rid, code, message))
 
     @staticmethod
-    def _done(rid: str, finish_reason: str, flight: _Flight) -> dict:
-        return {"type": "done", "id": rid, "finish_reason": finish_reason,
-                "usage": {"prompt_tokens": flight.prompt_tokens,
-                          "completion_tokens": flight.completion_tokens}}
+    def _done(rid: str, finish_reason: str, flight: _Flight) -> Q.Done:
+        return Q.Done(id=rid, finish_reason=finish_reason,
+                      usage={"prompt_tokens": flight.prompt_tokens,
+                             "completion_tokens": flight.completion_tokens})
 
 
-def _error(rid: str | None, code: str, message: str) -> dict:
-    return {"type": "error", "id": rid, "code": code, "message": message}
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+def _error(rid: str | None, code: str, message: str) -> Q.Error:
+    return Q.Error(id=rid, code=code, message=message)
 
 
 def _describe(v) -> str:
     return "nothing" if v is None else f"{reprlib.repr(v)} ({type(v).__name__})"
 
 
-def _tokens(rid: str, ev) -> dict:
-    msg = {"type": "tokens", "id": rid, "token_ids": list(ev.token_ids), "text": ev.text}
-    if ev.logprobs is not None:
-        msg["logprobs"] = {"token_logprobs": ev.logprobs.token_logprobs,
-                           "top_ids": ev.logprobs.top_ids,
-                           "top_logprobs": ev.logprobs.top_logprobs}
-    return msg
+def _explain(data: bytes, error: msgspec.ValidationError) -> tuple[str | None, str]:
+    """(the id to answer with, what was wrong) for a frame the typed decoder refused, in
+    docs/queue-protocol.md's words. The slow path: the frame is read again, untyped (its
+    size was checked)."""
+    try:
+        msg = msgspec.msgpack.decode(data)
+    except Exception as e:
+        return None, f"not valid MessagePack: {e}"
+    if not isinstance(msg, dict):
+        return None, f"message must be a MessagePack map, got {type(msg).__name__}"
+    rid, kind = msg.get("id"), msg.get("type")
+    readable = rid if isinstance(rid, str) and 0 < len(rid) <= Q.MAX_ID_CHARS else None
+    if kind not in ("submit", "cancel"):
+        return readable, f"field 'type' must be 'submit' or 'cancel', got {_describe(kind)}"
+    unknown = sorted(str(k) for k in msg if k not in SUBMIT_FIELDS)
+    if kind == "submit" and unknown:
+        return readable, (f"unknown field(s) {', '.join(unknown)}; allowed: "
+                          f"{', '.join(SUBMIT_FIELDS)}")
+    missing = _MISSING.search(str(error))
+    if missing is not None:
+        return None, f"field {missing.group(1)!r} is required: {Q.FIELD_TYPES[missing.group(1)]}"
+    field = _FIELD.search(str(error))
+    if field is None or field.group(1) not in Q.FIELD_TYPES:
+        return readable, f"bad message: {error}"
+    name = field.group(1)
+    detail = str(error).split(" - at ")[0]
+    return (readable if name != "id" else None,
+            f"field {name!r} must be {Q.FIELD_TYPES[name]}, got {_describe(msg.get(name))} "
+            f"({detail[:1].lower() + detail[1:]})")
 
 
-def _bad_type(name: str, what: str, value) -> None:
-    raise RequestError(BAD_REQUEST, f"field {name!r} must be {what}, got {_describe(value)}",
-                       name)
-
-
-_SAMPLING_TYPES = (
-    ("max_tokens", _is_int, "an integer >= 1"),
-    ("temperature", _is_num, "a number"),
-    ("top_p", _is_num, "a number"),
-    ("top_k", _is_int, "an integer"),
-    ("seed", lambda v: v is None or _is_int(v), "an integer or nil"),
-    ("stop", lambda v: isinstance(v, str) or (isinstance(v, list)
-                                              and all(isinstance(s, str) for s in v)),
-     "a string or a list of strings"),
-    ("stop_token_ids", lambda v: isinstance(v, list) and all(_is_int(t) for t in v),
-     "a list of integers"),
-    ("ignore_eos", lambda v: isinstance(v, bool), "a boolean"),
-    ("logprobs", lambda v: v is None or _is_int(v), "an integer or nil"),
-)
+def _tokens(rid: str, ev) -> Q.Tokens:
+    lp = ev.logprobs
+    return Q.Tokens(id=rid, token_ids=list(ev.token_ids), text=ev.text, logprobs=None
+                    if lp is None else Q.TokenLogprobs(token_logprobs=lp.token_logprobs,
+                                                       top_ids=lp.top_ids,
+                                                       top_logprobs=lp.top_logprobs))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import msgpack
+import msgspec
 import pytest
 import torch
 import zmq
@@ -285,10 +286,9 @@ def test_a_4mib_prompt_does_not_stall_the_router(cluster):
 def test_hostile_frames_on_control_and_ingress(cluster):
     ctx = zmq.Context()
     try:
-        # A 2 MiB header of empty maps (it would grow 70x in memory): refused as too large.
+        # A 2 MiB header of empty maps (it would grow 64x in memory): refused as too large.
         sock = make_socket(ctx, zmq.DEALER, connect=cluster.control, identity="hostile")
-        sock.send(msgpack.packb({"v": P.PROTOCOL_VERSION, "t": "hello",
-                                 "x": [{}] * (2 << 20)}))
+        sock.send(msgpack.packb([P.PROTOCOL_VERSION, ["hello", [{}] * (2 << 20)]]))
         assert sock.poll(10_000)
         err = recv_message(sock)
         assert isinstance(err, P.Error) and err.code == E.TOO_LARGE, err
@@ -412,8 +412,6 @@ def _mutations(fake, vocab):
     then fails): a reference of the KV contract (docs/protocol.md) written here, not
     derived from the node's checks. A checksum mismatch is a transfer fault another try
     can fix: the router retries the request, which completes."""
-    import dataclasses
-
     from pdserve.common.codec import checksum_of
 
     def valid(req, first_token=7):
@@ -421,18 +419,18 @@ def _mutations(fake, vocab):
 
     def with_layout(req, **kw):
         chunk = valid(req)
-        lay = dataclasses.replace(chunk.kv_layout, **kw)
+        lay = msgspec.structs.replace(chunk.kv_layout, **kw)
         dtype = P.DTYPES[lay.dtype]
-        return dataclasses.replace(chunk, kv_layout=lay, tensors={
+        return msgspec.structs.replace(chunk, kv_layout=lay, tensors={
             n: t.to(dtype) for n, t in chunk.tensors.items()})
 
     def with_part(chunk, **kw):
-        return dataclasses.replace(chunk, parts=[dataclasses.replace(chunk.parts[0], **kw)])
+        return msgspec.structs.replace(chunk, parts=[msgspec.structs.replace(chunk.parts[0], **kw)])
 
     def tokens(req):
         chunk = valid(req)
         n = chunk.parts[0].num_tokens + chunk.kv_layout.block_size  # one block more
-        return dataclasses.replace(with_part(chunk, num_tokens=n), tensors={
+        return msgspec.structs.replace(with_part(chunk, num_tokens=n), tensors={
             k: torch.zeros(t.shape[0] + 1, *t.shape[1:]) for k, t in chunk.tensors.items()})
 
     def checksums(req):
@@ -442,12 +440,12 @@ def _mutations(fake, vocab):
 
     def missing_layers(req):
         chunk = valid(req)
-        return dataclasses.replace(chunk, layer_start=1, tensors={
+        return msgspec.structs.replace(chunk, layer_start=1, tensors={
             k: t for k, t in chunk.tensors.items() if k[1:] != "0"})
 
     other_model = P.ModelIdentity(name=fake.identity.name, config_hash="0" * 16)
     return [
-        ("model", lambda r: dataclasses.replace(valid(r), model=other_model), "model", True),
+        ("model", lambda r: msgspec.structs.replace(valid(r), model=other_model), "model", True),
         ("dtype", lambda r: with_layout(r, dtype="float16"), "layout", True),
         ("num_tokens", tokens, "tokens", True),
         ("checksum", checksums, "checksum", False),

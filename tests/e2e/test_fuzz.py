@@ -72,30 +72,43 @@ BASES = [[bytes(f) for f in codec.encode(m)] for m in _base_messages()]
 
 @st.composite
 def wire_frames(draw):
-    """Frames of a protocol message: mutated valid ones, random maps, random bytes."""
-    kind = draw(st.sampled_from(["mutate", "mutate", "mutate", "map", "bytes"]))
+    """Frames of a protocol message: mutated valid ones, random headers of the protocol's
+    shape ([version, [tag, field...]]) and of the old one (a map), random bytes."""
+    kind = draw(st.sampled_from(["mutate", "mutate", "mutate", "shape", "old", "bytes"]))
     if kind == "bytes":
         return draw(st.lists(st.binary(max_size=64), min_size=1, max_size=4))
-    if kind == "map":
-        header = draw(st.dictionaries(st.text(max_size=8), values, max_size=5))
+    if kind == "old":  # a map, as versions up to 4 sent: {"v": version, "t": tag, ...}
+        header = draw(st.dictionaries(st.text(max_size=8), values, max_size=4))
         header.update(draw(st.fixed_dictionaries({}, optional={
-            "v": st.sampled_from([P.PROTOCOL_VERSION, 0, 2, "1"]),
-            "t": st.sampled_from([*P.MESSAGE_TYPES, "nope", ""]) | values,
-            "tensors": st.lists(values, max_size=2)})))
+            "v": st.sampled_from([P.PROTOCOL_VERSION, 4, 2, "1"]) | values,
+            "t": st.sampled_from([*P.MESSAGE_TYPES, "nope"]) | values})))
+        return [msgpack.packb(header)]
+    if kind == "shape":
+        version = draw(st.sampled_from([P.PROTOCOL_VERSION, P.PROTOCOL_VERSION, 4, "5"])
+                       | values)
+        tag = draw(st.sampled_from([*P.MESSAGE_TYPES, "nope", ""]) | values)
+        body = draw(st.sampled_from(["list", "list", "other"]))
+        header = [version, [tag, *draw(st.lists(values, max_size=6))]
+                  if body == "list" else draw(values)]
         return [msgpack.packb(header)]
     frames = list(draw(st.sampled_from(BASES)))
     header = msgpack.unpackb(frames[0])
-    op = draw(st.sampled_from(["set", "drop", "add", "truncate", "frames", "flip", "meta"]))
-    if op == "set":
-        header[draw(st.sampled_from(sorted(header)))] = draw(values)
-    elif op == "drop":
-        del header[draw(st.sampled_from(sorted(header)))]
-    elif op == "add":
-        header[draw(st.text(max_size=8))] = draw(values)
-    elif op == "meta" and header["tensors"]:
-        meta = header["tensors"][draw(st.integers(0, len(header["tensors"]) - 1))]
-        meta[draw(st.sampled_from(["name", "dtype", "shape", "nbytes"]))] = draw(values)
-    if op in ("set", "drop", "add", "meta"):
+    body = header[1]
+    op = draw(st.sampled_from(["set", "drop", "add", "truncate", "frames", "flip", "meta",
+                               "version"]))
+    if op == "set":  # one field (or the tag) gets a random value
+        body[draw(st.integers(0, len(body) - 1))] = draw(values)
+    elif op == "drop":  # the array ends early: trailing fields go missing
+        del body[draw(st.integers(1, len(body) - 1)):]
+    elif op == "add":  # an entry past the last field (a later version's field)
+        body.append(draw(values))
+    elif op == "meta" and isinstance(body[-1], dict) and body[-1]:  # KVChunk.tensors
+        meta = body[-1][draw(st.sampled_from(sorted(body[-1])))]
+        meta[draw(st.integers(0, len(meta) - 1))] = draw(values)
+    elif op == "version":
+        header[0] = draw(st.sampled_from([P.PROTOCOL_VERSION - 1, P.PROTOCOL_VERSION + 1])
+                         | values)
+    if op in ("set", "drop", "add", "meta", "version"):
         frames[0] = msgpack.packb(header)
     elif op == "truncate":
         frames[0] = frames[0][:draw(st.integers(0, len(frames[0]) - 1))]
@@ -109,6 +122,28 @@ def wire_frames(draw):
         pos = draw(st.integers(0, len(frames[i]) - 1))
         frames[i] = frames[i][:pos] + bytes([frames[i][pos] ^ 0xFF]) + frames[i][pos + 1:]
     return frames
+
+
+# ------------------------------------------------------------------ the oracle, locally
+
+def test_reference_agrees_with_the_decoder():
+    """No sockets: the oracle and codec.decode give the same answer for every input, on
+    the router's control socket and on a decode node's KV socket (the cluster tests below
+    then check that the processes answer what the decoder says)."""
+    @settings(max_examples=1000, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(wire_frames())
+    def agree(frames):
+        for accepted in (CONTROL_IN, KV_IN_TYPES):
+            want = reference(frames, accepted)
+            try:
+                got = codec.decode(frames, accepted).TAG
+            except P.ProtocolError as e:
+                got = e.code
+            event(f"{accepted is CONTROL_IN and 'control' or 'kv'}: {want}")
+            assert got == want, (frames, accepted, want, got)
+
+    agree()
 
 
 # ------------------------------------------------------------------ the cluster
@@ -178,7 +213,7 @@ class Prober:
                                              and self.pace.take(time.monotonic())):
             time.sleep(0.01)
         self.sock.send_multipart(frames)
-        self.sock.send(msgpack.packb({"v": P.PROTOCOL_VERSION, "t": tag, "tensors": []}))
+        self.sock.send(msgpack.packb([P.PROTOCOL_VERSION, [tag]]))
         replies, probed = [], False
         while not probed or len(replies) < also:
             assert self.sock.poll(10_000), f"no answer to {tag} (input {frames!r:.300})"
@@ -191,7 +226,7 @@ class Prober:
 
 
 def assert_oversized_dropped(sock, nbytes):
-    sock.send(b"\x80" * nbytes)  # an empty msgpack map repeated: answered if it ever arrived
+    sock.send(b"\x80" * nbytes)  # not a header (empty maps): answered if it ever arrived
     assert not sock.poll(500), "a frame over the socket's size limit reached the receiver"
 
 

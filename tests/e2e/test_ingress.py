@@ -14,7 +14,14 @@ import pytest
 import zmq
 from click.testing import CliRunner
 
-from pdserve.client import AsyncQueueClient, Done, QueueClient, QueueError, submit_cmd
+from pdserve.client import (
+    AsyncQueueClient,
+    Done,
+    QueueClient,
+    QueueError,
+    Tokens,
+    submit_cmd,
+)
 from pdserve.common.metrics import RouterMetrics
 from pdserve.common.transport import make_socket
 from pdserve.router.config import RouterConfig
@@ -144,6 +151,21 @@ BAD_INPUTS = [
     (submit("f", max_tokens=4, prompt="a", prompt_token_ids=[1, 2]), "f", "exactly one"),
     (submit("g", max_tokens=4, max_token=5), "g", "max_token"),
     (submit("h", max_tokens=4, prompt_token_ids=[5] * 2000), "h", "context"),
+    # The schema's own limits (common/queue_protocol.py), named in the answer.
+    (submit("i", max_tokens=4, seed=2**63), "i", "field 'seed' must be an integer in [0, 2^63)"),
+    (submit("j", max_tokens=2**64 - 1), "j", "field 'max_tokens'"),
+    (submit("k", max_tokens=4, stop=["a", 1]), "k", "field 'stop' must be a string or a list"),
+    (submit("l", max_tokens=4, prompt_token_ids=[1, 2**64 - 1]), "l", "'prompt_token_ids'"),
+    (submit("m", max_tokens=4, ignore_eos=1), "m", "field 'ignore_eos' must be a boolean"),
+    (submit("n", max_tokens=4, max_token=5, top_q=1), "n", "unknown field(s) max_token, top_q"),
+    (submit("o" * 1025, max_tokens=4), None, "field 'id' must be a non-empty string of at most"),
+    ({"type": "cancel"}, None, "field 'id' is required"),
+    # A string claiming 4 GiB in a few bytes: refused before anything is allocated.
+    (msgpack.packb({"type": "submit", "id": "p", "max_tokens": 4})[:-1] + b"\xa6prompt"
+     + b"\xdb\xff\xff\xff\xff", None, "MessagePack"),
+    # Empty lists are 1 byte on the wire and 56 in memory: at most one per 4 bytes.
+    (msgpack.packb(submit("q", max_tokens=4, stop_token_ids=[[]] * 100_000)), None,
+     "one map or array per 4 bytes"),
 ]
 
 
@@ -266,6 +288,19 @@ def test_oversized_frame_refused_locally_and_by_socket(echo):
         p.close()
     with QueueClient(echo[0]) as client:
         assert client.generate("ok", max_tokens=2, timeout_s=10).token_ids == list(b"ok")
+
+
+def test_client_speaks_the_protocol_types(echo):
+    """The client's events are queue_protocol's Structs, and a field the protocol does not
+    have is refused before anything is sent."""
+    with QueueClient(echo[0]) as client:
+        with pytest.raises(QueueError, match="unknown field.*max_token") as e:
+            client.submit("hi", max_token=3)
+        assert e.value.code == "bad_request"
+        rid = client.submit("hi", max_tokens=2)
+        events = list(client.stream(rid, timeout_s=10))
+    assert all(isinstance(ev, Tokens) for ev in events[:-1]) and len(events) > 1
+    assert isinstance(events[-1], Done) and events[-1].usage["completion_tokens"] == 2
 
 
 def test_client_timeout_cancels(echo):

@@ -1,9 +1,9 @@
 """KV pages to pages: kv_chunk on one side, the wire encoding, KVReceiver.place on the other."""
-import dataclasses
 import os
 import subprocess
 import sys
 
+import msgspec
 import pytest
 import torch
 
@@ -194,7 +194,7 @@ def test_shm_reference_outside_the_segment_is_refused(segment_caches):
     with pytest.raises(KVTransferError) as err:
         place_one(receiver, chunk, InboundTransfer("r", torch.tensor([0, 1]), 8))
     assert err.value.code == E.BAD_MESSAGE and "do not lie inside segment" in err.value.message
-    chunk = dataclasses.replace(chunk, shm=dataclasses.replace(
+    chunk = msgspec.structs.replace(chunk, shm=msgspec.structs.replace(
         chunk.shm, segment="pdserve-kv-1-1-00000000"))  # no such segment
     with pytest.raises(KVTransferError) as err:
         place_one(receiver, chunk, InboundTransfer("r", torch.tensor([0, 1]), 8))

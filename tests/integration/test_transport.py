@@ -136,6 +136,39 @@ def test_malformed_input_on_router_is_answerable(make):
         T.recv_routed(router, (P.Hello,))
 
 
+@pytest.mark.parametrize("msg, code, words", [
+    # a type this socket does not take (the router's control socket takes no KV)
+    (big_chunk(MiB), E.UNEXPECTED_TYPE, "unexpected message type KVChunk on this socket"),
+    # a count past 2^63 - 1 (msgpack carries up to 2^64 - 1)
+    (P.Heartbeat(node_id="node-a", stats=P.NodeStats(
+        num_free_blocks=2**64 - 1, num_total_blocks=1, num_running=0, num_waiting=0,
+        queued_prompt_tokens=0)), E.BAD_MESSAGE,
+     "Heartbeat.stats.num_free_blocks: expected `int` <= 9223372036854775807"),
+    # a wrong type deep inside a list
+    (P.TokenBatch(items=[P.TokenItem(req_id="r", token_ids=[1]),
+                         P.TokenItem(req_id="s", token_ids=[2, "3"])]), E.BAD_MESSAGE,
+     "TokenBatch.items[1].token_ids[1]: expected `int`, got `str`"),
+    # a list longer than the schema allows
+    (P.Abort(req_ids=["r"] * (P.MAX_ITEMS + 1), reason="x"), E.BAD_MESSAGE,
+     f"Abort.req_ids: expected `array` of length <= {P.MAX_ITEMS}"),
+], ids=["wrong-type-on-socket", "huge-int", "wrong-type", "huge-count"])
+def test_out_of_contract_messages_are_answered_naming_the_field(make, msg, code, words):
+    """Over real sockets: the control ROUTER (one typed decoder for the types it takes)
+    refuses each, the sender gets an Error saying what was wrong, the socket serves on."""
+    router, dealer = pair(make)
+    expected = (P.Hello, P.Heartbeat, P.TokenBatch, P.Abort, P.Bye)
+    T.send_message(dealer, msg)
+    assert poll_in(router)
+    with pytest.raises(P.ProtocolError) as info:
+        T.recv_routed(router, expected)
+    assert info.value.peer == b"node-a" and info.value.code == code
+    T.send_routed(router, info.value.peer, info.value.to_message())
+    reply = T.recv_message(dealer, (P.Error,))
+    assert reply.code == code and words in reply.message, reply
+    T.send_message(dealer, P.Bye(node_id="node-a", reason="done"))
+    assert T.recv_routed(router, expected) == (b"node-a", P.Bye(node_id="node-a", reason="done"))
+
+
 def test_max_msg_size_drops_oversized_frames(make):
     router, dealer = pair(make, max_msg_size=1 * MiB)
     T.send_message(dealer, big_chunk(4 * MiB))  # 2 MiB frames: the router drops the peer

@@ -1,7 +1,7 @@
 """Automatic prefix caching: allocator and scheduler units (no torch), then the engine
 against transformers with the cache hit."""
-import dataclasses
 
+import msgspec
 import pytest
 
 from pdserve.common.block_hash import BlockRemoved, BlockStored, block_hashes
@@ -218,7 +218,7 @@ def test_cache_aware_forgets_departed_and_restarted_nodes():
     survivor = next(iter(reg.nodes.values()))
     policy.pick("prefill", [survivor], prompt)
     assert policy.num_indexed_blocks(survivor.node_id) == 4
-    assert reg.admit(dataclasses.replace(survivor.hello, pid=2), now=0.0)[0]
+    assert reg.admit(msgspec.structs.replace(survivor.hello, pid=2), now=0.0)[0]
     policy.pick("prefill", list(reg.nodes.values()), [1])
     assert policy.num_indexed_blocks(survivor.node_id) == 0
 

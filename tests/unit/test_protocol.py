@@ -2,8 +2,10 @@
 anything malformed ends in a ProtocolError that says what was wrong."""
 import ctypes
 import random
+import tracemalloc
 
 import msgpack
+import msgspec
 import pytest
 import torch
 import xxhash
@@ -83,11 +85,24 @@ SAMPLES = [
 
 
 def header_of(frames):
+    """The header as plain data: [version, [tag, field, ...]]."""
     return msgpack.unpackb(frames[0])
 
 
 def with_header(frames, header):
     return [msgpack.packb(header), *frames[1:]]
+
+
+def at(cls, name, tagged=False):
+    """Where field ``name`` of ``cls`` sits in its wire array (after the tag, if tagged)."""
+    return cls.__struct_fields__.index(name) + (1 if tagged else 0)
+
+
+def edit(frames, cls, name, value):
+    """frames with top-level field ``name`` of message ``cls`` set to ``value``."""
+    header = header_of(frames)
+    header[1][at(cls, name, True)] = value
+    return with_header(frames, header)
 
 
 def expect_error(frames, code=E.BAD_MESSAGE, *fragments, expected=None):
@@ -153,7 +168,7 @@ def test_non_contiguous_tensor_is_made_contiguous():
     strided = t.transpose(0, 1).contiguous().transpose(0, 1)  # same values, other strides
     assert not strided.is_contiguous()
     tensors = dict(msg.tensors, k0=strided)
-    got = codec.decode(codec.encode(P.KVChunk(**{**msg.__dict__, "tensors": tensors})))
+    got = codec.decode(codec.encode(msgspec.structs.replace(msg, tensors=tensors)))
     assert torch.equal(got.tensors["k0"], t)
 
 
@@ -179,26 +194,38 @@ def test_protocol_error_answers_as_error_message():
 
 def test_garbage_and_truncated_headers():
     expect_error([], E.BAD_MESSAGE, "empty message")
-    expect_error([b"\x00\xff\xfe garbage"], E.BAD_MESSAGE, "MessagePack")
+    expect_error([b"\x00\xff\xfe garbage"], E.BAD_MESSAGE, "not the array [version, message]")
+    expect_error([codec.encode(hello())[0] + b"\xc1"], E.BAD_MESSAGE, "not valid MessagePack")
+    expect_error([b"\xc1"], E.BAD_MESSAGE, "not valid MessagePack")
     good = codec.encode(hello())
     expect_error([good[0][:-5]], E.BAD_MESSAGE, "not valid MessagePack")
-    expect_error([msgpack.packb([1, 2])], E.BAD_MESSAGE, "header is a list, expected a map")
+    expect_error([msgpack.packb({"v": P.PROTOCOL_VERSION})], E.BAD_MESSAGE,
+                 "header is not the array [version, message]")
     expect_error([object()], E.BAD_MESSAGE, "not a buffer")
 
 
 def test_version_mismatch_names_both_versions():
     frames = codec.encode(hello())
     other = P.PROTOCOL_VERSION + 1
-    err = expect_error(with_header(frames, {**header_of(frames), "v": other}), E.VERSION_MISMATCH)
+    err = expect_error(with_header(frames, [other, header_of(frames)[1]]), E.VERSION_MISMATCH)
     assert f"version {other}" in err.message and f"version {P.PROTOCOL_VERSION}" in err.message
-    expect_error(with_header(frames, {**header_of(frames), "v": None}), E.BAD_MESSAGE, "'v'")
+    # A version 4 peer's header is a map: it hears which version it should speak.
+    err = expect_error([msgpack.packb({"v": 4, "t": "hello", "tensors": []})],
+                       E.VERSION_MISMATCH)
+    assert "version 4" in err.message and f"version {P.PROTOCOL_VERSION}" in err.message
+    expect_error([msgpack.packb({"v": P.PROTOCOL_VERSION, "t": "hello"})], E.BAD_MESSAGE,
+                 "not the array [version, message]")
+    expect_error(with_header(frames, [None, header_of(frames)[1]]), E.BAD_MESSAGE,
+                 "no protocol version")
 
 
 def test_unknown_and_unexpected_types():
     frames = codec.encode(hello())
-    expect_error(with_header(frames, {**header_of(frames), "t": "teleport"}), E.UNKNOWN_TYPE,
-                 "'teleport'")
-    expect_error(with_header(frames, {**header_of(frames), "t": [1]}), E.UNKNOWN_TYPE)
+    body = header_of(frames)[1]
+    expect_error(with_header(frames, [P.PROTOCOL_VERSION, ["teleport", *body[1:]]]),
+                 E.UNKNOWN_TYPE, "'teleport'")
+    expect_error(with_header(frames, [P.PROTOCOL_VERSION, [[1], *body[1:]]]), E.UNKNOWN_TYPE)
+    expect_error(with_header(frames, [P.PROTOCOL_VERSION, []]), E.UNKNOWN_TYPE)
     expect_error(frames, E.UNEXPECTED_TYPE,
                  "unexpected message type Hello on this socket, expected one of Heartbeat, Bye",
                  expected=(P.Heartbeat, P.Bye))
@@ -208,42 +235,111 @@ def test_unknown_and_unexpected_types():
 def test_missing_and_wrong_typed_fields():
     frames = codec.encode(hello())
     header = header_of(frames)
-    del header["pid"]
+    header[1] = header[1][:at(P.Hello, "pid", True)]  # the array ends before pid
     expect_error(with_header(frames, header), E.BAD_MESSAGE, "Hello.pid: missing field")
     header = header_of(frames)
-    del header["kv_address"]  # optional with a default: fine
-    assert codec.decode(with_header(frames, header)).kv_address is None
+    header[1] = header[1][:at(P.Hello, "compute", True)]  # trailing defaults may be left out
+    assert codec.decode(with_header(frames, header)) == hello()
     header = header_of(frames)
-    header["capacity"]["num_running"] = True  # bool is not an int
-    expect_error(with_header(frames, header), E.BAD_MESSAGE,
-                 "Hello.capacity.num_running: expected int, got bool")
+    header[1].append("a field of a later version")  # ignored, as new fields must be
+    assert codec.decode(with_header(frames, header)) == hello()
     header = header_of(frames)
-    header["model"] = "tiny"
+    header[1][at(P.Hello, "capacity", True)][at(P.NodeStats, "num_running")] = True
     expect_error(with_header(frames, header), E.BAD_MESSAGE,
-                 "Hello.model: expected ModelIdentity, got str")
+                 "Hello.capacity.num_running: expected `int`, got `bool`")
+    expect_error(edit(frames, P.Hello, "model", "tiny"), E.BAD_MESSAGE,
+                 "Hello.model: expected `object`, got `str`")
+    layout_map = header_of(frames)[1][at(P.Hello, "kv_layout", True)]
+    del layout_map["dtype"]
+    expect_error(edit(frames, P.Hello, "kv_layout", layout_map), E.BAD_MESSAGE,
+                 "Hello.kv_layout: object missing required field `dtype`")
 
 
 def test_wrong_typed_field_inside_a_list():
     frames = codec.encode(prefill_batch())
-    header = header_of(frames)
-    header["requests"][2]["prompt_token_ids"] = "1 2 3"
-    expect_error(with_header(frames, header), E.BAD_MESSAGE,
-                 "PrefillBatch.requests[2].prompt_token_ids: expected list[int], got str")
-    header = header_of(frames)
-    header["requests"][1]["prompt_token_ids"][4] = 1.5
-    expect_error(with_header(frames, header), E.BAD_MESSAGE,
-                 "PrefillBatch.requests[1].prompt_token_ids[4]: expected int, got float")
-    header = header_of(frames)
-    header["requests"][0]["sampling"]["seed"] = "7"
-    expect_error(with_header(frames, header), E.BAD_MESSAGE,
-                 "PrefillBatch.requests[0].sampling.seed: expected int, got str")
+    requests = header_of(frames)[1][1]
+    ids, sampling = at(P.PrefillRequest, "prompt_token_ids"), at(P.PrefillRequest, "sampling")
+    requests[2][ids] = "1 2 3"
+    expect_error(edit(frames, P.PrefillBatch, "requests", requests), E.BAD_MESSAGE,
+                 "PrefillBatch.requests[2].prompt_token_ids: expected `array`, got `str`")
+    requests = header_of(frames)[1][1]
+    requests[1][ids][4] = 1.5
+    expect_error(edit(frames, P.PrefillBatch, "requests", requests), E.BAD_MESSAGE,
+                 "PrefillBatch.requests[1].prompt_token_ids[4]: expected `int`, got `float`")
+    requests = header_of(frames)[1][1]
+    requests[0][sampling][at(P.SamplingSpec, "seed")] = "7"
+    expect_error(edit(frames, P.PrefillBatch, "requests", requests), E.BAD_MESSAGE,
+                 "PrefillBatch.requests[0].sampling.seed: expected `int | null`, got `str`")
 
 
-def test_encode_checks_fields_too():
-    with pytest.raises(P.ProtocolError, match="Hello.pid: expected int, got str"):
-        codec.encode(hello(pid="1234"))
+def test_limits_in_the_schema():
+    """Integers, strings and lists outside the schema's limits are refused while decoding,
+    with the field named (msgspec checks them; the encoder does not)."""
+    def refused(msg, *fragments, expected=None):
+        return expect_error([bytes(f) for f in codec.encode(msg)], E.BAD_MESSAGE, *fragments,
+                            expected=expected)
+
+    refused(P.Reserve(req_id="r", prompt_token_ids=[1], prefill_node_id="p", lease_s=1.0,
+                      sampling=msgspec.structs.replace(SAMPLING, seed=P.MAX_SEED)),
+            "Reserve.sampling.seed: expected `int` <= 9223372036854775807")
+    refused(P.Reserve(req_id="r", prompt_token_ids=[1], prefill_node_id="p", lease_s=1.0,
+                      sampling=msgspec.structs.replace(SAMPLING, seed=-1)),
+            "Reserve.sampling.seed: expected `int` >= 0")
+    refused(P.ReserveReply(req_id="r", ok=True, reason="", num_blocks=2**64 - 1),
+            "ReserveReply.num_blocks: expected `int` <= 9223372036854775807")
+    refused(P.TokenBatch(items=[P.TokenItem(req_id="r", token_ids=[2**63])]),
+            "TokenBatch.items[0].token_ids[0]: expected `int` <= 9223372036854775807")
+    refused(P.Heartbeat(node_id="n" * (P.MAX_ID_CHARS + 1)),
+            f"Heartbeat.node_id: expected `str` of length <= {P.MAX_ID_CHARS}")
+    chunk = kv_chunk()
+    too_many = [P.KVPart(req_id=str(i), num_tokens=1) for i in range(P.MAX_KV_PARTS + 1)]
+    frames = edit(codec.encode(chunk), P.KVChunk, "parts",
+                  [[p.req_id, p.num_tokens, 0, None, []] for p in too_many])
+    expect_error(frames, E.BAD_MESSAGE, f"KVChunk.parts: expected `array` of length <= "
+                 f"{P.MAX_KV_PARTS}")
+    refused(P.Welcome(accepted=True, reason="", heartbeat_interval_s="1", liveness=3),
+            "Welcome.heartbeat_interval_s: expected `float`, got `str`")
+
+
+def test_huge_counts_claim_nothing():
+    """An array or string header claiming 2^32 - 1 entries in a few bytes is refused
+    before anything is allocated: decoding never outgrows its input."""
+    tracemalloc.start()
+    try:
+        # array32, str32, map32 headers, each claiming 2^32 - 1 entries (or bytes)
+        for claim in (b"\xdd\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff"):
+            # [version, ["token_batch", <claim>]]: TokenBatch.items claims 4 billion entries
+            head = msgpack.packb([P.PROTOCOL_VERSION, [P.TokenBatch.TAG, None]])[:-1] + claim
+            expect_error([head], E.BAD_MESSAGE, "truncated")
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_header_of_empty_lists_is_too_large():
+    """An empty list is 1 byte on the wire and 56 in memory: a header made of them is
+    refused (too_large) before decoding, however its lists are nested."""
+    n = 1 << 16
+    top = [[]] * n
+    frames = codec.encode(P.TokenBatch(items=[P.TokenItem(
+        req_id="r", token_ids=[], logprobs=P.Logprobs(token_logprobs=[], top_ids=top,
+                                                      top_logprobs=[]))]))
+    expect_error(frames, E.TOO_LARGE, "one map or array per")
+    # A legitimate message of the same size passes: the bound is on containers per byte.
+    big = P.TokenBatch(items=[P.TokenItem(req_id=f"req-{i}", token_ids=[1000 + i, 7])
+                              for i in range(n // 8)])
+    assert codec.decode(codec.encode(big)) == big
+
+
+def test_encode_checks_the_cross_field_rules_and_sizes():
+    """Field types are checked where they are decoded (a wrong type from a bug in this
+    process reaches the peer and is answered); what the encoder checks is the rest."""
+    expect_error([bytes(f) for f in codec.encode(hello(pid="1234"))], E.BAD_MESSAGE,
+                 "Hello.pid: expected `int`, got `str`")
     with pytest.raises(P.ProtocolError, match="Hello.role"):
         codec.encode(hello(role="router"))
+    with pytest.raises(P.ProtocolError, match="Hello.host_id"):
+        codec.encode(hello(host_id="h" * (P.MAX_HOST_ID + 1)))
     with pytest.raises(P.ProtocolError, match="not a registered message type"):
         codec.encode(MODEL)
     with pytest.raises(P.ProtocolError, match="cannot pack"):
@@ -254,27 +350,36 @@ def test_encode_checks_fields_too():
 
 def test_tensor_meta_mismatches():
     frames = codec.encode(kv_chunk("bfloat16"))
-    header = header_of(frames)
-    header["tensors"][0]["nbytes"] += 2
-    expect_error(with_header(frames, header), E.BAD_MESSAGE, "'k0'", "nbytes=")
-    header = header_of(frames)
-    header["tensors"][1]["dtype"] = "float32"  # same shape, twice the bytes
-    expect_error(with_header(frames, header), E.BAD_MESSAGE, "'v0'", "x float32 is")
-    header = header_of(frames)
-    header["tensors"][1]["dtype"] = "float64"
-    expect_error(with_header(frames, header), E.BAD_MESSAGE, "'v0'", "float64")
-    header = header_of(frames)
-    header["tensors"][0]["shape"][0] = -1
-    expect_error(with_header(frames, header), E.BAD_MESSAGE, "non-negative")
+    metas = header_of(frames)[1][at(P.KVChunk, "tensors", True)]
+
+    def with_metas(change):
+        copy = {name: [m[0], list(m[1]), m[2]] for name, m in metas.items()}
+        change(copy)
+        return edit(frames, P.KVChunk, "tensors", copy)
+
+    expect_error(with_metas(lambda m: m["v0"].__setitem__(0, "float32")), E.BAD_MESSAGE,
+                 "'v0'", "x float32 is 512 bytes, its frame 2 has 256")
+    expect_error(with_metas(lambda m: m["v0"].__setitem__(0, "float64")), E.BAD_MESSAGE,
+                 "KVChunk.tensors[...].dtype: invalid enum value 'float64'")
+    expect_error(with_metas(lambda m: m["k0"][1].__setitem__(0, -1)), E.BAD_MESSAGE,
+                 "KVChunk.tensors[...].shape[0]: expected `int` >= 0")
+    expect_error(with_metas(lambda m: m["k0"].__setitem__(1, [2**62] * 4)), E.BAD_MESSAGE,
+                 "'k0'", "over 2^63 bytes")  # claims, never allocates
+    expect_error(with_metas(lambda m: m["k0"].__setitem__(1, [1] * 9)), E.BAD_MESSAGE,
+                 "shape: expected `array` of length <= 8")
+    expect_error(with_metas(lambda m: m["k0"].__setitem__(2, 2)), E.BAD_MESSAGE,
+                 "frame indices [2, 2, 3, 4] are not 1..4")
     short = list(frames)
     short[2] = bytes(frames[2])[:-1]
-    expect_error(short, E.BAD_MESSAGE, "'v0'", "frame has")
-    header = header_of(frames)
-    header["tensors"][0].update(shape=[2**62] * 4, nbytes=2**63)  # claims, never allocates
-    expect_error(with_header(frames, header), E.BAD_MESSAGE, "'k0'")
-    header = header_of(frames)
-    header["tensors"][0]["name"] = "v0"
-    expect_error(with_header(frames, header), E.BAD_MESSAGE, "appears twice")
+    expect_error(short, E.BAD_MESSAGE, "'v0'", "frame 2 has 255")
+    # Frames are matched by index, not by order: a sender may list them in any order.
+    swapped = with_metas(lambda m: (m["k0"].__setitem__(2, 2), m["v0"].__setitem__(2, 1)))
+    got = codec.decode([swapped[0], frames[2], frames[1], *frames[3:]])
+    assert all(torch.equal(got.tensors[n], t) for n, t in kv_chunk_tensors(frames).items())
+
+
+def kv_chunk_tensors(frames):
+    return codec.decode(frames).tensors
 
 
 def test_frame_count_must_match_tensor_count():
@@ -282,10 +387,10 @@ def test_frame_count_must_match_tensor_count():
     expect_error(frames[:-1], E.BAD_MESSAGE, "declares 4 tensor frame(s) but 3 followed")
     expect_error([*frames, b"extra"], E.BAD_MESSAGE, "declares 4 tensor frame(s) but 5 followed")
     hello_frames = codec.encode(hello())
-    header = {**header_of(hello_frames), "tensors": header_of(frames)["tensors"]}
-    expect_error([msgpack.packb(header), *frames[1:]], E.BAD_MESSAGE, "Hello carries no tensors")
-    header = {**header_of(hello_frames), "tensors": {}}
-    expect_error([msgpack.packb(header)], E.BAD_MESSAGE, "'tensors' must be a list")
+    expect_error([hello_frames[0], *frames[1:]], E.BAD_MESSAGE,
+                 "Hello carries no tensors but 4 frame(s) followed")
+    expect_error(edit(frames, P.KVChunk, "tensors", []), E.BAD_MESSAGE,
+                 "KVChunk.tensors: expected `object`, got `array`")
 
 
 def test_kv_chunk_must_match_its_layout():
@@ -298,12 +403,13 @@ def test_kv_chunk_must_match_its_layout():
     with pytest.raises(P.ProtocolError, match="layers \\[1, 3\\)"):
         codec.encode(kv_chunk(layer_start=1, layer_end=3))
     frames = codec.encode(kv_chunk())
-    header = header_of(frames)
-    header["kv_layout"]["num_kv_heads"] = 4  # the peer's layout disagrees with its tensors
-    expect_error(with_header(frames, header), E.BAD_MESSAGE, "expected [2, 4, 4, 8]")
-    header = header_of(frames)
-    header["parts"][0]["checksums"] = [1, 2]
-    expect_error(with_header(frames, header), E.BAD_MESSAGE, "2 checksums for 4 tensors")
+    lay = header_of(frames)[1][at(P.KVChunk, "kv_layout", True)]
+    lay["num_kv_heads"] = 4  # the peer's layout disagrees with its tensors
+    expect_error(edit(frames, P.KVChunk, "kv_layout", lay), E.BAD_MESSAGE, "expected [2, 4, 4, 8]")
+    parts = header_of(frames)[1][at(P.KVChunk, "parts", True)]
+    parts[0][at(P.KVPart, "checksums")] = [1, 2]
+    expect_error(edit(frames, P.KVChunk, "parts", parts), E.BAD_MESSAGE,
+                 "2 checksums for 4 tensors")
 
 
 def test_kv_chunk_parts_must_add_up():
@@ -362,9 +468,10 @@ def test_only_protocol_error_escapes_random_input():
             if rng.random() < 0.5:
                 frames = frames[:rng.randrange(len(frames) + 1)] + [b"x"] * rng.randrange(2)
         else:  # well-formed msgpack of random shape
+            v = P.PROTOCOL_VERSION
             value = rng.choice([None, 1, -1, 2**63, "hello", b"\x00", [1, "x"], {"v": 1},
-                                {"v": 1, "t": rng.choice(list(P.MESSAGE_TYPES)), "tensors": []},
-                                {"v": 1, "t": "kv_chunk", "tensors": [{"name": 1}]}])
+                                [v, [rng.choice(list(P.MESSAGE_TYPES))]], [v, []], [v, {}],
+                                [v, ["kv_chunk", {}, {}, 0, 1, True, [], None, {"k0": 1}]]])
             frames = [msgpack.packb(value)] + [b"\x00" * rng.randrange(4)] * rng.randrange(2)
         try:
             codec.decode(frames)

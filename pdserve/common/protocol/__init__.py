@@ -1,19 +1,22 @@
 """The wire contract between router, prefill nodes and decode nodes.
 
 Every process must agree on exactly what travels, so every message type, its
-tag and the protocol version live in this package and nowhere else: base.py
-(version, limits, dtypes, the message registry, ProtocolError and Error),
-messages.py (the control plane), kv.py (the KV plane). The only logic is
-validation; codec.py turns messages into frames and back. docs/protocol.md is
-the prose version. Import it as one module: ``from pdserve.common import
-protocol as P``.
+tag, its limits and the protocol version live in this package and nowhere else:
+base.py (version, limits, dtypes, the limited field types, the message registry,
+ProtocolError and Error), messages.py (the control plane), kv.py (the KV plane).
+Every type is a ``msgspec.Struct``; the only logic is cross-field validation.
+codec.py turns messages into frames and back. docs/protocol.md is the prose
+version. Import it as one module: ``from pdserve.common import protocol as P``.
+The queue-ingress messages are in ``pdserve/common/queue_protocol.py``, which
+imports no torch (the client must not).
 
 Wire form: one multipart message ``[header, frame_1, ..., frame_n]``. The
-header is a MessagePack map ``{"v", "t", <fields>, "tensors": [meta, ...]}``;
-each tensor is its own raw frame, so a multi-GB KV transfer is neither copied
-into msgpack nor pickled, and the receiver rebuilds tensors over the received
-frame buffers without a copy. Times are relative durations in seconds
-(``*_s``): clocks differ between machines.
+header is the MessagePack array ``[version, [tag, field, ...]]``; a KVChunk's
+``tensors`` field holds each tensor's dtype, shape and frame index, and each
+tensor is its own raw frame, so a multi-GB KV transfer is neither copied into
+msgpack nor pickled, and the receiver rebuilds tensors over the received frame
+buffers without a copy. Times are relative durations in seconds (``*_s``):
+clocks differ between machines.
 
 Decoding never trusts the peer: anything malformed raises ``ProtocolError``
 with a message naming the offending field, so the receiver can answer with an
@@ -24,14 +27,21 @@ from pdserve.common.protocol.base import (  # noqa: F401 (this package's API)
     DTYPES,
     MAX_HEADER_BYTES,
     MAX_HOST_ID,
+    MAX_ID_CHARS,
+    MAX_ITEMS,
     MAX_KV_PARTS,
     MAX_SEED,
+    MAX_TENSOR_DIMS,
+    MAX_TEXT_CHARS,
+    MAX_TOP_LOGPROBS,
     MAX_WIRE_INT,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Error,
     FrameLike,
     Message,
+    Nested,
+    NestedMap,
     ProtocolError,
 )
 from pdserve.common.protocol.kv import (  # noqa: F401 (this package's API)
@@ -40,6 +50,7 @@ from pdserve.common.protocol.kv import (  # noqa: F401 (this package's API)
     KVPart,
     KVResult,
     ShmKV,
+    TensorMeta,
     kv_tensor_names,
 )
 from pdserve.common.protocol.messages import (  # noqa: F401 (this package's API)

@@ -1,19 +1,31 @@
-"""The protocol's foundations: version and limits, the wire dtypes, the message base
-class and registry, and the one error every decoder raises (with the Error message that
-answers it)."""
-import dataclasses
-from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+"""The protocol's foundations: version and limits, the wire dtypes, the field types that
+carry the limits, the message base classes and registry, and the one error every decoder
+raises (with the Error message that answers it).
 
+Every wire type is a ``msgspec.Struct``: msgspec decodes and checks a header in C against
+the declared types and ``Meta`` limits, which is what made the hand-written validator the
+slowest part of a message's way. Top-level messages are tagged arrays (``[tag, field...]``:
+no key strings on the wire); a union of array-like and map-like structs cannot be decoded
+in one pass, so every message is array-like, and only a few cold nested types (KVLayout,
+ModelIdentity, GuideSpec) stay maps.
+"""
+from typing import Annotated, Any, ClassVar, Optional
+
+import msgspec
 import torch
+from msgspec import Meta
 
-PROTOCOL_VERSION = 4  # what each version added: docs/protocol.md, "Versioning"
+PROTOCOL_VERSION = 5  # what each version added: docs/protocol.md, "Versioning"
 MAX_HEADER_BYTES = 16 * 1024 * 1024  # a header is metadata; KV travels in frames
 MAX_SEED = 2**63        # seeds are in [0, 2^63): a signed 64-bit value on every side
-MAX_WIRE_INT = 2**63    # the most any count or id on the wire may be (msgpack packs up to 2^64)
+MAX_WIRE_INT = 2**63    # counts and ids on the wire are below this (int64 on every side)
 MAX_HOST_ID = 256       # Hello.host_id: boot id + /dev/shm identity
 MAX_KV_PARTS = 4096     # requests in one KVChunk
-
+MAX_ID_CHARS = 1024     # request, node and segment ids, dtype and reason codes
+MAX_TEXT_CHARS = 65536  # free text: reasons, error messages, addresses
+MAX_ITEMS = 1 << 20     # entries of any list a message carries (tokens, requests, ...)
+MAX_TOP_LOGPROBS = 1024  # alternatives per token in Logprobs
+MAX_TENSOR_DIMS = 8
 
 # Wire dtype names (also used by KVLayout.dtype) -> torch dtype.
 DTYPES: dict[str, torch.dtype] = {
@@ -23,6 +35,22 @@ DTYPES: dict[str, torch.dtype] = {
 _DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
 
 FrameLike = Any  # bytes | bytearray | memoryview | zmq.Frame (anything with .buffer)
+
+# ---------------------------------------------------------------- field types with limits
+# msgspec checks these while decoding; a value outside is a ValidationError naming its path.
+Count = Annotated[int, Meta(ge=0, le=MAX_WIRE_INT - 1)]        # sizes, indices, pids
+Int64 = Annotated[int, Meta(ge=-MAX_WIRE_INT, le=MAX_WIRE_INT - 1)]  # token ids: the
+# receiver checks the vocabulary and fails only that request, so no tighter bound here
+Seed = Annotated[int, Meta(ge=0, le=MAX_SEED - 1)]
+UInt64 = Annotated[int, Meta(ge=0)]                            # XXH3 checksums (< 2^64)
+Id = Annotated[str, Meta(max_length=MAX_ID_CHARS)]
+Text = Annotated[str, Meta(max_length=MAX_TEXT_CHARS)]
+TokenIds = Annotated[list[Int64], Meta(max_length=MAX_ITEMS)]
+
+
+def list_of(tp: Any, max_length: int = MAX_ITEMS) -> Any:
+    """list[tp] of at most max_length entries (a schema limit msgspec enforces)."""
+    return Annotated[list[tp], Meta(max_length=max_length)]
 
 
 class ProtocolError(Exception):
@@ -36,11 +64,23 @@ class ProtocolError(Exception):
 
     def to_message(self, req_id: Optional[str] = None) -> "Error":
         """The ``Error`` to send back, so the peer learns what it did wrong."""
-        return Error(req_id=req_id, code=self.code, message=self.message)
+        return Error(req_id=req_id, code=self.code, message=self.message[:MAX_TEXT_CHARS])
 
 
-class Message:
-    """Base of every top-level wire message; ``TAG`` is its ``"t"`` on the wire."""
+class Nested(msgspec.Struct, kw_only=True, frozen=True, array_like=True, gc=False):
+    """A type carried inside messages, encoded as an array of its fields in declared
+    order. Fields are only ever appended (with defaults): an old decoder ignores trailing
+    entries it does not know, a new one fills in defaults for entries an old peer omits.
+    gc=False: wire structs hold no cycles, and skipping the GC makes decoding cheaper."""
+
+
+class NestedMap(msgspec.Struct, kw_only=True, frozen=True, gc=False, forbid_unknown_fields=False):
+    """A cold nested type kept as a map (readable in a dump, sent once per node or chunk)."""
+
+
+class Message(msgspec.Struct, kw_only=True, frozen=True, array_like=True, gc=False,
+              tag_field="t"):
+    """Base of every top-level wire message: ``[TAG, field, ...]`` on the wire."""
 
     TAG: ClassVar[str] = ""
 
@@ -49,23 +89,20 @@ class Message:
 
 
 MESSAGE_TYPES: dict[str, type] = {}
-_struct = dataclass(frozen=True, kw_only=True)
 
 
-def _message(tag: str):
-    def register(cls):
-        cls = _struct(cls)
-        names = {f.name for f in dataclasses.fields(cls)}
-        assert tag not in MESSAGE_TYPES and not names & {"v", "t"}, (tag, names)
-        cls.TAG = tag
-        MESSAGE_TYPES[tag] = cls
-        return cls
-    return register
+def _message(cls):
+    """Registers a Message subclass (declared with ``tag=...``) under its tag."""
+    tag = cls.__struct_config__.tag
+    assert isinstance(tag, str) and tag not in MESSAGE_TYPES, (cls, tag)
+    cls.TAG = tag
+    MESSAGE_TYPES[tag] = cls
+    return cls
 
 
-@_message("error")
-class Error(Message):
+@_message
+class Error(Message, tag="error", kw_only=True):
     """any direction: something failed; code is one of ERROR_CODES."""
-    req_id: Optional[str] = None
-    code: str
-    message: str
+    req_id: Optional[Id] = None
+    code: Id
+    message: Text

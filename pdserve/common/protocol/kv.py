@@ -1,49 +1,60 @@
 """KV-plane messages (prefill node -> decode node KV socket, and its acknowledgements)."""
-from dataclasses import field
-from typing import Optional
-
-import torch
+from typing import Any, Literal, Optional
 
 from pdserve.common.errors import BAD_MESSAGE
 from pdserve.common.protocol.base import (
     DTYPES,
     MAX_KV_PARTS,
+    MAX_TENSOR_DIMS,
     MAX_WIRE_INT,
+    Count,
+    Id,
+    Int64,
     Message,
+    Nested,
     ProtocolError,
+    Text,
+    UInt64,
     _message,
-    _struct,
+    list_of,
 )
 from pdserve.common.protocol.messages import KVLayout, ModelIdentity
 
 
-@_struct
-class ShmKV:
+class TensorMeta(Nested, kw_only=True):
+    """How one tensor travels: its raw bytes are frame ``frame`` after the header (1 is
+    the first frame after it), C-contiguous, ``dtype`` x ``shape`` bytes long."""
+    dtype: Literal["float32", "bfloat16", "float16", "int32", "int64", "uint8"]
+    shape: list_of(Count, MAX_TENSOR_DIMS)
+    frame: Count
+
+
+assert set(TensorMeta.__annotations__["dtype"].__args__) == set(DTYPES)
+
+
+class ShmKV(Nested, kw_only=True):
     """Where a KVChunk's pages lie in the sender's shared-memory segment (same host)."""
-    segment: str           # file name under /dev/shm
-    offsets: list[int]     # byte offset of each tensor's page pool, in tensor-name order
-    block_ids: list[int]   # the sender's pages of the request, in the request's order
+    segment: Id              # file name under /dev/shm
+    offsets: list_of(Count)  # byte offset of each tensor's page pool, in tensor-name order
+    block_ids: list_of(Count)  # the sender's pages of the parts, in the parts' order
 
 
-
-
-@_struct
-class KVPart:
+class KVPart(Nested, kw_only=True):
     """One request's share of a KVChunk: num_blocks(block_size) pages in every tensor, after
     the pages of the parts before it. The leading first_block blocks of its prompt are the
     decode node's cached ones and do not travel."""
-    req_id: str
-    num_tokens: int
-    first_block: int = 0
-    first_token: Optional[int] = None  # set on the last chunk
-    checksums: list[int] = field(default_factory=list)  # XXH3 of this part's pages, per tensor
+    req_id: Id
+    num_tokens: Count
+    first_block: Count = 0
+    first_token: Optional[Int64] = None  # set on the last chunk
+    checksums: list_of(UInt64) = []  # XXH3 of this part's pages, per tensor
 
     def num_blocks(self, block_size: int) -> int:
         return -(-self.num_tokens // block_size) - self.first_block
 
 
-@_message("kv_chunk")
-class KVChunk(Message):
+@_message
+class KVChunk(Message, tag="kv_chunk", kw_only=True):
     """prefill -> decode (KV socket): KV of layers [layer_start, layer_end) of the requests
     of one prefill step bound for this decode node, one part each (at most MAX_KV_PARTS).
 
@@ -54,12 +65,24 @@ class KVChunk(Message):
     """
     model: ModelIdentity
     kv_layout: KVLayout
-    layer_start: int
-    layer_end: int
+    layer_start: Count
+    layer_end: Count
     last: bool
-    parts: list[KVPart]
+    parts: list_of(KVPart, MAX_KV_PARTS)
     shm: Optional[ShmKV] = None  # same host: the pages are there, not in tensor frames
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    # In memory {name: torch.Tensor}; on the wire {name: TensorMeta}, the bytes in frames
+    # (codec.encode swaps one for the other). Equality ignores them, as tensors have none.
+    tensors: dict[Id, TensorMeta] = {}
+
+    def __eq__(self, other: Any) -> bool:
+        if type(other) is not KVChunk:
+            return NotImplemented
+        names = [n for n in self.__struct_fields__ if n != "tensors"]
+        return all(getattr(self, n) == getattr(other, n) for n in names)
+
+    def __repr__(self) -> str:
+        return (f"KVChunk(parts={self.parts!r}, layers=[{self.layer_start}, "
+                f"{self.layer_end}), last={self.last}, tensors={list(self.tensors)})")
 
     def _validate(self) -> None:
         lay = self.kv_layout
@@ -126,16 +149,15 @@ def kv_tensor_names(layer_start: int, layer_end: int) -> list[str]:
     return [f"{kv}{i}" for i in range(layer_start, layer_end) for kv in "kv"]
 
 
-@_struct
-class KVResult:
+class KVResult(Nested, kw_only=True):
     """Whether one request's KV arrived whole (ok), or why not."""
-    req_id: str
+    req_id: Id
     ok: bool
-    reason: str = ""
+    reason: Text = ""
 
 
-@_message("kv_ack")
-class KVAck(Message):
+@_message
+class KVAck(Message, tag="kv_ack", kw_only=True):
     """decode -> prefill (KV socket): the outcome of each request of a KVChunk that is
     settled (placed whole with the last chunk, or refused)."""
-    results: list[KVResult]
+    results: list_of(KVResult)

@@ -1,146 +1,155 @@
 """Control-plane messages (router <-> nodes) and the nested types they carry."""
-from dataclasses import field
-from typing import Optional
+from typing import Annotated, Optional
+
+from msgspec import Meta
 
 from pdserve.common.config import ROLES
 from pdserve.common.errors import BAD_MESSAGE
-from pdserve.common.protocol.base import MAX_HOST_ID, Message, ProtocolError, _message, _struct
+from pdserve.common.protocol.base import (
+    MAX_HOST_ID,
+    MAX_TOP_LOGPROBS,
+    Count,
+    Id,
+    Int64,
+    Message,
+    Nested,
+    NestedMap,
+    ProtocolError,
+    Seed,
+    Text,
+    TokenIds,
+    _message,
+    list_of,
+)
+
+# A number of alternatives per token to report (None: no logprobs).
+TopK = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 
 # ---------------------------------------------------------------- nested types
 
-@_struct
-class KVLayout:
+class KVLayout(NestedMap, kw_only=True):
     """Shape of a node's paged KV cache; prefill and decode must match exactly."""
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str  # a key of DTYPES
-    block_size: int
+    num_layers: Count
+    num_kv_heads: Count
+    head_dim: Count
+    dtype: Id  # a key of DTYPES
+    block_size: Count
 
 
-@_struct
-class ModelIdentity:
+class ModelIdentity(NestedMap, kw_only=True):
     """Which model a node serves; config_hash covers config.json + weight file names/sizes."""
-    name: str
-    config_hash: str
+    name: Text
+    config_hash: Id
 
 
-@_struct
-class NodeStats:
+class NodeStats(Nested, kw_only=True):
     """A node's load, sent as data so the router can decide from it."""
-    num_free_blocks: int
-    num_total_blocks: int
-    num_running: int
-    num_waiting: int
-    queued_prompt_tokens: int
+    num_free_blocks: Count
+    num_total_blocks: Count
+    num_running: Count
+    num_waiting: Count
+    queued_prompt_tokens: Count
 
 
-@_struct
-class LogitBias:
+class LogitBias(Nested, kw_only=True):
     """A number added to one token's logit before sampling."""
-    token_id: int
+    token_id: Int64
     bias: float
 
 
-@_struct
-class GuideSpec:
+class GuideSpec(NestedMap, kw_only=True):
     """Structured output: kind (engine/grammar.py GUIDE_KINDS: json, json_object, regex,
     choice, grammar) and its spec (a JSON schema, a regex, a JSON array of choices, a Lark
     grammar); nodes compile it with the model's vocabulary, cached by (kind, spec)."""
-    kind: str
+    kind: Id
     spec: str
 
 
-@_struct
-class SamplingSpec:
+class SamplingSpec(Nested, kw_only=True):
     """Sampling parameters as nodes see them (stop strings stay in the router)."""
-    max_tokens: int
+    max_tokens: Count
     temperature: float
     top_p: float
-    top_k: int
-    seed: Optional[int] = None
-    stop_token_ids: list[int]
+    top_k: Int64
+    seed: Optional[Seed] = None
+    stop_token_ids: TokenIds
     ignore_eos: bool
     # Tokens this request already sampled in earlier attempts (failover): a seeded request's
     # random stream resumes at this index instead of starting over.
-    seed_offset: int = 0
+    seed_offset: Count = 0
     # Logprobs to compute (None: none): of each sampled token with this many alternatives,
     # and of each prompt token (on the prefill node) with prompt_logprobs alternatives.
-    logprobs: Optional[int] = None
-    prompt_logprobs: Optional[int] = None
+    logprobs: Optional[TopK] = None
+    prompt_logprobs: Optional[TopK] = None
 
     # Logits processing (vLLM's meanings; engine/logits_processors.py). Output tokens of
     # earlier attempts are the last seed_offset tokens of the prompt sent.
-    min_tokens: int = 0
+    min_tokens: Count = 0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: list[LogitBias] = field(default_factory=list)
+    logit_bias: list_of(LogitBias) = []
     guide: Optional[GuideSpec] = None
 
 
-@_struct
-class Logprobs:
+class Logprobs(Nested, kw_only=True):
     """Logprobs of consecutive tokens of one request under the model's raw distribution
     (log_softmax of the unprocessed logits): for token i its own logprob, and the ids and
     logprobs of the k most likely tokens at its position, most likely first."""
-    token_logprobs: list[float]
-    top_ids: list[list[int]]
-    top_logprobs: list[list[float]]
+    token_logprobs: list_of(float)
+    top_ids: list_of(list_of(Int64, MAX_TOP_LOGPROBS))
+    top_logprobs: list_of(list_of(float, MAX_TOP_LOGPROBS))
 
 
-@_struct
-class PrefillRequest:
+class PrefillRequest(Nested, kw_only=True):
     """One request of a PrefillBatch, with where its KV must go."""
-    req_id: str
-    prompt_token_ids: list[int]
+    req_id: Id
+    prompt_token_ids: TokenIds
     sampling: SamplingSpec
-    decode_node_id: str
-    kv_address: str
+    decode_node_id: Id
+    kv_address: Text
     timeout_s: float
-    skip_blocks: int = 0  # leading KV blocks the decode node holds already: not sent
-    decode_host_id: str = ""  # the decode node's Hello.host_id: equal to ours, KV goes via shm
+    skip_blocks: Count = 0  # leading KV blocks the decode node holds already: not sent
+    decode_host_id: Id = ""  # the decode node's Hello.host_id: equal to ours, KV goes via shm
 
 
 
-@_struct
-class FirstToken:
+class FirstToken(Nested, kw_only=True):
     """The first sampled token of one request (its TTFT)."""
-    req_id: str
-    token_id: int
-    finish_reason: Optional[str] = None
+    req_id: Id
+    token_id: Int64
+    finish_reason: Optional[Id] = None
     logprobs: Optional[Logprobs] = None          # of token_id, when the request asked
     prompt_logprobs: Optional[Logprobs] = None   # of prompt tokens 1.., when it asked
 
 
-@_struct
-class TokenItem:
+class TokenItem(Nested, kw_only=True):
     """New tokens of one request from one decode step."""
-    req_id: str
-    token_ids: list[int]
-    finish_reason: Optional[str] = None
+    req_id: Id
+    token_ids: TokenIds
+    finish_reason: Optional[Id] = None
     logprobs: Optional[Logprobs] = None  # of token_ids, when the request asked
 
 
 # ---------------------------------------------------------------- messages
 
-@_message("hello")
-class Hello(Message):
+@_message
+class Hello(Message, tag="hello", kw_only=True):
     """node -> router: join the cluster (first message on the control socket)."""
-    node_id: str
-    role: str  # one of ROLES
-    protocol_version: int
+    node_id: Id
+    role: Id  # one of ROLES
+    protocol_version: Int64
     model: ModelIdentity
     kv_layout: KVLayout
     capacity: NodeStats
-    kv_address: Optional[str] = None  # decode nodes: where prefill nodes connect
-    pid: int
-    compute: str = "model"  # "none": a benchmark node that skips the forward (fixed tokens)
+    kv_address: Optional[Text] = None  # decode nodes: where prefill nodes connect
+    pid: Count
+    compute: Id = "model"  # "none": a benchmark node that skips the forward (fixed tokens)
     # Random per process start: the same id again after a silence is a resync (the router
     # stalled), a new one a restart (its work is gone).
-    incarnation: str = ""
+    incarnation: Id = ""
     # Boot id + /dev/shm identity ("" unknown): nodes with equal ids share memory.
-    host_id: str = ""
+    host_id: Annotated[str, Meta(max_length=MAX_HOST_ID)] = ""
 
     def _validate(self) -> None:
         if self.role not in ROLES:
@@ -150,78 +159,78 @@ class Hello(Message):
                                 f"at most {MAX_HOST_ID}")
 
 
-@_message("welcome")
-class Welcome(Message):
+@_message
+class Welcome(Message, tag="welcome", kw_only=True):
     """router -> node: answer to Hello; heartbeat every interval, dead after `liveness` misses."""
     accepted: bool
-    reason: str
+    reason: Text
     heartbeat_interval_s: float
-    liveness: int
-    router_incarnation: str = ""  # a node welcomed again by the same router keeps its work
+    liveness: Count
+    router_incarnation: Id = ""  # a node welcomed again by the same router keeps its work
 
 
-@_message("heartbeat")
-class Heartbeat(Message):
+@_message
+class Heartbeat(Message, tag="heartbeat", kw_only=True):
     """both ways: I am alive (any message counts as one too); nodes attach stats."""
-    node_id: str
+    node_id: Id
     stats: Optional[NodeStats] = None
 
 
-@_message("prefill_batch")
-class PrefillBatch(Message):
+@_message
+class PrefillBatch(Message, tag="prefill_batch", kw_only=True):
     """router -> prefill: requests to prefill in one forward."""
-    requests: list[PrefillRequest]
+    requests: list_of(PrefillRequest)
 
 
-@_message("first_tokens")
-class FirstTokens(Message):
+@_message
+class FirstTokens(Message, tag="first_tokens", kw_only=True):
     """prefill -> router: first token of each prefilled request."""
-    items: list[FirstToken]
+    items: list_of(FirstToken)
 
 
-@_message("reserve")
-class Reserve(Message):
+@_message
+class Reserve(Message, tag="reserve", kw_only=True):
     """router -> decode: hold KV blocks for a request for lease_s seconds."""
-    req_id: str
-    prompt_token_ids: list[int]
+    req_id: Id
+    prompt_token_ids: TokenIds
     sampling: SamplingSpec
-    prefill_node_id: str
+    prefill_node_id: Id
     lease_s: float
     timeout_s: float = 0.0  # the request's time left; the node ends it past that (0: none)
 
 
-@_message("reserve_reply")
-class ReserveReply(Message):
+@_message
+class ReserveReply(Message, tag="reserve_reply", kw_only=True):
     """decode -> router: whether the blocks were reserved, and how many; of those, how
     many leading ones the decode node had cached (their KV need not be sent)."""
-    req_id: str
+    req_id: Id
     ok: bool
-    reason: str
-    num_blocks: int
-    cached_blocks: int = 0
+    reason: Text
+    num_blocks: Count
+    cached_blocks: Count = 0
 
 
-@_message("token_batch")
-class TokenBatch(Message):
+@_message
+class TokenBatch(Message, tag="token_batch", kw_only=True):
     """decode -> router: the tokens of one decode step, all requests together."""
-    items: list[TokenItem]
+    items: list_of(TokenItem)
 
 
-@_message("abort")
-class Abort(Message):
+@_message
+class Abort(Message, tag="abort", kw_only=True):
     """router -> node: forget these requests (client gone, deadline, failover)."""
-    req_ids: list[str]
-    reason: str
+    req_ids: list_of(Id)
+    reason: Text
 
 
-@_message("drain")
-class Drain(Message):
+@_message
+class Drain(Message, tag="drain", kw_only=True):
     """router -> node: take no new work; node -> router: I am draining."""
-    reason: str
+    reason: Text
 
 
-@_message("bye")
-class Bye(Message):
+@_message
+class Bye(Message, tag="bye", kw_only=True):
     """node -> router: leaving the cluster on purpose."""
-    node_id: str
-    reason: str
+    node_id: Id
+    reason: Text
