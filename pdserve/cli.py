@@ -108,9 +108,11 @@ def _run_node(role: str, kw: dict) -> None:
         raise click.UsageError(str(exc)) from exc
     setup_logging(log_level, config.node_id or role)
     if role == "prefill":
-        from pdserve.prefill_node.main import run_prefill as run
+        from pdserve.node.prefill import run_prefill as run
+    elif role == "colocated":
+        from pdserve.node.colocated import run_colocated as run
     else:
-        from pdserve.decode_node.main import run_decode as run
+        from pdserve.node.decode import run_decode as run
     try:
         code = run(config)
     except ValueError as exc:  # a model that cannot be loaded, a bad engine setting

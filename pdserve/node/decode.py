@@ -21,12 +21,12 @@ import torch
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.common.config import NodeConfig
-from pdserve.common.node_io import InboxItem
-from pdserve.engine.kv_transfer import InboundTransfer, KVReceiver, KVTransferError, TransferState
 from pdserve.engine.logprobs import prompt_of
-from pdserve.engine.node import Node
 from pdserve.engine.output import RequestOutputState
 from pdserve.engine.sequence import Sequence
+from pdserve.node.base import Node
+from pdserve.node.io import InboxItem
+from pdserve.node.kv_transfer import InboundTransfer, KVReceiver, KVTransferError, TransferState
 
 log = logging.getLogger(__name__)
 
@@ -220,31 +220,5 @@ class DecodeNode(Node):
                 f"{job.lease_s:g} s without the KV arriving"))
 
 
-class ColocatedNode(DecodeNode):
-    """Prefills and decodes with one engine, behind the same router: the baseline that
-    disaggregation is measured against, and what a user with one GPU runs. It takes
-    PrefillBatch messages (no reservation, no KV transfer) and reports first tokens and
-    later tokens exactly as a prefill + decode pair would."""
-    role = "colocated"
-
-    def handle(self, item: InboxItem) -> None:
-        if not isinstance(item.msg, P.PrefillBatch):
-            super().handle(item)
-            return
-        for req in item.msg.requests:
-            if self.refuse_when_draining(req.req_id):
-                continue
-            seq = self.admit(req, known=req.req_id in self.jobs)
-            if seq is None:
-                continue
-            out = RequestOutputState(None, req.prompt_token_ids, seq.params,
-                                     self.worker.model_config.eos_token_ids,
-                                     self.worker.max_model_len)
-            self.jobs[req.req_id] = DecodeJob(seq, out, transfer=None,
-                                              deadline=time.monotonic() + req.timeout_s)
-            self.worker.scheduler.add(seq)
-
-
 def run_decode(config: NodeConfig) -> int:
-    node = ColocatedNode(config) if config.role == "colocated" else DecodeNode(config)
-    return node.run()
+    return DecodeNode(config).run()

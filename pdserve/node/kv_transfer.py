@@ -32,14 +32,8 @@ from pdserve.common.protocol import (
     kv_tensor_names,
 )
 from pdserve.common.shm import Segment, SegmentError
-from pdserve.engine.kv_shm import (
-    PeerSegments,
-    bytes_of,
-    copy_pages,
-    pages_checksum,
-    paired_runs,
-    shm_ref,
-)
+from pdserve.engine.kv_pages import bytes_of, copy_pages, pages_checksum, paired_runs
+from pdserve.node.kv_shm import PeerSegments, shm_ref
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 

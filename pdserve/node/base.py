@@ -23,11 +23,11 @@ from pdserve.common import shm
 from pdserve.common.config import NodeConfig
 from pdserve.common.kv_events import KVEventPublisher
 from pdserve.common.metrics import node_metrics, start_metrics_server
-from pdserve.common.node_io import InboxItem, NodeIO
 from pdserve.common.security import InsecureWarnings, node_curves, node_exposures
 from pdserve.engine.sampling_params import SamplingParams, from_spec
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.worker import Worker
+from pdserve.node.io import InboxItem, NodeIO
 
 log = logging.getLogger(__name__)
 

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.common.config import NodeConfig
-from pdserve.common.node_io import KV_OUT, InboxItem
 from pdserve.common.shm import Segment, SegmentError
-from pdserve.engine.kv_transfer import Outgoing, kv_chunk, layer_groups, payload_bytes
 from pdserve.engine.logprobs import prompt_of
-from pdserve.engine.node import Node
 from pdserve.engine.output import RequestOutputState
 from pdserve.engine.sequence import Sequence
+from pdserve.node.base import Node
+from pdserve.node.io import KV_OUT, InboxItem
+from pdserve.node.kv_transfer import Outgoing, kv_chunk, layer_groups, payload_bytes
 
 log = logging.getLogger(__name__)
 
