@@ -59,14 +59,14 @@ def make_model_cmd(out_dir: str, arch: str, preset: str, seed: int) -> None:
 @engine_options
 def generate_cmd(prompts, max_tokens, temperature, top_p, top_k, seed, **kw) -> None:
     """Generate completions offline with the engine (no servers)."""
-    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.engine import Engine
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.llm import LLM
 
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, seed=seed)
-        llm = LLM.from_engine(LLMEngine(engine_config(kw)))
+        llm = LLM.from_engine(Engine(engine_config(kw)))
         outputs = llm.generate(list(prompts), params)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc

@@ -10,6 +10,7 @@ import torch
 from pdserve.common import codec
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
+from pdserve.engine.engine import layer_groups
 from pdserve.engine.kv_pages import paired_runs
 from pdserve.node.kv_transfer import (
     InboundTransfer,
@@ -18,7 +19,6 @@ from pdserve.node.kv_transfer import (
     Outgoing,
     TransferState,
     kv_chunk,
-    layer_groups,
 )
 
 LAYOUT = P.KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32", block_size=4)

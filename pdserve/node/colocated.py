@@ -12,7 +12,6 @@ import time
 
 from pdserve.common import protocol as P
 from pdserve.common.config import NodeConfig
-from pdserve.engine.output import RequestOutputState
 from pdserve.node.decode import DecodeJob, DecodeNode
 from pdserve.node.io import InboxItem
 
@@ -34,12 +33,9 @@ class ColocatedNode(DecodeNode):
             seq = self.admit(req, known=req.req_id in self.jobs)
             if seq is None:
                 continue
-            out = RequestOutputState(None, req.prompt_token_ids, seq.params,
-                                     self.worker.model_config.eos_token_ids,
-                                     self.worker.max_model_len)
-            self.jobs[req.req_id] = DecodeJob(seq, out, transfer=None,
+            self.jobs[req.req_id] = DecodeJob(seq, transfer=None,
                                               deadline=time.monotonic() + req.timeout_s)
-            self.worker.scheduler.add(seq)
+            self.engine.add(seq)
 
 
 def run_colocated(config: NodeConfig) -> int:

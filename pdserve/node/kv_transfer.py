@@ -147,11 +147,6 @@ def _page_bytes(lay: KVLayout) -> int:
     return lay.block_size * lay.num_kv_heads * lay.head_dim * DTYPES[lay.dtype].itemsize
 
 
-def layer_groups(num_layers: int, layers_per_chunk: int) -> list[tuple[int, int]]:
-    return [(s, min(s + layers_per_chunk, num_layers))
-            for s in range(0, num_layers, layers_per_chunk)]
-
-
 @dataclass
 class InboundTransfer:
     req_id: str
