@@ -177,7 +177,7 @@ class DecodeNode(Node):
                                          logprobs=out.logprobs))
             if out.finish_reason is not None:
                 del self.jobs[out.req_id]  # the engine has freed its blocks
-        self.send_first_tokens(firsts)
+        self.send_first_tokens(firsts)  # time to first token
         if items:
             self.io.send_control(P.TokenBatch(items=items))
 
