@@ -18,7 +18,7 @@ import time
 import torch
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
 
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, threads=args.threads))
+    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, threads=args.threads))
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     total_steps = args.rounds * args.steps + 4

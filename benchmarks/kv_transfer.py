@@ -28,14 +28,14 @@ from pdserve.common import codec
 from pdserve.common import protocol as P
 from pdserve.common.shm import Segment
 from pdserve.common.transport import make_socket, recv_message, recv_routed, send_message
-from pdserve.engine.kv_transfer import (
+from pdserve.engine.engine import layer_groups
+from pdserve.engine.model_runner import kv_tensor_bytes, kv_views
+from pdserve.node.kv_transfer import (
     InboundTransfer,
     KVReceiver,
     Outgoing,
     kv_chunk,
-    layer_groups,
 )
-from pdserve.engine.model_runner import kv_tensor_bytes, kv_views
 
 LAYOUT = P.KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16",
                     block_size=16)

@@ -9,11 +9,12 @@ from its /metrics, and again before the first request is ``--skip`` tokens
 from its end: the difference is the node's mean step over that window, and
 the batch-size sums prove every step in it ran the whole batch.
 
-The same prompts then run through an in-process ``LLMEngine`` in this
+The same prompts then run through an in-process ``Engine`` in this
 process (same thread count) while the cluster idles: its whole
-``LLMEngine.step`` (schedule, forward, sampling, detokenization, stop checks:
-a superset of what the node's metric times) is timed for the steps whose
-context lies in the node's window. Rounds alternate node, engine; the figure
+``Engine.step`` (schedule, forward, sampling, detokenization, stop checks)
+is timed for the steps whose context lies in the node's window. The node
+runs the same ``Engine.step`` without detokenizing (text is the router's);
+its metric times it from the scheduled batch to the outputs: a subset. Rounds alternate node, engine; the figure
 is the median of the rounds' ratios.
 
     python benchmarks/overhead.py [--rounds 5] [--batch 16] [--threads 1]
@@ -34,7 +35,7 @@ import torch
 from pdserve.bench.cluster import launched, machine
 from pdserve.client import AsyncQueueClient, Done
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
 
 SAMPLING = {"temperature": 0.0, "ignore_eos": True}
@@ -104,7 +105,7 @@ async def node_round(ingress: str, url: str, prompts: list[list[int]], output_le
     return ms, steps, (plen + ctx["start"][0], plen + ctx["end"][1])
 
 
-def engine_round(engine: LLMEngine, prompts: list[list[int]], output_len: int,
+def engine_round(engine: Engine, prompts: list[list[int]], output_len: int,
                  context: tuple[int, int]) -> tuple[float, int]:
     """(median step ms, steps) of the in-process engine over the same context range."""
     params = SamplingParams(max_tokens=output_len, **SAMPLING)
@@ -141,7 +142,7 @@ def main() -> None:
     if args.no_malloc_tuning:
         os.environ["PDSERVE_MALLOC_TUNING"] = "0"  # inherited by pdserve launch's nodes
 
-    engine = LLMEngine(EngineConfig(model=None, threads=args.threads))
+    engine = Engine(EngineConfig(model=None, threads=args.threads))
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     launch = ["--prefill", "1", "--decode", "1", "--threads", str(args.threads),

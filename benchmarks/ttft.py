@@ -5,7 +5,7 @@ model; ``N`` prompts of ``--prompt-len`` random tokens sent at once over the
 queue ingress (each wants 4 tokens, greedy); TTFT = submit to the first token
 at the client. The bare side runs in this process, same thread count, while
 the cluster idles: the model forward + LM head + argmax of the same prompts
-through an in-process ``LLMEngine``'s scheduler (the same chunked-prefill
+through an in-process ``Engine``'s scheduler (the same chunked-prefill
 budget the prefill node has), all added at once, each prompt's first token
 timed from the start. For N = 1 that is one bare prefill forward. Rounds
 alternate cluster, bare; medians of the rounds; the ratio compares mean TTFTs.
@@ -25,7 +25,7 @@ import torch
 from pdserve.bench.cluster import launched, machine
 from pdserve.client import AsyncQueueClient
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
 
@@ -46,7 +46,7 @@ async def client_ttfts(ingress: str, prompts: list[list[int]]) -> list[float]:
         return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
-def bare_ttfts(engine: LLMEngine, prompts: list[list[int]]) -> list[float]:
+def bare_ttfts(engine: Engine, prompts: list[list[int]]) -> list[float]:
     """Seconds from the start to each prompt's first token, prefilled in this process."""
     runner, sched = engine.runner, engine.scheduler
     params = SamplingParams(max_tokens=1, **SAMPLING)
@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
 
-    engine = LLMEngine(EngineConfig(model=None, threads=args.threads))
+    engine = Engine(EngineConfig(model=None, threads=args.threads))
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
 

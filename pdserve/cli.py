@@ -59,14 +59,14 @@ def make_model_cmd(out_dir: str, arch: str, preset: str, seed: int) -> None:
 @engine_options
 def generate_cmd(prompts, max_tokens, temperature, top_p, top_k, seed, **kw) -> None:
     """Generate completions offline with the engine (no servers)."""
-    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.engine import Engine
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.llm import LLM
 
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, seed=seed)
-        llm = LLM.from_engine(LLMEngine(engine_config(kw)))
+        llm = LLM.from_engine(Engine(engine_config(kw)))
         outputs = llm.generate(list(prompts), params)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
@@ -108,9 +108,11 @@ def _run_node(role: str, kw: dict) -> None:
         raise click.UsageError(str(exc)) from exc
     setup_logging(log_level, config.node_id or role)
     if role == "prefill":
-        from pdserve.prefill_node.main import run_prefill as run
+        from pdserve.node.prefill import run_prefill as run
+    elif role == "colocated":
+        from pdserve.node.colocated import run_colocated as run
     else:
-        from pdserve.decode_node.main import run_decode as run
+        from pdserve.node.decode import run_decode as run
     try:
         code = run(config)
     except ValueError as exc:  # a model that cannot be loaded, a bad engine setting

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from pdserve.common.protocol import Logprobs
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.engine import Engine
 from pdserve.engine.logprobs import empty, join
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -36,13 +36,13 @@ class RequestOutput:
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "float32", device: str = "cpu",
                  **engine_args):
-        self.engine = LLMEngine(EngineConfig(model=None if model is None else str(model),
+        self.engine = Engine(EngineConfig(model=None if model is None else str(model),
                                              dtype=dtype, device=device, **engine_args))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
     @classmethod
-    def from_engine(cls, engine: LLMEngine) -> "LLM":
+    def from_engine(cls, engine: Engine) -> "LLM":
         llm = cls.__new__(cls)
         llm.engine, llm.tokenizer, llm._ids = engine, engine.tokenizer, itertools.count()
         return llm

@@ -15,8 +15,11 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     def __init__(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float | None = None):
+                 arrival_time: float | None = None, prefill_here: bool = True):
+        """``prefill_here``: this engine computes the prompt's KV and samples its first
+        token; False on a decode node, where both arrive from a prefill node."""
         self.seq_id = seq_id
+        self.prefill_here = prefill_here
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
@@ -28,11 +31,10 @@ class Sequence:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.generator = None          # torch.Generator for seeded sampling, set by the runner
         # Logprobs (protocol.Logprobs), set by the runner when params ask: the last sampled
-        # token's, and the prompt's, gathered while prefilling. A node that does not
-        # prefill the prompt for the client (a decode node) turns scores_prompt off.
+        # token's, and the prompt's, gathered while prefilling (so only where it is).
         self.logprobs = None
         self.prompt_logprobs = None
-        self.scores_prompt = params.prompt_logprobs is not None
+        self.scores_prompt = prefill_here and params.prompt_logprobs is not None
         self.guide_state = None        # structured output's matcher (engine/grammar.py)
 
     @property

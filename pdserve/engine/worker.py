@@ -1,7 +1,7 @@
-"""What every engine owner shares: model, KV cache, allocator and scheduler.
+"""The engine's state: model, KV cache, allocator and scheduler, sized and checked.
 
-The offline ``LLMEngine``, the prefill node and the decode node each hold one
-``Worker`` and differ only in what they do around ``step``.
+``Engine`` (engine.py) is a Worker with requests and the one step; the offline
+``LLM`` and every node role hold one Engine.
 """
 from __future__ import annotations
 

@@ -330,7 +330,7 @@ def test_a_flooding_stranger_is_held_to_its_budget(cluster, where):
     """20,000 bad messages from a peer the receiver does not know, as fast as they go: it
     answers only as many as the strangers' shared budget allows (each answer is a decode
     and a reply it would otherwise owe), drops the rest unread and counts them."""
-    from pdserve.common.node_io import KV_STRANGER_BURST, KV_STRANGER_MSGS_PER_S
+    from pdserve.node.io import KV_STRANGER_BURST, KV_STRANGER_MSGS_PER_S
     from pdserve.router.node_messages import STRANGER_BURST, STRANGER_MSGS_PER_S
     from tests.e2e.test_metrics import metrics_urls, scrape, value
 

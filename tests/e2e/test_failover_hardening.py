@@ -17,7 +17,7 @@ import pytest
 from pdserve import SamplingParams
 from pdserve.common.config import NodeConfig
 from pdserve.engine.config import EngineConfig
-from pdserve.prefill_node.main import PrefillNode
+from pdserve.node.prefill import PrefillNode
 from pdserve.router import streams as S
 from tests.cluster import launched
 from tests.e2e.test_attack import process_tree

@@ -20,9 +20,9 @@ from pdserve.client import QueueClient
 from pdserve.common import codec
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
-from pdserve.common.node_io import KV_IN_TYPES, KV_STRANGER_BURST, KV_STRANGER_MSGS_PER_S
 from pdserve.common.rate_limit import Bucket
 from pdserve.common.security import CONTROL_MAX_MSG_BYTES
+from pdserve.node.io import KV_IN_TYPES, KV_STRANGER_BURST, KV_STRANGER_MSGS_PER_S
 from pdserve.router.core import CONTROL_IN
 from pdserve.router.ingress import MAX_MSG_SIZE as INGRESS_MAX
 from pdserve.router.node_messages import STRANGER_BURST, STRANGER_MSGS_PER_S

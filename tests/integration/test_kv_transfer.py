@@ -10,15 +10,15 @@ import torch
 from pdserve.common import codec
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
-from pdserve.engine.kv_shm import paired_runs
-from pdserve.engine.kv_transfer import (
+from pdserve.engine.engine import layer_groups
+from pdserve.engine.kv_pages import paired_runs
+from pdserve.node.kv_transfer import (
     InboundTransfer,
     KVReceiver,
     KVTransferError,
     Outgoing,
     TransferState,
     kv_chunk,
-    layer_groups,
 )
 
 LAYOUT = P.KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32", block_size=4)
@@ -203,7 +203,7 @@ def test_shm_reference_outside_the_segment_is_refused(segment_caches):
 
 
 def test_checksum_without_gather_equals_checksum_of_gathered_pages():
-    from pdserve.engine.kv_shm import pages_checksum
+    from pdserve.engine.kv_pages import pages_checksum
 
     pool = caches(fill=True)[0][0]
     for ids in ([3, 4, 5], [9, 2, 3, 4, 31]):

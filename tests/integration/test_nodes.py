@@ -133,8 +133,8 @@ def test_corrupt_shm_region_is_caught_by_checksum(cluster):
 
     from pdserve.common.shm import Segment
     from pdserve.common.transport import make_socket, recv_message, send_message
-    from pdserve.engine.kv_transfer import Outgoing, kv_chunk
     from pdserve.engine.model_runner import kv_tensor_bytes, kv_views
+    from pdserve.node.kv_transfer import Outgoing, kv_chunk
 
     driver, _, _ = cluster
     hello = driver.hellos["d0"]

@@ -231,7 +231,7 @@ def test_kv_after_the_cached_blocks_lands_after_them_and_a_wrong_start_is_refuse
 
     from pdserve.common import codec
     from pdserve.common import protocol as P
-    from pdserve.engine.kv_transfer import (
+    from pdserve.node.kv_transfer import (
         InboundTransfer,
         KVReceiver,
         Outgoing,

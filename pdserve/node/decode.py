@@ -21,12 +21,11 @@ import torch
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.common.config import NodeConfig
-from pdserve.common.node_io import InboxItem
-from pdserve.engine.kv_transfer import InboundTransfer, KVReceiver, KVTransferError, TransferState
-from pdserve.engine.logprobs import prompt_of
-from pdserve.engine.node import Node
-from pdserve.engine.output import RequestOutputState
+from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
+from pdserve.node.base import Node
+from pdserve.node.io import InboxItem
+from pdserve.node.kv_transfer import InboundTransfer, KVReceiver, KVTransferError, TransferState
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +33,6 @@ log = logging.getLogger(__name__)
 @dataclass
 class DecodeJob:
     seq: Sequence
-    out: RequestOutputState
     transfer: InboundTransfer | None     # None: prefilled here (a colocated node)
     lease_s: float = 0.0
     lease_deadline: float = 0.0
@@ -52,9 +50,10 @@ class DecodeNode(Node):
 
     def __init__(self, config: NodeConfig):
         super().__init__(config)
-        self.receiver = KVReceiver(self.identity, self.layout, self.worker.runner.kv_caches)
+        self.receiver = KVReceiver(self.identity, self.layout, self.engine.runner.kv_caches)
         self.jobs: dict[str, DecodeJob] = {}
         self._senders_pruned = 0.0
+        self._step_started, self._batch_size = 0.0, 0  # of the step running, for its metric
 
     def handle(self, item: InboxItem) -> None:
         msg = item.msg
@@ -83,9 +82,8 @@ class DecodeNode(Node):
             params = self.request_params(msg.req_id, msg.prompt_token_ids, msg.sampling)
         except ValueError as exc:
             return refuse(f"{E.BAD_MESSAGE}: {exc}")
-        alloc, sched = self.worker.allocator, self.worker.scheduler
-        seq = Sequence(msg.req_id, msg.prompt_token_ids, params)
-        seq.scores_prompt = False  # the prefill node scores the prompt
+        alloc, sched = self.engine.allocator, self.engine.scheduler
+        seq = Sequence(msg.req_id, msg.prompt_token_ids, params, prefill_here=False)
         cached = sched.take_cached_prefix(seq)  # those blocks' KV need not cross the wire
         need = sched.blocks_for(len(msg.prompt_token_ids)) - cached
         if not alloc.can_allocate(need):
@@ -97,10 +95,8 @@ class DecodeNode(Node):
         transfer = InboundTransfer(msg.req_id, torch.tensor(seq.block_table[cached:],
                                                             dtype=torch.int64),
                                    len(msg.prompt_token_ids), first_block=cached)
-        out = RequestOutputState(None, msg.prompt_token_ids, params,
-                                 self.worker.model_config.eos_token_ids, self.worker.max_model_len)
         now = time.monotonic()
-        self.jobs[msg.req_id] = DecodeJob(seq, out, transfer, msg.lease_s, now + msg.lease_s,
+        self.jobs[msg.req_id] = DecodeJob(seq, transfer, msg.lease_s, now + msg.lease_s,
                                           now + msg.timeout_s if msg.timeout_s else float("inf"),
                                           sender=msg.prefill_node_id)
         if msg.prefill_node_id:
@@ -140,16 +136,13 @@ class DecodeNode(Node):
         for i, transfer in transfers.items():
             if i not in failed and transfer.state is TransferState.DONE:
                 part, job = chunk.parts[i], self.jobs[chunk.parts[i].req_id]
-                job.seq.num_computed_tokens = job.seq.num_prompt_tokens
-                job.seq.token_ids.append(part.first_token)
-                job.out.add([part.first_token])  # counted toward max_tokens; the router has it
-                self.worker.scheduler.add_running(job.seq)
+                self.engine.add_prefilled(job.seq, part.first_token)  # the router has it
                 results.append(P.KVResult(req_id=part.req_id, ok=True))
         if results:
             self.io.send_kv_reply(peer, P.KVAck(results=results))
 
     def _check_first_token(self, chunk: P.KVChunk, part: P.KVPart) -> KVTransferError | None:
-        vocab = self.worker.model_config.vocab_size
+        vocab = self.engine.model_config.vocab_size
         if chunk.last and (part.first_token is None or not 0 <= part.first_token < vocab):
             return KVTransferError(E.BAD_MESSAGE, f"the last KV chunk of {part.req_id!r} "
                                    f"carries first_token={part.first_token!r}, not a token id "
@@ -161,40 +154,37 @@ class DecodeNode(Node):
         if job is None:
             return
         if job.placed:
-            if not job.seq.is_finished:
-                self.worker.scheduler.finish(job.seq, reason)
+            self.engine.finish(req_id, reason)
         else:  # still reserved: the blocks were never handed to the scheduler
-            self.worker.allocator.free(job.seq.block_table)
+            self.engine.allocator.free(job.seq.block_table)
             job.seq.block_table = []
 
     def step(self) -> None:
-        worker = self.worker
-        batch = worker.scheduler.schedule()
-        if not batch.seqs:
-            return
-        started = time.monotonic()
-        sampled = worker.runner.execute(batch)
-        worker.scheduler.postprocess(batch, sampled)
-        self.metrics.step(len(batch.seqs), time.monotonic() - started)
+        self._batch_size = 0
+        outputs = self.engine.step(on_batch=self._scheduled)
+        if self._batch_size:  # nothing could be scheduled: no step ran
+            self.metrics.step(self._batch_size, time.monotonic() - self._step_started)
         firsts, items = [], []
-        for seq, token in zip(batch.seqs, sampled):
-            if token is None:
-                continue  # a prompt chunk, or a preempted sequence being recomputed
-            job = self.jobs[seq.seq_id]
-            reason = job.out.add([token]).finish_reason
-            if len(job.out.token_ids) == 1:  # prefilled here: this is its first token
-                firsts.append(P.FirstToken(req_id=seq.seq_id, token_id=token,
-                                           finish_reason=reason, logprobs=seq.logprobs,
-                                           prompt_logprobs=prompt_of(seq)))
+        for out in outputs:
+            if out.first:  # prefilled here (a colocated node): time to first token
+                firsts.append(P.FirstToken(req_id=out.req_id, token_id=out.new_token_ids[0],
+                                           finish_reason=out.finish_reason,
+                                           logprobs=out.logprobs,
+                                           prompt_logprobs=out.prompt_logprobs))
             else:
-                items.append(P.TokenItem(req_id=seq.seq_id, token_ids=[token],
-                                         finish_reason=reason, logprobs=seq.logprobs))
-            if reason is not None:
-                worker.scheduler.finish(seq, reason)
-                del self.jobs[seq.seq_id]
+                items.append(P.TokenItem(req_id=out.req_id, token_ids=out.new_token_ids,
+                                         finish_reason=out.finish_reason,
+                                         logprobs=out.logprobs))
+            if out.finish_reason is not None:
+                del self.jobs[out.req_id]  # the engine has freed its blocks
         self.send_first_tokens(firsts)  # time to first token
         if items:
             self.io.send_control(P.TokenBatch(items=items))
+
+    def _scheduled(self, batch: ScheduledBatch) -> None:
+        """The step metric times from here (the batch scheduled) to its outputs."""
+        self._step_started = time.monotonic()
+        self._batch_size = len(batch)
 
     def release(self) -> None:
         self.receiver.segments.close()
@@ -220,31 +210,5 @@ class DecodeNode(Node):
                 f"{job.lease_s:g} s without the KV arriving"))
 
 
-class ColocatedNode(DecodeNode):
-    """Prefills and decodes with one engine, behind the same router: the baseline that
-    disaggregation is measured against, and what a user with one GPU runs. It takes
-    PrefillBatch messages (no reservation, no KV transfer) and reports first tokens and
-    later tokens exactly as a prefill + decode pair would."""
-    role = "colocated"
-
-    def handle(self, item: InboxItem) -> None:
-        if not isinstance(item.msg, P.PrefillBatch):
-            super().handle(item)
-            return
-        for req in item.msg.requests:
-            if self.refuse_when_draining(req.req_id):
-                continue
-            seq = self.admit(req, known=req.req_id in self.jobs)
-            if seq is None:
-                continue
-            out = RequestOutputState(None, req.prompt_token_ids, seq.params,
-                                     self.worker.model_config.eos_token_ids,
-                                     self.worker.max_model_len)
-            self.jobs[req.req_id] = DecodeJob(seq, out, transfer=None,
-                                              deadline=time.monotonic() + req.timeout_s)
-            self.worker.scheduler.add(seq)
-
-
 def run_decode(config: NodeConfig) -> int:
-    node = ColocatedNode(config) if config.role == "colocated" else DecodeNode(config)
-    return node.run()
+    return DecodeNode(config).run()

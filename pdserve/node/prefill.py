@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.common.config import NodeConfig
-from pdserve.common.node_io import KV_OUT, InboxItem
 from pdserve.common.shm import Segment, SegmentError
-from pdserve.engine.kv_transfer import Outgoing, kv_chunk, layer_groups, payload_bytes
-from pdserve.engine.logprobs import prompt_of
-from pdserve.engine.node import Node
-from pdserve.engine.output import RequestOutputState
+from pdserve.engine.engine import layer_groups
+from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
+from pdserve.node.base import Node
+from pdserve.node.io import KV_OUT, InboxItem
+from pdserve.node.kv_transfer import Outgoing, kv_chunk, payload_bytes
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ class PrefillNode(Node):
         super().__init__(config)
         self.jobs: dict[str, PrefillJob] = {}
         self.groups = layer_groups(self.layout.num_layers, config.kv_layers_per_chunk)
+        self.engine.layer_groups = self.groups  # where the step hands out KV to ship
         self._paths_logged: set[tuple[str, bool]] = set()
 
     def kv_storage(self, nbytes: int):
@@ -125,7 +126,7 @@ class PrefillNode(Node):
         seq = self.admit(req, known=req.req_id in self.jobs)
         if seq is not None:
             self.jobs[req.req_id] = PrefillJob(req, seq)
-            self.worker.scheduler.add(seq)
+            self.engine.add(seq)
 
     def drop(self, req_id: str, reason: str = "abort") -> None:
         self.metrics.forget(req_id)
@@ -133,71 +134,62 @@ class PrefillNode(Node):
         if job is None:
             return
         if job.blocks is not None:
-            self.worker.allocator.free(job.blocks)
-        elif not job.seq.is_finished:
-            self.worker.scheduler.finish(job.seq, "abort")
+            self.engine.allocator.free(job.blocks)
+        else:
+            self.engine.finish(req_id, "abort")
 
     def stats(self) -> P.NodeStats:
-        sched = self.worker.scheduler
+        sched = self.engine.scheduler
         queued = sum(s.num_tokens - s.num_computed_tokens
                      for s in (*sched.waiting, *sched.running))
-        return self.worker.stats(queued_prompt_tokens=queued)
+        return self.engine.stats(queued_prompt_tokens=queued)
 
     def step(self) -> None:
-        worker = self.worker
-        batch = worker.scheduler.schedule()
-        if not batch.seqs:
-            return
-        self.metrics.step([s.seq_id for s in batch.seqs])
-        # Sequences whose prompt completes in this step: their KV ships as layers finish.
-        done = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
-        # Only the blocks the decode node does not hold travel.
-        block_ids = {s.seq_id: s.block_table[self.jobs[s.seq_id].req.skip_blocks:]
-                     for s in done}
-        group_ends = {end - 1: (start, end) for start, end in self.groups[:-1]}
-
-        def on_layer(layer: int) -> None:
-            if layer in group_ends:
-                self._send_kv(done, block_ids, *group_ends[layer], last=False)
-
-        sampled = worker.runner.execute(batch, on_layer if done else None)
-        worker.scheduler.postprocess(batch, sampled)
-
+        outputs = self.engine.step(on_batch=self._scheduled, on_layer_group=self._ship_group)
         firsts, shipping = [], {}
-        for seq, token in zip(batch.seqs, sampled):
-            if token is None:
-                continue
-            job = self.jobs[seq.seq_id]
-            self.metrics.first_token(seq.seq_id)
-            state = RequestOutputState(None, seq.prompt_token_ids, seq.params,
-                                       worker.model_config.eos_token_ids, worker.max_model_len)
-            reason = state.add([token]).finish_reason
-            firsts.append(P.FirstToken(req_id=seq.seq_id, token_id=token, finish_reason=reason,
-                                       logprobs=seq.logprobs, prompt_logprobs=prompt_of(seq)))
-            job.blocks = worker.scheduler.detach(seq)
-            job.deadline = time.monotonic() + job.req.timeout_s
-            if reason is None:
-                shipping[seq.seq_id] = token
+        for out in outputs:  # each the first token of a prompt whose last chunk just ran
+            token = out.new_token_ids[0]
+            self.metrics.first_token(out.req_id)
+            firsts.append(P.FirstToken(req_id=out.req_id, token_id=token,
+                                       finish_reason=out.finish_reason, logprobs=out.logprobs,
+                                       prompt_logprobs=out.prompt_logprobs))
+            if out.finish_reason is None:
+                shipping[out.req_id] = token
             else:
-                self.drop(seq.seq_id)  # finished at its first token: no decode needed
+                self.drop(out.req_id)  # finished at its first token: no decode needed
         self.send_first_tokens(firsts)  # time to first token
-        self._send_kv([s for s in done if s.seq_id in shipping], block_ids, *self.groups[-1],
-                      last=True, first_tokens=shipping)
+        self._send_kv([self.jobs[r].seq for r in shipping], *self.groups[-1], last=True,
+                      first_tokens=shipping)
+        deadline_from = time.monotonic()
+        for req_id in shipping:  # the blocks stay allocated until the decode node's KVAck
+            job = self.jobs[req_id]
+            job.blocks = self.engine.detach(req_id)
+            job.deadline = deadline_from + job.req.timeout_s
 
-    def _send_kv(self, seqs: list[Sequence], block_ids: dict[str, list[int]], start: int,
-                 end: int, *, last: bool, first_tokens: dict[str, int] | None = None) -> None:
-        """Layers [start, end) of these requests' KV: one message per decode node."""
+    def _scheduled(self, batch: ScheduledBatch) -> None:
+        self.metrics.step([s.seq_id for s in batch.seqs])
+
+    def _ship_group(self, prompts: list[Sequence], start: int, end: int) -> None:
+        """KV of a layer group, sent as soon as the forward has it. Not the last group's:
+        that leaves after sampling, carrying the first tokens."""
+        if (start, end) != self.groups[-1]:
+            self._send_kv(prompts, start, end, last=False)
+
+    def _send_kv(self, seqs: list[Sequence], start: int, end: int, *, last: bool,
+                 first_tokens: dict[str, int] | None = None) -> None:
+        """Layers [start, end) of these requests' KV: one message per decode node. Only
+        the blocks the decode node does not hold travel."""
         by_address: dict[str, list[Outgoing]] = {}
         for seq in seqs:
             req = self.jobs[seq.seq_id].req
             by_address.setdefault(req.kv_address, []).append(Outgoing(
-                seq.seq_id, block_ids[seq.seq_id], seq.num_prompt_tokens, req.skip_blocks,
-                first_tokens[seq.seq_id] if last else None))
+                seq.seq_id, seq.block_table[req.skip_blocks:], seq.num_prompt_tokens,
+                req.skip_blocks, first_tokens[seq.seq_id] if last else None))
         for address, outgoing in by_address.items():
             segment = self._segment_for(self.jobs[outgoing[0].req_id].req)
             for at in range(0, len(outgoing), P.MAX_KV_PARTS):
                 parts = outgoing[at:at + P.MAX_KV_PARTS]
-                chunk = kv_chunk(self.identity, self.layout, self.worker.runner.kv_caches,
+                chunk = kv_chunk(self.identity, self.layout, self.engine.runner.kv_caches,
                                  parts, start, end, checksums=self.config.kv_checksums,
                                  last=last, segment=segment)
                 self.io.send_kv(address, chunk)

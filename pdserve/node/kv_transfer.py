@@ -32,14 +32,8 @@ from pdserve.common.protocol import (
     kv_tensor_names,
 )
 from pdserve.common.shm import Segment, SegmentError
-from pdserve.engine.kv_shm import (
-    PeerSegments,
-    bytes_of,
-    copy_pages,
-    pages_checksum,
-    paired_runs,
-    shm_ref,
-)
+from pdserve.engine.kv_pages import bytes_of, copy_pages, pages_checksum, paired_runs
+from pdserve.node.kv_shm import PeerSegments, shm_ref
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -151,11 +145,6 @@ def payload_bytes(chunk: KVChunk) -> int:
 
 def _page_bytes(lay: KVLayout) -> int:
     return lay.block_size * lay.num_kv_heads * lay.head_dim * DTYPES[lay.dtype].itemsize
-
-
-def layer_groups(num_layers: int, layers_per_chunk: int) -> list[tuple[int, int]]:
-    return [(s, min(s + layers_per_chunk, num_layers))
-            for s in range(0, num_layers, layers_per_chunk)]
 
 
 @dataclass

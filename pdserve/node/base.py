@@ -23,11 +23,11 @@ from pdserve.common import shm
 from pdserve.common.config import NodeConfig
 from pdserve.common.kv_events import KVEventPublisher
 from pdserve.common.metrics import node_metrics, start_metrics_server
-from pdserve.common.node_io import InboxItem, NodeIO
 from pdserve.common.security import InsecureWarnings, node_curves, node_exposures
+from pdserve.engine.engine import Engine
 from pdserve.engine.sampling_params import SamplingParams, from_spec
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.worker import Worker
+from pdserve.node.io import InboxItem, NodeIO
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +42,14 @@ class Node:
         self.node_id = config.node_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
         shm.sweep()  # KV segments of processes killed before they could remove them
         self.host_id = shm.host_id()
-        self.worker = Worker(config.engine, kv_storage=self.kv_storage)
-        self.identity = self.worker.identity()
-        self.layout = self.worker.kv_layout()
+        # No detokenizing here: text and stop strings are the router's (it has the tokenizer).
+        self.engine = Engine(config.engine, kv_storage=self.kv_storage, detokenize=False)
+        self.identity = self.engine.identity()
+        self.layout = self.engine.kv_layout()
         self.metrics = node_metrics(self.role, self.identity.name, self.node_id)
         hello = P.Hello(node_id=self.node_id, role=self.role,
                         protocol_version=P.PROTOCOL_VERSION, model=self.identity,
-                        kv_layout=self.layout, capacity=self.worker.stats(), pid=os.getpid(),
+                        kv_layout=self.layout, capacity=self.engine.stats(), pid=os.getpid(),
                         compute=config.engine.compute, incarnation=os.urandom(8).hex(),
                         host_id=self.host_id)
         self.io = NodeIO(config.router, hello,
@@ -66,7 +67,7 @@ class Node:
         self.kv_events = None
         if config.kv_events is not None and config.kv_events.active:
             if config.engine.enable_prefix_caching:
-                self.worker.allocator.record_events()
+                self.engine.allocator.record_events()
                 medium = "GPU" if str(config.engine.device).startswith("cuda") else "CPU"
                 self.kv_events = KVEventPublisher(config.kv_events, self.layout.block_size,
                                                   medium)
@@ -75,7 +76,7 @@ class Node:
                             "none will be published")
         if config.engine.compute == "none":
             log.warning("COMPUTE NONE: benchmark mode, the forward is skipped and every token "
-                        "is %d; outputs are not the model's", self.worker.runner.fixed_token)
+                        "is %d; outputs are not the model's", self.engine.runner.fixed_token)
 
     # -- for the roles ---------------------------------------------------------------------
     def kv_storage(self, nbytes: int):
@@ -89,7 +90,7 @@ class Node:
         raise NotImplementedError
 
     def has_work(self) -> bool:
-        return self.worker.scheduler.has_unfinished()
+        return self.engine.scheduler.has_unfinished()
 
     def step(self) -> None:
         raise NotImplementedError
@@ -98,13 +99,13 @@ class Node:
         """Ends whatever waited past its deadline; called every turn of the loop."""
 
     def stats(self) -> P.NodeStats:
-        return self.worker.stats()
+        return self.engine.stats()
 
     def request_params(self, req_id: str, prompt: list[int],
                        spec: P.SamplingSpec) -> SamplingParams:
         """The request's sampling parameters; ValueError saying why it cannot be served."""
         params = from_spec(spec)
-        self.worker.check_request(prompt, params, what=f"prompt of {req_id}")
+        self.engine.check_request(prompt, params, what=f"prompt of {req_id}")
         return params
 
     def admit(self, req: P.PrefillRequest, known: bool) -> Sequence | None:
@@ -195,11 +196,11 @@ class Node:
                 self.insecure_warnings.tick()
                 self.io.stats = self.stats()
                 self.metrics.node_stats(self.io.stats)
-                sched = self.worker.scheduler
+                sched = self.engine.scheduler
                 self.metrics.prefix_cache(sched.num_prefix_queried_tokens,
                                           sched.num_prefix_hit_tokens)
                 if self.kv_events is not None:
-                    self.kv_events.publish(self.worker.allocator.drain_events())
+                    self.kv_events.publish(self.engine.allocator.drain_events())
             return 0
         finally:
             if self.kv_events is not None:

@@ -1,0 +1,42 @@
+"""Colocated node: one engine prefills and decodes, behind the same router.
+
+A request's way here::
+
+    PrefillBatch --> scheduler.waiting --> (chunked) prefill steps --> first token:
+      FirstTokens to the router --> one TokenBatch per step --> finished/aborted:
+      blocks freed
+"""
+from __future__ import annotations
+
+import time
+
+from pdserve.common import protocol as P
+from pdserve.common.config import NodeConfig
+from pdserve.node.decode import DecodeJob, DecodeNode
+from pdserve.node.io import InboxItem
+
+
+class ColocatedNode(DecodeNode):
+    """Prefills and decodes with one engine, behind the same router: the baseline that
+    disaggregation is measured against, and what a user with one GPU runs. It takes
+    PrefillBatch messages (no reservation, no KV transfer) and reports first tokens and
+    later tokens exactly as a prefill + decode pair would."""
+    role = "colocated"
+
+    def handle(self, item: InboxItem) -> None:
+        if not isinstance(item.msg, P.PrefillBatch):
+            super().handle(item)
+            return
+        for req in item.msg.requests:
+            if self.refuse_when_draining(req.req_id):
+                continue
+            seq = self.admit(req, known=req.req_id in self.jobs)
+            if seq is None:
+                continue
+            self.jobs[req.req_id] = DecodeJob(seq, transfer=None,
+                                              deadline=time.monotonic() + req.timeout_s)
+            self.engine.add(seq)
+
+
+def run_colocated(config: NodeConfig) -> int:
+    return ColocatedNode(config).run()
