@@ -14,8 +14,8 @@ process (same thread count) while the cluster idles: its whole
 ``Engine.step`` (schedule, forward, sampling, detokenization, stop checks)
 is timed for the steps whose context lies in the node's window. The node
 runs the same ``Engine.step`` without detokenizing (text is the router's);
-its metric times it from the scheduled batch to the outputs: a subset. Rounds alternate node, engine; the figure
-is the median of the rounds' ratios.
+its metric times it from the scheduled batch to the outputs: a subset. Rounds
+alternate node, engine; the figure is the median of the rounds' ratios.
 
     python benchmarks/overhead.py [--rounds 5] [--batch 16] [--threads 1]
 """
