@@ -34,8 +34,8 @@ import zmq.asyncio
 from pdserve.common import queue_protocol as Q
 from pdserve.common.codec import check_expansion
 from pdserve.common.errors import DUPLICATE_ID
+from pdserve.common.request import SamplingParams
 from pdserve.common.transport import CurveConfig, endpoint_of, make_socket
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.limits import check_prompt_bytes
 from pdserve.router.openai_schema import encode_text
 from pdserve.router.streams import (
