@@ -17,9 +17,9 @@ import time
 
 import torch
 
+from pdserve.common.request import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
 
 
 def main() -> None:

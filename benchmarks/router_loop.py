@@ -26,9 +26,9 @@ import msgpack
 
 from pdserve.common.codec import unpack_bounded
 from pdserve.common.protocol import ProtocolError
-from pdserve.engine.output import RequestOutputState
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.request import SamplingParams
 from pdserve.model.make_model import make_model
+from pdserve.model.text import RequestOutputState
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.router.openai_schema import encode_text
 

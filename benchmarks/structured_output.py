@@ -23,10 +23,10 @@ import time
 
 import torch
 
+from pdserve.common.request import SamplingParams
 from pdserve.engine.grammar import GrammarBackend, GuideState
 from pdserve.engine.logits_processors import LogitsProcessors
 from pdserve.engine.sampler import sample
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
 from pdserve.model.config import ModelConfig
 from pdserve.model.default_model import default_model_dir

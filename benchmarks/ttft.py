@@ -24,9 +24,9 @@ import torch
 
 from pdserve.bench.cluster import launched, machine
 from pdserve.client import AsyncQueueClient
+from pdserve.common.request import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
 
 SAMPLING = {"temperature": 0.0, "ignore_eos": True}

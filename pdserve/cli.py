@@ -59,8 +59,8 @@ def make_model_cmd(out_dir: str, arch: str, preset: str, seed: int) -> None:
 @engine_options
 def generate_cmd(prompts, max_tokens, temperature, top_p, top_k, seed, **kw) -> None:
     """Generate completions offline with the engine (no servers)."""
+    from pdserve.common.request import SamplingParams
     from pdserve.engine.engine import Engine
-    from pdserve.engine.sampling_params import SamplingParams
     from pdserve.llm import LLM
 
     try:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import click
 
-from pdserve.common.config import NodeConfig
 from pdserve.common.logs import DEFAULT_LEVEL
 from pdserve.common.logs import LEVELS as LOG_LEVELS
 from pdserve.engine.config import COMPUTE_MODES, DTYPES, EngineConfig
+from pdserve.node.config import NodeConfig
 from pdserve.router.config import POLICIES, RouterConfig
 
 

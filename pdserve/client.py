@@ -19,9 +19,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pdserve.common import queue_protocol as Q
 from pdserve.common.cli_options import sampling_options
-from pdserve.common.queue_protocol import Done, Tokens  # noqa: F401 (this module's API)
+from pdserve.common.protocol import queue as Q
+from pdserve.common.protocol.queue import Done, Tokens  # noqa: F401 (this module's API)
 from pdserve.common.sockets import CurveConfig, make_socket
 
 DEFAULT_INGRESS = "tcp://127.0.0.1:5557"

@@ -18,11 +18,11 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field, replace
 
-from pdserve.common.config import NodeConfig
 from pdserve.common.config_io import child_env
 from pdserve.common.kv_events import KVEventsConfig
 from pdserve.common.logs import DEFAULT_LEVEL
 from pdserve.engine.config import EngineConfig
+from pdserve.node.config import NodeConfig
 from pdserve.router.config import RouterConfig
 
 STOP_TIMEOUT_S = 10.0

@@ -10,11 +10,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from pdserve.common.logprobs import empty, join
 from pdserve.common.protocol import Logprobs
+from pdserve.common.request import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.logprobs import empty, join
-from pdserve.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

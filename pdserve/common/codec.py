@@ -28,7 +28,6 @@ from pdserve.common.errors import (
     VERSION_MISMATCH,
 )
 from pdserve.common.protocol import (
-    _DTYPE_NAMES,
     DTYPES,
     MAX_HEADER_BYTES,
     MESSAGE_TYPES,
@@ -39,6 +38,10 @@ from pdserve.common.protocol import (
     ProtocolError,
     TensorMeta,
 )
+
+# Wire dtype names -> torch dtypes, and back.
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
+_DTYPE_NAMES = {dt: name for name, dt in TORCH_DTYPES.items()}
 
 # ---------------------------------------------------------------- tensors
 
@@ -86,7 +89,7 @@ def tensor_to_frame(name: str, tensor: torch.Tensor,
 def frame_to_tensor(meta: TensorMeta, frame: FrameLike, name: str = "tensor") -> torch.Tensor:
     """Rebuild a tensor over the frame's memory after checking it against its meta (whose
     types the decoder has checked: a known dtype, non-negative dims)."""
-    torch_dtype = DTYPES[meta.dtype]
+    torch_dtype = TORCH_DTYPES[meta.dtype]
     want = math.prod(meta.shape) * torch_dtype.itemsize
     view = _as_bytes_view(frame)
     if view.nbytes != want:

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 from pdserve.common.protocol import Logprobs
+from pdserve.common.request import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.logprobs import prompt_of
-from pdserve.engine.output import RequestOutputState
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.worker import Worker
+from pdserve.model.text import RequestOutputState
 from pdserve.model.tokenizer import Tokenizer
 
 

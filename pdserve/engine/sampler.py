@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.request import SamplingParams
 
 _MASK64 = 2**64 - 1
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import time
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.request import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -10,12 +10,12 @@ from pathlib import Path
 import torch
 
 from pdserve.common.protocol import KVLayout, ModelIdentity, NodeStats
+from pdserve.common.request import SamplingParams
 from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.host_memory import tune_malloc
 from pdserve.engine.logits_processors import LogitsProcessors
 from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.model.loader import load_model, model_identity_hash, model_name, resolve_dtype
 

@@ -20,13 +20,13 @@ import time
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.common import shm
-from pdserve.common.config import NodeConfig
 from pdserve.common.kv_events import KVEventPublisher
 from pdserve.common.metrics import node_metrics, start_metrics_server
+from pdserve.common.request import SamplingParams, from_spec
 from pdserve.common.security import InsecureWarnings, node_curves, node_exposures
 from pdserve.engine.engine import Engine
-from pdserve.engine.sampling_params import SamplingParams, from_spec
 from pdserve.engine.sequence import Sequence
+from pdserve.node.config import NodeConfig
 from pdserve.node.io import InboxItem, NodeIO
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from pdserve.common import protocol as P
-from pdserve.common.config import NodeConfig
+from pdserve.node.config import NodeConfig
 from pdserve.node.decode import DecodeJob, DecodeNode
 from pdserve.node.io import InboxItem
 

@@ -20,10 +20,10 @@ import torch
 
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
-from pdserve.common.config import NodeConfig
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
 from pdserve.node.base import Node
+from pdserve.node.config import NodeConfig
 from pdserve.node.io import InboxItem
 from pdserve.node.kv_transfer import InboundTransfer, KVReceiver, KVTransferError, TransferState
 

@@ -21,10 +21,9 @@ import torch
 import xxhash
 
 from pdserve import kernels
-from pdserve.common.codec import checksum_of
+from pdserve.common.codec import TORCH_DTYPES, checksum_of
 from pdserve.common.errors import BAD_MESSAGE, CHECKSUM_MISMATCH, LAYOUT_MISMATCH, MODEL_MISMATCH
 from pdserve.common.protocol import (
-    DTYPES,
     KVChunk,
     KVLayout,
     KVPart,
@@ -144,7 +143,7 @@ def payload_bytes(chunk: KVChunk) -> int:
 
 
 def _page_bytes(lay: KVLayout) -> int:
-    return lay.block_size * lay.num_kv_heads * lay.head_dim * DTYPES[lay.dtype].itemsize
+    return lay.block_size * lay.num_kv_heads * lay.head_dim * TORCH_DTYPES[lay.dtype].itemsize
 
 
 @dataclass

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
-from pdserve.common.config import NodeConfig
 from pdserve.common.shm import Segment, SegmentError
 from pdserve.engine.engine import layer_groups
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
 from pdserve.node.base import Node
+from pdserve.node.config import NodeConfig
 from pdserve.node.io import KV_OUT, InboxItem
 from pdserve.node.kv_transfer import Outgoing, kv_chunk, payload_bytes
 

@@ -15,8 +15,8 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdserve.common.logprobs import empty, join
 from pdserve.common.protocol import MAX_HEADER_BYTES, Logprobs
-from pdserve.engine.logprobs import empty, join
 from pdserve.router.limits import check_prompt_bytes
 from pdserve.router.openai_schema import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,

@@ -37,10 +37,10 @@ import logging
 import msgspec
 
 from pdserve.common import protocol as P
+from pdserve.common.logprobs import head
 from pdserve.common.metrics import RouterMetrics
-from pdserve.engine.logprobs import head
-from pdserve.engine.output import RequestOutputState
-from pdserve.engine.sampling_params import to_spec
+from pdserve.common.request import to_spec
+from pdserve.model.text import RequestOutputState
 from pdserve.router import streams as S
 from pdserve.router.batching import PrefillDispatch
 from pdserve.router.config import RouterConfig

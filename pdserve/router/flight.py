@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 from pdserve.common import protocol as P
-from pdserve.engine.output import RequestOutputState
+from pdserve.model.text import RequestOutputState
 from pdserve.router import streams as S
 
 

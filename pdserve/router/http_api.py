@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from pdserve.common.errors import REQUEST_TOO_LARGE, UNAUTHORIZED
-from pdserve.engine.logprobs import empty, join
+from pdserve.common.logprobs import empty, join
 from pdserve.router.choices import (
     Choice,
     Choices,

@@ -2,7 +2,7 @@
 as plain MessagePack maps and get their tokens back on the same socket.
 
 The contract is docs/queue-protocol.md; its messages are the Structs of
-common/queue_protocol.py, which the clients use too. It runs in the router's asyncio loop:
+common/protocol/queue.py, which the clients use too. It runs in the router's asyncio loop:
 
 1. ``run`` receives one message, decodes it (one typed msgspec pass, bounded in how far it
    may outgrow its frame) and answers bad input with an ``error`` at once, naming the
@@ -31,11 +31,11 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pdserve.common import queue_protocol as Q
 from pdserve.common.codec import check_expansion
 from pdserve.common.errors import DUPLICATE_ID
+from pdserve.common.protocol import queue as Q
+from pdserve.common.request import SamplingParams
 from pdserve.common.transport import CurveConfig, endpoint_of, make_socket
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.limits import check_prompt_bytes
 from pdserve.router.openai_schema import encode_text
 from pdserve.router.streams import (

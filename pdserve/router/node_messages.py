@@ -20,7 +20,7 @@ import logging
 
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
-from pdserve.engine.logprobs import problem as logprobs_problem
+from pdserve.common.logprobs import problem as logprobs_problem
 from pdserve.router import streams as S
 from pdserve.router.flight import Flight, State
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import jinja2
 import orjson
 
-from pdserve.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
+from pdserve.common.request import MAX_LOGPROBS, MAX_SEED, SamplingParams
 from pdserve.router.streams import BAD_REQUEST, NOT_FOUND, RequestError
 from pdserve.router.structured import logits_processing
 

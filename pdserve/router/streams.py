@@ -23,9 +23,9 @@ from pdserve.common.errors import (  # noqa: F401 (the front-ends' names: S.BAD_
     OVERLOADED,
     TIMEOUT,
 )
+from pdserve.common.logprobs import join
 from pdserve.common.protocol import Logprobs
-from pdserve.engine.logprobs import join
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.request import SamplingParams
 
 
 class RequestError(Exception):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from pdserve.engine.grammar import guide_problem
+from pdserve.common.guides import guide_problem
 from pdserve.router.streams import BAD_REQUEST, RequestError
 
 # structured_outputs' constraint fields -> our guide kind (exactly one may be set)

@@ -420,7 +420,7 @@ def _mutations(fake, vocab):
     def with_layout(req, **kw):
         chunk = valid(req)
         lay = msgspec.structs.replace(chunk.kv_layout, **kw)
-        dtype = P.DTYPES[lay.dtype]
+        dtype = codec.TORCH_DTYPES[lay.dtype]
         return msgspec.structs.replace(chunk, kv_layout=lay, tensors={
             n: t.to(dtype) for n, t in chunk.tensors.items()})
 

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from pdserve import SamplingParams
-from pdserve.common.config import NodeConfig
 from pdserve.engine.config import EngineConfig
+from pdserve.node.config import NodeConfig
 from pdserve.node.prefill import PrefillNode
 from pdserve.router import streams as S
 from tests.cluster import launched

@@ -151,7 +151,7 @@ BAD_INPUTS = [
     (submit("f", max_tokens=4, prompt="a", prompt_token_ids=[1, 2]), "f", "exactly one"),
     (submit("g", max_tokens=4, max_token=5), "g", "max_token"),
     (submit("h", max_tokens=4, prompt_token_ids=[5] * 2000), "h", "context"),
-    # The schema's own limits (common/queue_protocol.py), named in the answer.
+    # The schema's own limits (common/protocol/queue.py), named in the answer.
     (submit("i", max_tokens=4, seed=2**63), "i", "field 'seed' must be an integer in [0, 2^63)"),
     (submit("j", max_tokens=2**64 - 1), "j", "field 'max_tokens'"),
     (submit("k", max_tokens=4, stop=["a", 1]), "k", "field 'stop' must be a string or a list"),
@@ -291,7 +291,7 @@ def test_oversized_frame_refused_locally_and_by_socket(echo):
 
 
 def test_client_speaks_the_protocol_types(echo):
-    """The client's events are queue_protocol's Structs, and a field the protocol does not
+    """The client's events are protocol.queue's Structs, and a field the protocol does not
     have is refused before anything is sent."""
     with QueueClient(echo[0]) as client:
         with pytest.raises(QueueError, match="unknown field.*max_token") as e:

@@ -100,8 +100,8 @@ def test_api_key_reaches_the_router_config_but_never_argv(monkeypatch):
 
 
 def test_open_to_other_machines_without_keys_refuses_to_start_unless_insecure(keys, caplog):
-    from pdserve.common.config import NodeConfig
     from pdserve.engine.config import EngineConfig
+    from pdserve.node.config import NodeConfig
     from pdserve.router.config import RouterConfig
 
     caplog.set_level(logging.WARNING, logger="pdserve.common.security")

@@ -14,8 +14,8 @@ from pdserve import LLM, SamplingParams
 from pdserve.common import codec
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
+from pdserve.common.request import to_spec
 from pdserve.common.shm import SWEEP_INTERVAL_S
-from pdserve.engine.sampling_params import to_spec
 from tests.node_driver import RouterDriver, start_node, stop_nodes
 
 PROMPT_LENGTHS = [1, 7, 16, 17, 40, 90]

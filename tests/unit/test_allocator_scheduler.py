@@ -1,8 +1,8 @@
 """Pure-Python units: block allocator and scheduler (no model, no torch)."""
 import pytest
 
+from pdserve.common.request import SamplingParams
 from pdserve.engine.block_allocator import BlockAllocator, BlockAllocatorError
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
+from pdserve.common.request import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine, layer_groups
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
 
 BLOCK = 4

@@ -5,8 +5,8 @@ import msgspec
 import pytest
 
 from pdserve.common.block_hash import BlockRemoved, BlockStored, block_hashes
+from pdserve.common.request import SamplingParams
 from pdserve.engine.block_allocator import BlockAllocator, BlockAllocatorError
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
 

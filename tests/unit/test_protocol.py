@@ -28,7 +28,7 @@ def layout(dtype="bfloat16", num_layers=2):
 
 def kv_chunk(dtype="bfloat16", num_tokens=7, checksums=False, **kw):
     lay = layout(dtype)
-    torch_dtype = P.DTYPES[dtype]
+    torch_dtype = codec.TORCH_DTYPES[dtype]
     shape = (-(-num_tokens // lay.block_size), lay.block_size, lay.num_kv_heads, lay.head_dim)
     tensors = {}
     for layer in range(lay.num_layers):

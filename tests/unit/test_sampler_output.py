@@ -2,11 +2,11 @@
 import pytest
 import torch
 
+from pdserve.common.request import SamplingParams
 from pdserve.engine.inputs import build_model_inputs
-from pdserve.engine.output import RequestOutputState
 from pdserve.engine.sampler import make_generator, sample
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.attention import DECODE, MIXED, PREFILL
+from pdserve.model.text import RequestOutputState
 
 
 def logits(rows=4, vocab=50, seed=0):

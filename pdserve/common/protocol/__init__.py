@@ -3,12 +3,12 @@
 Every process must agree on exactly what travels, so every message type, its
 tag, its limits and the protocol version live in this package and nowhere else:
 base.py (version, limits, dtypes, the limited field types, the message registry,
-ProtocolError and Error), messages.py (the control plane), kv.py (the KV plane).
+ProtocolError and Error), messages.py (the control plane), kv.py (the KV plane),
+queue.py (the queue ingress, a public contract of its own: maps, no version).
 Every type is a ``msgspec.Struct``; the only logic is cross-field validation.
 codec.py turns messages into frames and back. docs/protocol.md is the prose
 version. Import it as one module: ``from pdserve.common import protocol as P``.
-The queue-ingress messages are in ``pdserve/common/queue_protocol.py``, which
-imports no torch (the client must not).
+The package imports no torch (the queue clients import it); codec.py does.
 
 Wire form: one multipart message ``[header, frame_1, ..., frame_n]``. The
 header is the MessagePack array ``[version, [tag, field, ...]]``; a KVChunk's
@@ -23,7 +23,6 @@ with a message naming the offending field, so the receiver can answer with an
 ``Error`` message and keep serving.
 """
 from pdserve.common.protocol.base import (  # noqa: F401 (this package's API)
-    _DTYPE_NAMES,
     DTYPES,
     MAX_HEADER_BYTES,
     MAX_HOST_ID,

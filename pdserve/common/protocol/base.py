@@ -12,7 +12,6 @@ ModelIdentity, GuideSpec) stay maps.
 from typing import Annotated, Any, ClassVar, Optional
 
 import msgspec
-import torch
 from msgspec import Meta
 
 PROTOCOL_VERSION = 5  # what each version added: docs/protocol.md, "Versioning"
@@ -27,12 +26,9 @@ MAX_ITEMS = 1 << 20     # entries of any list a message carries (tokens, request
 MAX_TOP_LOGPROBS = 1024  # alternatives per token in Logprobs
 MAX_TENSOR_DIMS = 8
 
-# Wire dtype names (also used by KVLayout.dtype) -> torch dtype.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-    "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8,
-}
-_DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
+# Wire dtype names (also used by KVLayout.dtype); codec.TORCH_DTYPES maps them to torch's.
+# No torch here: the schema is imported by the queue clients too.
+DTYPES = ("float32", "bfloat16", "float16", "int32", "int64", "uint8")
 
 FrameLike = Any  # bytes | bytearray | memoryview | zmq.Frame (anything with .buffer)
 

@@ -21,6 +21,14 @@ from pdserve.common.protocol.base import (
 from pdserve.common.protocol.messages import KVLayout, ModelIdentity
 
 
+def torch_dtype(name: str):
+    """The torch dtype of a wire dtype name (torch is loaded already: a chunk being checked
+    holds tensors; the schema itself imports no torch)."""
+    from pdserve.common.codec import TORCH_DTYPES
+
+    return TORCH_DTYPES[name]
+
+
 class TensorMeta(Nested, kw_only=True):
     """How one tensor travels: its raw bytes are frame ``frame`` after the header (1 is
     the first frame after it), C-contiguous, ``dtype`` x ``shape`` bytes long."""
@@ -109,7 +117,7 @@ class KVChunk(Message, tag="kv_chunk", kw_only=True):
                                 f"expected {names}")
         shape = (total, lay.block_size, lay.num_kv_heads, lay.head_dim)
         for name, t in self.tensors.items():
-            if tuple(t.shape) != shape or t.dtype != DTYPES[lay.dtype]:
+            if tuple(t.shape) != shape or t.dtype != torch_dtype(lay.dtype):
                 raise ProtocolError(BAD_MESSAGE, f"{where}: tensor {name!r} is {list(t.shape)} "
                                     f"{t.dtype}, expected {list(shape)} {lay.dtype}")
 

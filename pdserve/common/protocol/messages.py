@@ -58,7 +58,7 @@ class LogitBias(Nested, kw_only=True):
 
 
 class GuideSpec(NestedMap, kw_only=True):
-    """Structured output: kind (engine/grammar.py GUIDE_KINDS: json, json_object, regex,
+    """Structured output: kind (common/guides.py GUIDE_KINDS: json, json_object, regex,
     choice, grammar) and its spec (a JSON schema, a regex, a JSON array of choices, a Lark
     grammar); nodes compile it with the model's vocabulary, cached by (kind, spec)."""
     kind: Id

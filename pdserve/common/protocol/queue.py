@@ -1,7 +1,7 @@
 """The queue-ingress messages (docs/queue-protocol.md) as msgspec Structs, used by both
 ends: the router's ingress (router/ingress.py) and the clients (pdserve/client.py).
 
-It imports no torch (the client must not), which is why it is not in protocol/ yet. The
+Like the whole protocol package it imports no torch (the client must not). The
 wire form is the public contract's: one MessagePack map per frame with a ``"type"`` key,
 no version field. Producers' messages refuse unknown keys, so a misspelt field never
 passes silently; answers may grow keys, and the client ignores those it does not know.

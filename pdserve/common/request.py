@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.engine.grammar import GUIDE_KINDS
+from pdserve.common.guides import GUIDE_KINDS
 
 MAX_INT = 2**31      # bound of counts and token ids (the model's own bounds are checked later)
 MAX_SEED = 2**63     # seeds are signed 64-bit on every side
