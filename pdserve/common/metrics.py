@@ -340,8 +340,8 @@ class PrefillMetrics(NodeMetrics):
 class DecodeMetrics(NodeMetrics):
     def __init__(self, model_name: str, node: str):
         super().__init__(model_name, node)
-        self.step_time = self._histogram("pdserve_decode_step_seconds", "One decode step: "
-                                         "forward and sampling of the running batch.",
+        self.step_time = self._histogram("pdserve_decode_step_seconds", "One decode step of "
+                                         "the running batch: forward, sampling and stop checks.",
                                          TOKEN_BUCKETS)
         self.batch_size = self._histogram("pdserve_decode_batch_size", "Sequences in one "
                                           "decode step.", BATCH_BUCKETS)
