@@ -7,7 +7,7 @@
 2. The held-back tail of streamed text with 16 stop strings of 256 characters: the
    old loop over every tail length and stop string against ``_undecided_tail`` now.
 3. Decoding a hostile msgpack header ({} repeated): plain ``msgpack.unpackb`` against
-   ``codec.unpack_bounded``, peak memory / input size (tracemalloc).
+   ``codec.check_expansion`` (then msgpack), peak memory / input size (tracemalloc).
 
     python benchmarks/router_loop.py [--prompt-mib 4]
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import msgpack
 
-from pdserve.common.codec import unpack_bounded
+from pdserve.common.codec import check_expansion
 from pdserve.common.protocol import ProtocolError
 from pdserve.common.request import SamplingParams
 from pdserve.model.make_model import make_model
@@ -86,7 +86,7 @@ def main() -> None:
 
     data = msgpack.packb([{}] * (2 << 20))
     for name, fn in (("msgpack.unpackb", lambda: msgpack.unpackb(data)),
-                     ("unpack_bounded", lambda: unpack_bounded(data))):
+                     ("check_expansion", lambda: (check_expansion(data), msgpack.unpackb(data)))):
         tracemalloc.start()
         try:
             fn()

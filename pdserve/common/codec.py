@@ -154,22 +154,6 @@ def check_expansion(data: FrameLike) -> None:
         pass  # not valid MessagePack: the typed decoder says so, with the position
 
 
-def unpack_bounded(data) -> Any:
-    """msgpack.unpackb with a bound on how far the result may outgrow ``data``: at most one
-    map or array per BYTES_PER_CONTAINER bytes (ProtocolError TOO_LARGE past it); strings,
-    bins and arrays cannot be longer than the input either (msgpack's own limits)."""
-    budget = [max(MIN_CONTAINERS, len(data) // BYTES_PER_CONTAINER)]
-
-    def count(obj):
-        budget[0] -= 1
-        if budget[0] < 0:
-            raise ProtocolError(TOO_LARGE, f"a {len(data)}-byte MessagePack value holds more "
-                                f"than one map or array per {BYTES_PER_CONTAINER} bytes")
-        return obj
-
-    return msgpack.unpackb(data, raw=False, list_hook=count, object_hook=count)
-
-
 # ---------------------------------------------------------------- errors, in field names
 
 _AT = re.compile(r"^(.*?)(?: - at (?:`key` in )?`\$(.*)`)?$", re.S)
