@@ -212,6 +212,26 @@ def test_one_prefill_batch_per_prefill_node_per_flush():
     assert not rig.flush().sends, "a second flush has nothing left to send"
 
 
+def test_messages_per_request_at_concurrency_64():
+    """64 requests in flight through one prefill and one decode node: what the router sends
+    per request. A regression to per-request sends of a batched message fails here."""
+    rig = Rig(("prefill", "p0"), ("decode", "d0"))
+    ids = [rig.submit(params=greedy(3)) for _ in range(64)]
+    reserves = rig.read("d0", P.Reserve)
+    assert len(reserves) == 64       # one per request (batching them is #14's next step)
+    for r in reserves:
+        rig.grant("d0", r.req_id)
+    rig.flush()
+    (batch,) = rig.read("p0", P.PrefillBatch)        # one message for all 64
+    assert [r.req_id for r in batch.requests] == ids
+    rig.say("p0", P.FirstTokens(items=[P.FirstToken(req_id=i, token_id=11) for i in ids]))
+    rig.say("d0", P.TokenBatch(items=[P.TokenItem(req_id=i, token_ids=[12, 13],
+                                                  finish_reason="length") for i in ids]))
+    assert all(rig.tokens[i] == [11, 12, 13] and rig.end[i].finish_reason == "length"
+               for i in ids)
+    assert not rig.inbox, f"nothing else is sent: {rig.inbox[:3]}"
+
+
 def test_a_batch_over_the_size_limit_is_split_and_a_request_too_big_alone_fails(
         monkeypatch):
     limit = 3000   # the real limit (MAX_BATCH_BYTES) needs million-token prompts
