@@ -77,8 +77,9 @@ def kv_chunk(model: ModelIdentity, layout: KVLayout, kv_caches: KVCaches,
         pools = _pools(kv_caches, layer_start, layer_end)
         ref = shm_ref(segment, pools, ids)
         for pool in pools if checksums else ():
+            mv = bytes_of(pool)
             for part_sums, span in zip(sums, spans):
-                part_sums.append(pages_checksum(pool, span))
+                part_sums.append(pages_checksum(pool, span, mv))
     for layer in range(layer_start, layer_end) if segment is None else ():
         k_cache, v_cache = kv_caches[layer]
         if k_cache.device.type != "cpu":
@@ -121,8 +122,8 @@ def _frame_of(pool: torch.Tensor, spans: list[list[int]], checksum: bool
     ids = [b for span in spans for b in span]
     first, n = (ids[0] if ids else 0), len(ids)
     if ids == list(range(first, first + n)):
-        view = pool[first:first + n]
-        return view, [pages_checksum(pool, span) for span in spans] if checksum else None
+        view, mv = pool[first:first + n], bytes_of(pool)
+        return view, [pages_checksum(pool, span, mv) for span in spans] if checksum else None
     frame = torch.empty((n, *pool.shape[1:]), dtype=pool.dtype)  # [nb, bs, KVH, D]
     dst, src, page_bytes = bytes_of(frame), bytes_of(pool), pool[0].nbytes
     sums, at = [], 0
@@ -164,6 +165,10 @@ class KVReceiver:
         self.layout = layout
         self.kv_caches = kv_caches
         self.segments = PeerSegments()  # same-host senders' segments, mapped on first use
+        # The CPU pools' bytes, made once: a view per pool per part of every chunk cost more
+        # than copying a short prompt's pages.
+        self._pool_bytes = [[bytes_of(c) if c.device.type == "cpu" else None for c in pair]
+                            for pair in kv_caches]
 
     def check(self, chunk: KVChunk, part: KVPart, transfer: InboundTransfer) -> None:
         """Raises KVTransferError when a part must not be placed. (Checksums are checked
@@ -216,14 +221,15 @@ class KVReceiver:
         for t in todo.values():
             t.state = TransferState.TRANSFERRING
         for k, (name, src) in enumerate(zip(names, sources)):
-            cache = self.kv_caches[int(name[1:])][0 if name[0] == "k" else 1]
+            layer, kv = int(name[1:]), 0 if name[0] == "k" else 1
+            cache, dst = self.kv_caches[layer][kv], self._pool_bytes[layer][kv]
             for i, transfer in todo.items():
                 if i in failed:
                     continue
                 part = chunk.parts[i]
                 h = xxhash.xxh3_64() if part.checksums else None
                 if cache.device.type == "cpu":
-                    copy_pages(bytes_of(cache), src, runs[i], page_bytes, h)
+                    copy_pages(dst, src, runs[i], page_bytes, h)
                 else:  # pages arrive in host memory: stage them there, then one device copy
                     n = len(transfer.block_ids)
                     staged = torch.empty((n, *cache.shape[1:]), dtype=cache.dtype)
