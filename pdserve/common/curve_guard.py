@@ -94,10 +94,12 @@ class CurveGuard(threading.Thread):
         poller, handlers = zmq.Poller(), {}
         try:
             while True:
+                if not handlers and not self._take(poller, handlers):
+                    if self.ctx.closed:
+                        return
+                    continue
                 while not self._new.empty():
-                    sock, what = self._new.get()
-                    poller.register(sock, zmq.POLLIN)
-                    handlers[sock] = what
+                    self._take(poller, handlers, block=False)
                 for sock, _ in poller.poll(100):
                     if handlers[sock] is None:
                         self._zap(sock.recv_multipart())
@@ -114,6 +116,18 @@ class CurveGuard(threading.Thread):
                 handlers[self._new.get()[0]] = None
             for sock in handlers:
                 sock.close(linger=0)
+
+    def _take(self, poller: zmq.Poller, handlers: dict, block: bool = True) -> bool:
+        """Registers one handed-over socket. With nothing to poll, waits for one on the queue:
+        zmq_poll over no sockets returns at once, and a loop around it would spin, holding the
+        GIL against every other thread of the process."""
+        try:
+            sock, what = self._new.get(timeout=0.1) if block else self._new.get_nowait()
+        except queue.Empty:
+            return False
+        poller.register(sock, zmq.POLLIN)
+        handlers[sock] = what
+        return True
 
     def _zap(self, msg: list) -> None:
         self._peer = msg[3].decode(errors="replace") if len(msg) > 3 else "?"

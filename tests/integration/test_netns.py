@@ -112,11 +112,13 @@ def test_cutting_a_decode_link_mid_stream_fails_over(hosts, tiny_model, tmp_path
                                "--insecure", "--threads", "1", *hb,
                                log=open(tmp_path / f"{d}.log", "w")))
         deadline = time.monotonic() + 120
-        while True:  # the router's /health, asked from inside its namespace
+        while True:  # the router's /health, asked from inside its namespace, and both
+            # decode nodes joined (health needs one: d0 may still be starting)
             ok = subprocess.run(["ip", "netns", "exec", ns["r"], sys.executable, "-c",
                                  f"import httpx,sys; sys.exit(httpx.get('http://{NET}.1:8000/"
                                  "health').status_code != 200)"], capture_output=True)
-            if ok.returncode == 0:
+            joined = open(tmp_path / "router.log").read()
+            if ok.returncode == 0 and all(f"node {d} joined" in joined for d in ("d0", "d1")):
                 break
             assert time.monotonic() < deadline, open(tmp_path / "router.log").read()
             time.sleep(0.5)

@@ -32,13 +32,13 @@ class Harness:
     """Runs the core on an event loop in a thread of its own, as the router process runs
     it: always turning, heartbeating its nodes. Nodes are child processes."""
 
-    def __init__(self, model, log_dir):
+    def __init__(self, model, log_dir, heartbeat_interval_s=0.2):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.control = f"tcp://127.0.0.1:{free_port()}"
         self.core = RouterCore(RouterConfig(model=str(model), control=self.control,
-                                            ingress=None, heartbeat_interval_s=0.2,
+                                            ingress=None, heartbeat_interval_s=heartbeat_interval_s,
                                             policy="least_loaded"))
         self.run(self.core.start())
         self.model, self.log_dir, self.procs = model, log_dir, {}
@@ -298,7 +298,9 @@ def test_prefill_node_killed_with_a_batch_in_flight(model, offline, tmp_path):
 
 
 def test_no_node_before_the_deadline_is_a_timeout_error(model, tmp_path):
-    h = Harness(model, tmp_path)
+    # Beats every 1 s: the killed node stays "live" for 3 s, past the request's 2 s deadline,
+    # however slowly this machine gets from the kill to the submit.
+    h = Harness(model, tmp_path, heartbeat_interval_s=1.0)
     try:
         h.start("decode", "lonely-d")
         h.start("prefill", "lonely-p")

@@ -2,6 +2,7 @@
 import asyncio
 import ctypes
 import gc
+import time
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from pdserve.common import codec
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.common import transport as T
+from pdserve.common.curve_guard import curve_guard
 
 LOCAL = "tcp://127.0.0.1:*"
 MiB = 1024 * 1024
@@ -210,6 +212,28 @@ def test_curve_round_trip(make):
                     curve=T.CurveConfig.client(other_secret, other_public, server_public))
     T.send_message(stranger, P.Heartbeat(node_id="s"))
     assert not poll_in(router, 500)
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
+def test_curve_guard_idles_and_exits_once_its_sockets_are_gone():
+    """A process whose CURVE client sockets have closed keeps its context's guard thread; the
+    thread must sleep, not spin (a spinning one slowed torch in the same process tenfold),
+    and exit when the context terminates."""
+    ctx = zmq.Context()
+    server_public, _ = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    sock = T.make_socket(ctx, zmq.DEALER, connect="tcp://127.0.0.1:9",
+                         curve=T.CurveConfig.client(client_secret, client_public, server_public))
+    guard = curve_guard(ctx)
+    sock.close(linger=0)
+    time.sleep(0.3)  # the guard sees MONITOR_STOPPED and has nothing left to poll
+    cpu = time.process_time()
+    time.sleep(1.0)
+    assert time.process_time() - cpu < 0.3  # a spinning guard burns about a whole second
+    assert guard.is_alive()
+    ctx.term()
+    guard.join(5)
+    assert not guard.is_alive()
 
 
 def test_asyncio_twins():
