@@ -124,7 +124,7 @@ def _tensors_ok(metas: dict, frames: list[bytes]) -> bool:
 
 def _kv_chunk_ok(msg: dict) -> bool:
     """One or more parts (requests), ids unique; each part's blocks after its first_block
-    follow the previous part's in every tensor; all parts carry checksums or none do;
+    follow the previous part's in every tensor; one checksum per tensor or none;
     first_token only on the last chunk; the pages in tensor frames or in shm, not both."""
     lay, parts, metas = msg["kv_layout"], msg["parts"], msg.get("tensors", {})
     names = [f"{kv}{i}" for i in range(msg["layer_start"], msg["layer_end"]) for kv in "kv"]
@@ -134,12 +134,12 @@ def _kv_chunk_ok(msg: dict) -> bool:
             and 1 <= len(parts) <= P.MAX_KV_PARTS
             and len({p["req_id"] for p in parts}) == len(parts)):
         return False
-    sums = len(names) if parts[0].get("checksums") else 0
+    if len(msg.get("checksums", [])) not in (0, len(names)):
+        return False
     total = 0
     for part in parts:
         blocks, first = -(-part["num_tokens"] // bs), part.get("first_block", 0)
         if (part["num_tokens"] <= 0 or not 0 <= first < blocks
-                or len(part.get("checksums", [])) != sums
                 or (part.get("first_token") is not None and not msg["last"])):
             return False
         total += blocks - first

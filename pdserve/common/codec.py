@@ -58,7 +58,7 @@ def _as_bytes_view(frame: FrameLike) -> memoryview:
 
 
 def checksum_of(buffer: Union[FrameLike, torch.Tensor]) -> int:
-    """64-bit XXH3 of a frame or of a tensor's bytes (what KVPart.checksums hold).
+    """64-bit XXH3 of a frame or of a tensor's bytes (what KVChunk.checksums hold).
 
     XXH3 rather than crc32: about 20 GB/s against zlib.crc32's 4 on the CPUs we
     measured, so verifying every KV frame costs little of the transfer, and 64

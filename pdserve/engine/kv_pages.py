@@ -53,14 +53,10 @@ def split_runs(runs, piece_blocks: int):
             yield s + i, d + i, min(piece_blocks, n - i)
 
 
-def pages_checksum(pool: torch.Tensor, block_ids: list[int],
-                   mv: memoryview | None = None) -> int:
-    """XXH3 of pages ``block_ids`` of a [num_blocks, ...] pool, in that order: the same
-    value as checksum_of their gathered copy, computed without gathering. ``mv``: the
-    pool's bytes_of, when the caller checksums several spans of one pool (it is the
-    costly part for a small span)."""
-    mv, page_bytes = bytes_of(pool) if mv is None else mv, pool[0].nbytes
+def pages_checksum(src: memoryview, block_ids: list[int], page_bytes: int) -> int:
+    """XXH3 of pages ``block_ids`` of a pool's bytes ``src``, in that order: the same value
+    as checksum_of their gathered copy, computed without gathering (one update per run)."""
     h = xxhash.xxh3_64()
     for first, _, n in paired_runs(block_ids, block_ids):
-        h.update(mv[first * page_bytes:(first + n) * page_bytes])
+        h.update(src[first * page_bytes:(first + n) * page_bytes])
     return h.intdigest()

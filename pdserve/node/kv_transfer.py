@@ -3,10 +3,11 @@
 Sender side: ``kv_chunk`` gathers a layer range of the blocks of all the requests
 of one prefill step bound for one decode node into one tensor per layer's K and V
 (the frames that go on the wire; zero-copy where the pages are consecutive), with
-a checksum per request per frame. Receiver side: ``KVReceiver`` checks each part
-against its own model identity, layout and reservation, then copies it into the
-blocks reserved for its request, checking its checksums. Each request's transfer
-has an explicit state so that nothing is left half-done in silence::
+one checksum per frame. Receiver side: ``KVReceiver`` checks each part against its
+own model identity, layout and reservation, then copies all the parts' pages into
+the blocks reserved for them, one copy call per tensor, checking the checksums.
+Each request's transfer has an explicit state so that nothing is left half-done in
+silence::
 
     RESERVED --chunk--> TRANSFERRING --last chunk--> DONE
         \\------------------+---- mismatch / bad checksum / lease expiry --> FAILED
@@ -65,38 +66,35 @@ def kv_chunk(model: ModelIdentity, layout: KVLayout, kv_caches: KVCaches,
              parts: list[Outgoing], layer_start: int, layer_end: int, *, checksums: bool,
              last: bool, segment: Segment | None = None) -> KVChunk:
     """The one message carrying layers [layer_start, layer_end) of several requests' blocks
-    to one decode node: per tensor, the parts' pages one after the other, and per part a
-    checksum of its own pages. With ``segment`` (the shared segment ``kv_caches`` lie in;
-    the decode node is on this host) the message names the pages in it instead."""
-    spans = [p.block_ids for p in parts]
-    ids = [b for span in spans for b in span]
-    sums: list[list[int]] = [[] for _ in parts]
+    to one decode node: per tensor, the parts' pages one after the other, and (with
+    ``checksums``) one checksum of them. With ``segment`` (the shared segment ``kv_caches``
+    lie in; the decode node is on this host) the message names the pages in it instead."""
+    ids = [b for p in parts for b in p.block_ids]
+    sums: list[int] = []
     tensors: dict[str, torch.Tensor] = {}
     ref = None
     if segment is not None:
         pools = _pools(kv_caches, layer_start, layer_end)
         ref = shm_ref(segment, pools, ids)
-        for pool in pools if checksums else ():
-            mv = bytes_of(pool)
-            for part_sums, span in zip(sums, spans):
-                part_sums.append(pages_checksum(pool, span, mv))
+        sums = [pages_checksum(bytes_of(pool), ids, pool[0].nbytes)
+                for pool in (pools if checksums else ())]
     for layer in range(layer_start, layer_end) if segment is None else ():
         k_cache, v_cache = kv_caches[layer]
         if k_cache.device.type != "cpu":
             k, v = kernels.gather_kv(k_cache, v_cache, torch.tensor(ids, dtype=torch.int64,
                                                                     device=k_cache.device))
-            frames = [(k.cpu(), None), (v.cpu(), None)]  # [nb, bs, KVH, D] each
+            frames = [(f, checksum_of(f) if checksums else None)   # [nb, bs, KVH, D] each
+                      for f in (k.cpu(), v.cpu())]
         else:
-            frames = [_frame_of(k_cache, spans, checksums), _frame_of(v_cache, spans, checksums)]
-        for kv, (frame, frame_sums) in zip("kv", frames):
+            frames = [_frame_of(k_cache, ids, checksums), _frame_of(v_cache, ids, checksums)]
+        for kv, (frame, frame_sum) in zip("kv", frames):
             tensors[f"{kv}{layer}"] = frame
             if checksums:
-                for part_sums, s in zip(sums, frame_sums or _span_checksums(frame, spans)):
-                    part_sums.append(s)
+                sums.append(frame_sum)
     wire_parts = [KVPart(req_id=p.req_id, num_tokens=p.num_tokens, first_block=p.first_block,
-                         first_token=p.first_token, checksums=s) for p, s in zip(parts, sums)]
+                         first_token=p.first_token) for p in parts]
     return KVChunk(model=model, kv_layout=layout, layer_start=layer_start, layer_end=layer_end,
-                   last=last, parts=wire_parts, shm=ref, tensors=tensors)
+                   last=last, parts=wire_parts, shm=ref, checksums=sums, tensors=tensors)
 
 
 def _pools(kv_caches: KVCaches, layer_start: int, layer_end: int) -> list[torch.Tensor]:
@@ -104,36 +102,20 @@ def _pools(kv_caches: KVCaches, layer_start: int, layer_end: int) -> list[torch.
     return [kv_caches[layer][i] for layer in range(layer_start, layer_end) for i in (0, 1)]
 
 
-def _span_checksums(frame: torch.Tensor, spans: list[list[int]]) -> list[int]:
-    """The checksum of each part's pages of a gathered frame."""
-    out, at = [], 0
-    for span in spans:
-        out.append(checksum_of(frame[at:at + len(span)]))
-        at += len(span)
-    return out
-
-
-def _frame_of(pool: torch.Tensor, spans: list[list[int]], checksum: bool
-              ) -> tuple[torch.Tensor, list[int] | None]:
-    """The frame of the parts' pages (``spans``) of a CPU pool, and each part's checksum
-    (None when off). Pages consecutive across all parts are one slice of the pool: that
-    memory itself goes on the wire (the blocks stay allocated until the decode node
-    acknowledges). Others are gathered into a new frame, hashed piece by piece as they land."""
-    ids = [b for span in spans for b in span]
+def _frame_of(pool: torch.Tensor, ids: list[int], checksum: bool
+              ) -> tuple[torch.Tensor, int | None]:
+    """The frame of pages ``ids`` of a CPU pool, and its checksum (None when off). Pages
+    consecutive in the pool are one slice of it: that memory itself goes on the wire (the
+    blocks stay allocated until the decode node acknowledges). Others are gathered into a
+    new frame, hashed piece by piece as they land."""
     first, n = (ids[0] if ids else 0), len(ids)
     if ids == list(range(first, first + n)):
-        view, mv = pool[first:first + n], bytes_of(pool)
-        return view, [pages_checksum(pool, span, mv) for span in spans] if checksum else None
+        view = pool[first:first + n]
+        return view, checksum_of(view) if checksum else None
     frame = torch.empty((n, *pool.shape[1:]), dtype=pool.dtype)  # [nb, bs, KVH, D]
-    dst, src, page_bytes = bytes_of(frame), bytes_of(pool), pool[0].nbytes
-    sums, at = [], 0
-    for span in spans:
-        h = xxhash.xxh3_64() if checksum else None
-        copy_pages(dst, src, paired_runs(span, range(at, at + len(span))), page_bytes, h)
-        at += len(span)
-        if h is not None:
-            sums.append(h.intdigest())
-    return frame, sums if checksum else None
+    h = xxhash.xxh3_64() if checksum else None
+    copy_pages(bytes_of(frame), bytes_of(pool), paired_runs(ids, range(n)), pool[0].nbytes, h)
+    return frame, h.intdigest() if checksum else None
 
 
 def payload_bytes(chunk: KVChunk) -> int:
@@ -194,10 +176,10 @@ class KVReceiver:
     def place(self, chunk: KVChunk, transfers: dict[int, InboundTransfer]
               ) -> dict[int, KVTransferError]:
         """Checks the parts ``transfers`` names (part index -> its reservation's transfer),
-        copies their pages into the transfers' blocks, checking each part's checksums over
-        what was placed. Returns the parts that failed, and why; each failure is its own
-        part's alone (a failed transfer's blocks hold partial KV, but they are only ever
-        freed, never read)."""
+        copies their pages into the transfers' blocks, checking each tensor's checksum.
+        Returns the parts that failed, and why: a part's own check fails it alone, a
+        corrupt tensor fails every part placed (a failed transfer's blocks hold partial KV,
+        but they are only ever freed, never read)."""
         failed: dict[int, KVTransferError] = {}
         for i, transfer in transfers.items():
             try:
@@ -212,39 +194,57 @@ class KVReceiver:
             sources, src_ids = self._sources(chunk, names)
         except KVTransferError as exc:
             return failed | {i: exc for i in todo}
-        where = f" (read from shared segment {chunk.shm.segment})" if chunk.shm else ""
         starts = list(itertools.accumulate(
             (p.num_blocks(self.layout.block_size) for p in chunk.parts), initial=0))
-        runs = {i: paired_runs(src_ids[starts[i]:starts[i + 1]], t.block_ids.tolist())
-                for i, t in todo.items()}
-        page_bytes = _page_bytes(self.layout)
+        src_sel, dst_sel = [], []  # the placed parts' pages, in the chunk's order
+        for i, t in todo.items():
+            src_sel += src_ids[starts[i]:starts[i + 1]]
+            dst_sel += t.block_ids.tolist()
         for t in todo.values():
             t.state = TransferState.TRANSFERRING
-        for k, (name, src) in enumerate(zip(names, sources)):
-            layer, kv = int(name[1:]), 0 if name[0] == "k" else 1
-            cache, dst = self.kv_caches[layer][kv], self._pool_bytes[layer][kv]
-            for i, transfer in todo.items():
-                if i in failed:
-                    continue
-                part = chunk.parts[i]
-                h = xxhash.xxh3_64() if part.checksums else None
-                if cache.device.type == "cpu":
-                    copy_pages(dst, src, runs[i], page_bytes, h)
-                else:  # pages arrive in host memory: stage them there, then one device copy
-                    n = len(transfer.block_ids)
-                    staged = torch.empty((n, *cache.shape[1:]), dtype=cache.dtype)
-                    copy_pages(bytes_of(staged), src, paired_runs(
-                        src_ids[starts[i]:starts[i + 1]], range(n)), page_bytes, h)
-                    cache.index_copy_(0, transfer.block_ids.to(cache.device),
-                                      staged.to(cache.device))
-                if h is not None and h.intdigest() != part.checksums[k]:
-                    failed[i] = KVTransferError(CHECKSUM_MISMATCH, (
-                        f"KV frame {name}{where} of {part.req_id!r} is corrupt: checksum "
-                        f"{h.intdigest():#018x}, sender said {part.checksums[k]:#018x}"))
+        bad = self._place_tensors(chunk, names, sources, src_sel, dst_sel,
+                                  whole=len(todo) == len(chunk.parts))
+        if bad is not None:
+            return failed | {i: bad for i in todo}
         for i, transfer in todo.items():
             if i not in failed:
                 self._advance(chunk, chunk.parts[i], transfer, failed, i)
         return failed
+
+    def _place_tensors(self, chunk: KVChunk, names: list[str], sources: list[memoryview],
+                       src_sel: list[int], dst_sel: list[int], whole: bool
+                       ) -> KVTransferError | None:
+        """Copies source pages src_sel to this node's pages dst_sel in every tensor, one
+        call per tensor, checking each tensor's checksum: while placing when every part is
+        placed (the pieces land in the frame's order), over the whole source first when
+        some part is not. The error that fails them all, if a tensor is corrupt."""
+        page_bytes = _page_bytes(self.layout)
+        runs = paired_runs(src_sel, dst_sel)
+        for k, (name, src) in enumerate(zip(names, sources)):
+            layer, kv = int(name[1:]), 0 if name[0] == "k" else 1
+            cache, dst = self.kv_caches[layer][kv], self._pool_bytes[layer][kv]
+            h = xxhash.xxh3_64() if chunk.checksums and whole else None
+            got = None
+            if chunk.checksums and not whole:
+                all_ids = chunk.shm.block_ids if chunk.shm else range(len(chunk.tensors[name]))
+                got = pages_checksum(src, list(all_ids), page_bytes)
+            if cache.device.type == "cpu":
+                copy_pages(dst, src, runs, page_bytes, h)
+            else:  # pages arrive in host memory: stage them there, then one device copy
+                staged = torch.empty((len(dst_sel), *cache.shape[1:]), dtype=cache.dtype)
+                copy_pages(bytes_of(staged), src, paired_runs(src_sel, range(len(dst_sel))),
+                           page_bytes, h)
+                cache.index_copy_(0, torch.tensor(dst_sel, dtype=torch.int64,
+                                                  device=cache.device), staged.to(cache.device))
+            got = h.intdigest() if h is not None else got
+            if got is not None and got != chunk.checksums[k]:
+                where = f" (read from shared segment {chunk.shm.segment})" if chunk.shm else ""
+                reqs = ", ".join(repr(p.req_id) for p in chunk.parts[:4])
+                return KVTransferError(CHECKSUM_MISMATCH, (
+                    f"KV frame {name}{where} of {len(chunk.parts)} request(s) ({reqs}"
+                    f"{', ..' if len(chunk.parts) > 4 else ''}) is corrupt: checksum "
+                    f"{got:#018x}, sender said {chunk.checksums[k]:#018x}"))
+        return None
 
     def _advance(self, chunk: KVChunk, part: KVPart, transfer: InboundTransfer,
                  failed: dict[int, KVTransferError], i: int) -> None:

@@ -436,7 +436,7 @@ def _mutations(fake, vocab):
     def checksums(req):
         chunk = valid(req)
         sums = [checksum_of(t) for t in chunk.tensors.values()]
-        return with_part(chunk, checksums=[sums[0] ^ 1, *sums[1:]])
+        return msgspec.structs.replace(chunk, checksums=[sums[0] ^ 1, *sums[1:]])
 
     def missing_layers(req):
         chunk = valid(req)

@@ -80,19 +80,15 @@ def test_pages_arrive_where_reserved(src_ids, dst_ids):
         assert torch.equal(dv[untouched], bv[untouched])
 
 
-@pytest.mark.parametrize("src_ids", [list(range(0, 9)), [30, 2, 17, 8, 9, 10, 0, 33, 5]])
-def test_one_message_for_several_requests_each_settled_alone(src_ids):
-    """Three requests' pages in one chunk per layer group (one frame per tensor): the good
-    one lands where reserved; one with a page corrupted on the way fails with
-    checksum_mismatch, one with no transfer (not reserved here) is left out; neither
-    touches the good one's or anyone else's blocks."""
+def send_three(src_ids, transfers, corrupt_at=None):
+    """Requests a, b, c's pages (3, 2 and 4 blocks of src_ids) in one chunk per layer group
+    (one frame per tensor, one checksum each), placed by one receiver into blocks
+    [20, 21, 5], [11, 2], [36..39]; ``corrupt_at``: the layer group whose v frame changes
+    on the way. Returns the source and destination caches and the failures of the last
+    group placed."""
     src, dst = caches(fill=True), caches(fill=False)
-    before = [(k.clone(), v.clone()) for k, v in dst]
     spans = [src_ids[0:3], src_ids[3:5], src_ids[5:9]]
-    dsts = [[20, 21, 5], [11, 2], [36, 37, 38, 39]]
     tokens = [len(s) * LAYOUT.block_size - 1 for s in spans]
-    transfers = {0: InboundTransfer("a", torch.tensor(dsts[0]), tokens[0]),
-                 2: InboundTransfer("c", torch.tensor(dsts[2]), tokens[2])}
     receiver = KVReceiver(MODEL, LAYOUT, dst)
     for start, end in layer_groups(LAYOUT.num_layers, 2):
         last = end == LAYOUT.num_layers
@@ -102,17 +98,53 @@ def test_one_message_for_several_requests_each_settled_alone(src_ids):
                                        checksums=True, last=last))
         assert len(frames) == 1 + 2 * (end - start)  # one frame per tensor, all requests
         chunk = codec.decode([bytes(f) for f in frames])
-        if start == 2:  # request c's second page of v2 changed on the way
-            chunk.tensors["v2"][3 + 2 + 1, 0, 0, 0] += 1.0
-        failed = receiver.place(chunk, transfers)
-        assert list(failed) == ([2] if start == 2 else [])
-    assert failed[2].code == E.CHECKSUM_MISMATCH and "'c'" in failed[2].message
-    assert transfers[0].state is TransferState.DONE
+        if start == corrupt_at:  # request c's second page of v changed on the way
+            chunk.tensors[f"v{start}"][3 + 2 + 1, 0, 0, 0] += 1.0
+        failed = receiver.place(chunk, {i: t for i, t in transfers.items()
+                                        if t.state is not TransferState.FAILED})
+        for t in (transfers[i] for i in failed):
+            t.state = TransferState.FAILED
+        if failed:
+            return src, dst, spans, failed
+    return src, dst, spans, {}
+
+
+DSTS = [[20, 21, 5], [11, 2], [36, 37, 38, 39]]
+TOKENS = [11, 7, 15]
+
+
+@pytest.mark.parametrize("src_ids", [list(range(0, 9)), [30, 2, 17, 8, 9, 10, 0, 33, 5]])
+def test_one_message_for_several_requests_places_each_where_reserved(src_ids):
+    """Three requests' pages in one chunk: a and c land where reserved; b, with no transfer
+    here (not reserved), is left out, its frame pages still covered by the checksums, and
+    nobody else's blocks change."""
+    transfers = {0: InboundTransfer("a", torch.tensor(DSTS[0]), TOKENS[0]),
+                 2: InboundTransfer("c", torch.tensor(DSTS[2]), TOKENS[2])}
+    before = caches(fill=False)
+    src, dst, spans, failed = send_three(src_ids, transfers)
+    assert failed == {}
+    assert transfers[0].state is TransferState.DONE and transfers[2].state is TransferState.DONE
     for (sk, sv), (dk, dv), (bk, bv) in zip(src, dst, before):
-        assert torch.equal(dk[dsts[0]], sk[spans[0]]) and torch.equal(dv[dsts[0]], sv[spans[0]])
-        assert torch.equal(dk[dsts[1]], bk[dsts[1]]) and torch.equal(dv[dsts[1]], bv[dsts[1]])
-    for k in range(2):  # c's layers before the corrupt one landed; its blocks are only freed
-        assert torch.equal(dst[k][0][dsts[2]], src[k][0][spans[2]])
+        for i in (0, 2):
+            assert torch.equal(dk[DSTS[i]], sk[spans[i]]) and torch.equal(dv[DSTS[i]],
+                                                                          sv[spans[i]])
+        assert torch.equal(dk[DSTS[1]], bk[DSTS[1]]) and torch.equal(dv[DSTS[1]], bv[DSTS[1]])
+
+
+@pytest.mark.parametrize("reserved", [(0, 2), (0, 1, 2)])
+def test_a_corrupt_frame_fails_every_request_placed_from_it(reserved):
+    """One checksum per frame: a page of c changed on the way fails a and c alike (with b
+    left out, the frame is hashed whole before placing; with all three, while placing),
+    naming the frame and the requests; the layers before it had landed."""
+    transfers = {i: InboundTransfer("abc"[i], torch.tensor(DSTS[i]), TOKENS[i])
+                 for i in reserved}
+    src, dst, spans, failed = send_three(list(range(0, 9)), transfers, corrupt_at=2)
+    assert sorted(failed) == list(reserved)
+    for exc in failed.values():
+        assert exc.code == E.CHECKSUM_MISMATCH
+        assert "KV frame v2 of 3 request(s) ('a', 'b', 'c')" in exc.message
+    for k in range(2):  # the layers before the corrupt one landed; the blocks are only freed
+        assert torch.equal(dst[k][0][DSTS[2]], src[k][0][spans[2]])
 
 
 # ---------------------------------------------------------------- same host, /dev/shm
@@ -203,11 +235,12 @@ def test_shm_reference_outside_the_segment_is_refused(segment_caches):
 
 
 def test_checksum_without_gather_equals_checksum_of_gathered_pages():
-    from pdserve.engine.kv_pages import pages_checksum
+    from pdserve.engine.kv_pages import bytes_of, pages_checksum
 
     pool = caches(fill=True)[0][0]
     for ids in ([3, 4, 5], [9, 2, 3, 4, 31]):
-        assert pages_checksum(pool, ids) == codec.checksum_of(pool[ids])
+        assert pages_checksum(bytes_of(pool), ids, pool[0].nbytes) == \
+            codec.checksum_of(pool[ids])
 
 
 def test_segment_of_a_killed_process_is_swept():

@@ -241,9 +241,8 @@ def test_corrupt_kv_frame_is_caught_by_checksum(cluster):
     sums = [codec.checksum_of(t) for t in tensors.values()]
     tensors["v0"][0, 0, 0, 0] += 1.0  # flipped after the checksum: corrupted in flight
     chunk = P.KVChunk(model=hello.model, kv_layout=lay, layer_start=0, layer_end=lay.num_layers,
-                      last=True, tensors=tensors, parts=[P.KVPart(
-                          req_id="corrupt", num_tokens=len(prompt), checksums=sums,
-                          first_token=5)])
+                      last=True, tensors=tensors, checksums=sums, parts=[P.KVPart(
+                          req_id="corrupt", num_tokens=len(prompt), first_token=5)])
     sock = make_socket(driver.ctx, zmq.DEALER, connect=hello.kv_address)
     try:
         send_message(sock, chunk)

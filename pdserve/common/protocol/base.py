@@ -14,7 +14,7 @@ from typing import Annotated, Any, ClassVar, Optional
 import msgspec
 from msgspec import Meta
 
-PROTOCOL_VERSION = 5  # what each version added: docs/protocol.md, "Versioning"
+PROTOCOL_VERSION = 6  # what each version added: docs/protocol.md, "Versioning"
 MAX_HEADER_BYTES = 16 * 1024 * 1024  # a header is metadata; KV travels in frames
 MAX_SEED = 2**63        # seeds are in [0, 2^63): a signed 64-bit value on every side
 MAX_WIRE_INT = 2**63    # counts and ids on the wire are below this (int64 on every side)

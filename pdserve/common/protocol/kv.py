@@ -55,7 +55,6 @@ class KVPart(Nested, kw_only=True):
     num_tokens: Count
     first_block: Count = 0
     first_token: Optional[Int64] = None  # set on the last chunk
-    checksums: list_of(UInt64) = []  # XXH3 of this part's pages, per tensor
 
     def num_blocks(self, block_size: int) -> int:
         return -(-self.num_tokens // block_size) - self.first_block
@@ -67,9 +66,10 @@ class KVChunk(Message, tag="kv_chunk", kw_only=True):
     of one prefill step bound for this decode node, one part each (at most MAX_KV_PARTS).
 
     Tensors "k{layer}" / "v{layer}", each [total_blocks, block_size, num_kv_heads,
-    head_dim] in kv_layout.dtype: the parts' pages one after the other. Each part's
-    checksums (all parts have them, or none) hash its own pages of each tensor, so a
-    corrupt page fails only its request.
+    head_dim] in kv_layout.dtype: the parts' pages one after the other. ``checksums`` (or
+    none) holds one XXH3 per tensor, in tensor-name order, over those pages in that order
+    (with shm: over the pages shm.block_ids names in that tensor's pool): one hash per
+    frame, so a corrupt frame fails every request of the chunk.
     """
     model: ModelIdentity
     kv_layout: KVLayout
@@ -78,6 +78,7 @@ class KVChunk(Message, tag="kv_chunk", kw_only=True):
     last: bool
     parts: list_of(KVPart, MAX_KV_PARTS)
     shm: Optional[ShmKV] = None  # same host: the pages are there, not in tensor frames
+    checksums: list_of(UInt64) = []  # XXH3 of each tensor's pages; empty: not checked
     # In memory {name: torch.Tensor}; on the wire {name: TensorMeta}, the bytes in frames
     # (codec.encode swaps one for the other). Equality ignores them, as tensors have none.
     tensors: dict[Id, TensorMeta] = {}
@@ -108,7 +109,10 @@ class KVChunk(Message, tag="kv_chunk", kw_only=True):
             raise ProtocolError(BAD_MESSAGE, f"{where}: a request id appears in two parts")
         names = kv_tensor_names(self.layer_start, self.layer_end)
         for part in self.parts:
-            _validate_part(part, lay.block_size, len(names), self.last, self.parts[0])
+            _validate_part(part, lay.block_size, self.last)
+        if self.checksums and len(self.checksums) != len(names):
+            raise ProtocolError(BAD_MESSAGE, f"{where}: {len(self.checksums)} checksums for "
+                                f"{len(names)} tensors (one per tensor, or none)")
         total = sum(p.num_blocks(lay.block_size) for p in self.parts)
         if self.shm is not None:
             self._validate_shm(where, len(names), total)
@@ -135,8 +139,7 @@ class KVChunk(Message, tag="kv_chunk", kw_only=True):
                                 f"[0, 2^63)")
 
 
-def _validate_part(part: KVPart, block_size: int, num_tensors: int, last: bool,
-                   first: KVPart) -> None:
+def _validate_part(part: KVPart, block_size: int, last: bool) -> None:
     where = f"KVChunk part {part.req_id!r}"
     if part.num_tokens <= 0 or block_size <= 0:
         raise ProtocolError(BAD_MESSAGE, f"{where}: num_tokens={part.num_tokens} and "
@@ -144,9 +147,6 @@ def _validate_part(part: KVPart, block_size: int, num_tensors: int, last: bool,
     if not 0 <= part.first_block < -(-part.num_tokens // block_size):
         raise ProtocolError(BAD_MESSAGE, f"{where}: first_block={part.first_block} leaves "
                             "no block of the prompt to send")
-    if len(part.checksums) != (num_tensors if first.checksums else 0):
-        raise ProtocolError(BAD_MESSAGE, f"{where}: {len(part.checksums)} checksums for "
-                            f"{num_tensors} tensors (every part has them, or none)")
     if part.first_token is not None and not last:
         raise ProtocolError(BAD_MESSAGE, f"{where}: first_token set on a chunk that is "
                             "not last")
