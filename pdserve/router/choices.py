@@ -122,8 +122,8 @@ class Choice:
 
 class Choices:
     """The choices' streams read as one: ``__anext__`` gives (choice, event) in arrival
-    order; ``cancel`` ends them all. Quacks like a RequestStream for ClientWatch. As a
-    stream does, it merges the events of a choice its reader has not taken yet: a slow
+    order; ``cancel`` ends them all; ClientWatch reads it with take, ended and wakeup. As
+    a stream does, it merges the events of a choice its reader has not taken yet: a slow
     reader holds at most one event per choice."""
 
     def __init__(self, choices: list[Choice]):
@@ -148,15 +148,36 @@ class Choices:
         return self
 
     async def __anext__(self) -> tuple[Choice, StreamEvent]:
-        if len(self.choices) == 1:  # one choice: read its stream directly
-            return self.choices[0], await self.choices[0].stream.__anext__()
-        while not self._order:
-            if all(c.stream.done for c in self.choices):
+        while (item := self.take()) is None:
+            if self.ended:
                 raise StopAsyncIteration
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
+            await self.wakeup()
+        return item
+
+    def take(self) -> tuple[Choice, StreamEvent] | None:
+        """The oldest choice with events not taken yet, and those events merged; None when
+        no choice has any (never waits)."""
+        if len(self.choices) == 1:  # one choice: read its stream directly
+            event = self.choices[0].stream.take()
+            return None if event is None else (self.choices[0], event)
+        if not self._order:
+            return None
         pos = self._order.popleft()
         return self.choices[pos], self._pending.pop(pos)
+
+    @property
+    def ended(self) -> bool:
+        """Every choice's last event arrived and was taken."""
+        if len(self.choices) == 1:
+            return self.choices[0].stream.ended
+        return not self._order and all(c.stream.done for c in self.choices)
+
+    def wakeup(self) -> asyncio.Future:
+        """A future set when any choice's next event arrives."""
+        if len(self.choices) == 1:
+            return self.choices[0].stream.wakeup()
+        self._waiter = asyncio.get_running_loop().create_future()
+        return self._waiter
 
     def cancel(self) -> None:
         for c in self.choices:

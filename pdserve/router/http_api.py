@@ -18,8 +18,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -61,7 +60,6 @@ from pdserve.router.openai_schema import (  # noqa: F401 (re-exported: the app's
 from pdserve.router.streams import (
     INTERNAL,
     RequestError,
-    RequestStream,
     StreamEvent,
 )
 
@@ -103,40 +101,67 @@ async def read_json(request: Request) -> dict:
 
 
 class ClientWatch:
-    """Races waits on a stream against the client's disconnect (an ASGI receive)."""
+    """Races waits on a request's choices against the client's disconnect (an ASGI
+    receive): one waiter at a time, woken by an event or by the disconnect, and no wait at
+    all when an event is already there."""
 
     def __init__(self, request: Request):
+        self._waiter: asyncio.Future | None = None
         self._gone = asyncio.ensure_future(self._wait(request.receive))
+        self._gone.add_done_callback(self._wake)
 
     @staticmethod
     async def _wait(receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
 
+    def _wake(self, _) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
     @property
     def gone(self) -> bool:
         return self._gone.done()
 
-    async def next(self, stream: RequestStream) -> StreamEvent | None:
-        """The next event, or None when the client went away or the stream ended."""
-        nxt = asyncio.ensure_future(_next_event(stream))
-        try:
-            await asyncio.wait((nxt, self._gone), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not nxt.done():
-                nxt.cancel()
-        return nxt.result() if nxt.done() and not nxt.cancelled() else None
+    async def next(self, choices: Choices) -> tuple[Choice, StreamEvent] | None:
+        """The next (choice, events), or None when the client went away or the choices
+        ended."""
+        while (item := choices.take()) is None:
+            if choices.ended or self.gone:
+                return None
+            self._waiter = choices.wakeup()
+            await self._waiter
+        return item
 
-    def close(self, stream: RequestStream) -> None:
+    def close(self, choices: Choices) -> None:
         self._gone.cancel()
-        stream.cancel()  # a no-op once the stream ended
+        choices.cancel()  # a no-op once the streams ended
 
 
-async def _next_event(stream: RequestStream) -> StreamEvent | None:
-    try:
-        return await stream.__anext__()
-    except StopAsyncIteration:
-        return None
+class EventStream(Response):
+    """A text/event-stream response from an async iterator of bytes, each sent as it comes.
+    Starlette's StreamingResponse would also run a task group listening for the disconnect
+    (ClientWatch already does) and ``background`` in a thread pool; ``on_close`` runs here,
+    on the loop, whether or not the body was ever iterated."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, body, headers: dict, on_close):
+        self.body_iterator, self.on_close = body, on_close
+        self.status_code, self.background = 200, None
+        self.init_headers(headers)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:
+            raise ClientDisconnect() from None
+        finally:
+            self.on_close()
 
 
 def _ended_early() -> RequestError:
@@ -197,47 +222,60 @@ def _stream_chunk(answer: Answer, choice: Choice, event: StreamEvent,
 
 
 async def sse_events(answer: Answer, choices: Choices, watch: ClientWatch, first):
-    """The SSE body; ``first`` (choice, event) is already known not to be an error."""
+    """The SSE body, one write per turn: the chunks of each event taken (its text, finish,
+    usage, [DONE]) leave together. ``first`` (choice, event) is known not to be an error."""
     item, reply = first, answer.reply
+    out: list[bytes] = []
     try:
         if reply.chat:
-            for c in choices.choices:
-                yield sse(reply.chunk(role=True, index=c.index,
-                                      progress=usage(answer.num_prompt, 0)))
+            out += [sse(reply.chunk(role=True, index=c.index,
+                                    progress=usage(answer.num_prompt, 0)))
+                    for c in choices.choices]
         while True:
             if item is None:
                 if not watch.gone:
-                    yield sse(error_body(_ended_early()))
-                    yield SSE_DONE
+                    out += [sse(error_body(_ended_early())), SSE_DONE]
+                    yield b"".join(out)
                 return
-            choice, event = item
-            choice.add(event)
-            progress = usage(answer.num_prompt, choices.completion_tokens())
-            chunk = _stream_chunk(answer, choice, event, progress)
-            if chunk is not None:  # an event may carry the last tokens and the end together
-                yield sse(chunk)
-            if event.error is not None:
-                logger.warning("request %s failed mid-stream (%s): %s", choices.request_id,
-                               event.error.code, event.error.message)
-                yield sse(error_body(event.error))
+            if _event_chunks(answer, choices, item, out):
                 break
-            if event.finish_reason is not None:
-                yield sse(reply.chunk(finish_reason=event.finish_reason, index=choice.index,
-                                      progress=progress))
-            if choices.done:
-                if reply.include_usage:
-                    completion = 0 if answer.opts.echo_only else choices.completion_tokens()
-                    yield sse(reply.usage_chunk(answer.num_prompt, completion))
-                break
+            yield b"".join(out)
+            out = []
             item = await watch.next(choices)
-        yield SSE_DONE
+        out.append(SSE_DONE)
+        yield b"".join(out)
     except Exception:
         logger.exception("request %s failed while streaming", choices.request_id)
         yield sse(error_body(RequestError(INTERNAL, "internal error while streaming; see the "
-                                                    "router's log")))
-        yield SSE_DONE
+                                                    "router's log"))) + SSE_DONE
     finally:
         watch.close(choices)
+
+
+def _event_chunks(answer: Answer, choices: Choices, item, out: list[bytes]) -> bool:
+    """Appends the SSE chunks of one (choice, event) to ``out``; True when the stream ends
+    (failed, or every choice finished)."""
+    choice, event = item
+    reply = answer.reply
+    choice.add(event)
+    progress = usage(answer.num_prompt, choices.completion_tokens())
+    chunk = _stream_chunk(answer, choice, event, progress)
+    if chunk is not None:  # an event may carry the last tokens and the end together
+        out.append(sse(chunk))
+    if event.error is not None:
+        logger.warning("request %s failed mid-stream (%s): %s", choices.request_id,
+                       event.error.code, event.error.message)
+        out.append(sse(error_body(event.error)))
+        return True
+    if event.finish_reason is not None:
+        out.append(sse(reply.chunk(finish_reason=event.finish_reason, index=choice.index,
+                                   progress=progress)))
+    if choices.done:
+        if reply.include_usage:
+            completion = 0 if answer.opts.echo_only else choices.completion_tokens()
+            out.append(sse(reply.usage_chunk(answer.num_prompt, completion)))
+        return True
+    return False
 
 
 def make_authorize(api_key: str | None):
@@ -303,12 +341,9 @@ async def serve(core, authorize, request: Request, chat: bool) -> Response:
         if first[1].error is not None:
             return error_response(first[1].error)
         handed_over = True
-        return StreamingResponse(
-            sse_events(answer, choices, watch, first),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            # Runs even when the body was never iterated (client gone before start).
-            background=BackgroundTask(watch.close, choices))
+        return EventStream(sse_events(answer, choices, watch, first),
+                           {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                           lambda: watch.close(choices))
     except Exception:
         logger.exception("request %s failed", choices.request_id)
         return error_response(RequestError(INTERNAL, "internal error; see the router's log"))

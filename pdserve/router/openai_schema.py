@@ -314,11 +314,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def sse(obj) -> str:
-    return f"data: {orjson.dumps(obj).decode()}\n\n"  # compact, UTF-8 as is
+def sse(obj) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"  # compact, UTF-8 as is
 
 
-SSE_DONE = "data: [DONE]\n\n"
+SSE_DONE = b"data: [DONE]\n\n"
 
 
 @dataclass

@@ -114,7 +114,21 @@ class RequestStream:
         while self._pending is None:
             if self.done:
                 raise StopAsyncIteration
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
+            await self.wakeup()
+        return self.take()
+
+    def take(self) -> StreamEvent | None:
+        """The events not taken yet, merged into one; None when there are none (never
+        waits)."""
         event, self._pending = self._pending, None
         return event
+
+    @property
+    def ended(self) -> bool:
+        """The last event arrived and was taken."""
+        return self.done and self._pending is None
+
+    def wakeup(self) -> asyncio.Future:
+        """A future set when the next event arrives (a reader awaits it, then takes)."""
+        self._waiter = asyncio.get_running_loop().create_future()
+        return self._waiter

@@ -172,7 +172,7 @@ def test_wire_shapes_parse_as_openai_types():
     assert tail["choices"] == [] and tail["usage"]["total_tokens"] == 5
     for obj in (first, mid, last, tail):
         assert ChatCompletionChunk.model_validate(obj).object == "chat.completion.chunk"
-    assert api.sse({"a": "é"}) == 'data: {"a":"é"}\n\n'
+    assert api.sse({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
 
 
 def test_error_bodies():
