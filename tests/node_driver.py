@@ -116,10 +116,12 @@ class RouterDriver:
         return self.wait(find, timeout_s, kind.__name__)
 
     def reserve(self, decode: str, req_id: str, prompt: list[int], spec: P.SamplingSpec,
-                lease_s: float = 30.0) -> P.ReserveReply:
-        self.send(decode, P.Reserve(req_id=req_id, prompt_token_ids=prompt, sampling=spec,
-                                    prefill_node_id="", lease_s=lease_s))
-        return self.take(P.ReserveReply, lambda m: m.req_id == req_id)[1]
+                lease_s: float = 30.0) -> P.ReserveResult:
+        self.send(decode, P.Reserve(items=[P.ReserveRequest(
+            req_id=req_id, prompt_token_ids=prompt, sampling=spec, prefill_node_id="",
+            lease_s=lease_s)]))
+        (result,) = self.take(P.ReserveReply, lambda m: m.items[0].req_id == req_id)[1].items
+        return result
 
     def run(self, requests: dict[str, tuple[list[int], P.SamplingSpec]],
             prefill_of: dict[str, str], decode_of: dict[str, str],

@@ -232,7 +232,7 @@ class Node:
         elif isinstance(msg, P.KVChunk):  # only the requests reserved here are ours to end
             ids = [p.req_id for p in msg.parts if p.req_id in self.jobs]
         else:
-            ids = [msg.req_id] if isinstance(msg, P.Reserve) else []
+            ids = [r.req_id for r in msg.items] if isinstance(msg, P.Reserve) else []
         for req_id in ids:
             self.drop(req_id, "error")
             self.error_to_router(req_id, E.INTERNAL, f"node {self.node_id} hit an internal "

@@ -2,7 +2,8 @@
 
 A request's way here::
 
-    Reserve --> blocks allocated (or refused with the reason), lease started
+    Reserve (all of a router turn's) --> blocks allocated (or refused with the reason),
+      lease started; one ReserveReply for them all
       --> KVChunk... (several requests each) checked (model, layout, checksum) and
           copied into those blocks
       --> last chunk: first token appended, sequence joins the running batch, KVAck (one
@@ -57,8 +58,8 @@ class DecodeNode(Node):
 
     def handle(self, item: InboxItem) -> None:
         msg = item.msg
-        if isinstance(msg, P.Reserve):
-            self.io.send_control(self._reserve(msg))
+        if isinstance(msg, P.Reserve):  # one reply for all the router's turn reserved here
+            self.io.send_control(P.ReserveReply(items=[self._reserve(r) for r in msg.items]))
         elif isinstance(msg, P.KVChunk):
             self._place(item.peer, msg)
         elif isinstance(msg, P.Abort):
@@ -69,10 +70,10 @@ class DecodeNode(Node):
         elif isinstance(msg, P.Drain):
             log.info("asked to drain: %s", msg.reason)
 
-    def _reserve(self, msg: P.Reserve) -> P.ReserveReply:
-        def refuse(reason: str) -> P.ReserveReply:
+    def _reserve(self, msg: P.ReserveRequest) -> P.ReserveResult:
+        def refuse(reason: str) -> P.ReserveResult:
             log.info("reservation for %s refused: %s", msg.req_id, reason)
-            return P.ReserveReply(req_id=msg.req_id, ok=False, reason=reason, num_blocks=0)
+            return P.ReserveResult(req_id=msg.req_id, ok=False, reason=reason, num_blocks=0)
 
         if msg.req_id in self.jobs:
             return refuse(f"{E.BAD_MESSAGE}: request id {msg.req_id!r} is already here")
@@ -101,8 +102,8 @@ class DecodeNode(Node):
                                           sender=msg.prefill_node_id)
         if msg.prefill_node_id:
             self.io.expected_kv_peers |= {msg.prefill_node_id.encode()}
-        return P.ReserveReply(req_id=msg.req_id, ok=True, reason="",
-                              num_blocks=len(seq.block_table), cached_blocks=cached)
+        return P.ReserveResult(req_id=msg.req_id, ok=True, reason="",
+                               num_blocks=len(seq.block_table), cached_blocks=cached)
 
     def _place(self, peer: bytes, chunk: P.KVChunk) -> None:
         """Places each part whose reservation is here and names this sender; answers for

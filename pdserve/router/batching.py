@@ -1,10 +1,13 @@
-"""The prefill side of the router's dispatch: which prefill node an attempt goes to, and
-how what one node got since the last flush leaves as PrefillBatch messages that fit the
-protocol's header limit. Pure (no sockets, no clock): ``PrefillDispatch`` is part of
+"""What leaves per node per turn: which prefill node an attempt goes to, and how the
+reservations one decode node got since the last flush leave as Reserve messages, and
+the requests one prefill node got as PrefillBatch messages, each under the protocol's
+header limit. Pure (no sockets, no clock): ``PrefillDispatch`` is part of
 dispatch.Dispatch, and control.py calls ``flush`` once per event-loop turn."""
 from __future__ import annotations
 
 import logging
+
+import msgspec
 
 from pdserve.common import protocol as P
 from pdserve.router import streams as S
@@ -21,15 +24,17 @@ MAX_WAIT_RETRY_S = 1.0     # the longest pause between looks for a prefill node
 MAX_BATCH_BYTES = P.MAX_HEADER_BYTES // 2
 
 
-def request_bytes(req: P.PrefillRequest) -> int:
-    """A bound on a PrefillRequest's share of a msgpack header (an int packs in <= 9 bytes;
-    token ids below 2^32 in <= 5)."""
-    return 512 + 5 * len(req.prompt_token_ids) + 9 * len(req.sampling.stop_token_ids) \
-        + len(req.req_id) + len(req.decode_node_id) + len(req.kv_address) \
-        + len(req.decode_host_id)
+def request_bytes(req: P.PrefillRequest | P.ReserveRequest) -> int:
+    """A bound on a request's share of a msgpack header (an int packs in <= 9 bytes; token
+    ids below 2^32 in <= 5; a logit bias is an id and a float)."""
+    sampling = req.sampling
+    strings = sum(len(v) for v in msgspec.structs.astuple(req) if isinstance(v, str))
+    guide = len(sampling.guide.spec) + 64 if sampling.guide is not None else 0
+    return 512 + 5 * len(req.prompt_token_ids) + 9 * len(sampling.stop_token_ids) \
+        + 18 * len(sampling.logit_bias) + guide + strings
 
 
-def split_by_size(requests: list[P.PrefillRequest], limit: int) -> list[list[P.PrefillRequest]]:
+def split_by_size(requests: list, limit: int) -> list[list]:
     """Consecutive parts of ``requests``, each under ``limit`` bytes by request_bytes (a
     request over the limit on its own is a part of its own: the send refuses it)."""
     parts, part, size = [], [], 0
@@ -55,12 +60,12 @@ def prefill_timeout(deadline: float, now: float, lease_s: float, colocated: bool
 
 
 class PrefillDispatch:
-    """Needs Dispatch's registry, policy, flights, metrics, config, _batches, _send, _retry
-    and _fail."""
+    """Needs Dispatch's registry, policy, flights, metrics, config, _batches, _reservations,
+    _send, _refused, _retry and _fail."""
 
     def has_batches(self) -> bool:
-        """Whether requests wait for ``flush``."""
-        return bool(self._batches)
+        """Whether reservations or requests wait for ``flush``."""
+        return bool(self._batches or self._reservations)
 
     def _pick_prefill(self, flight: Flight, now: float) -> NodeInfo | None:
         """The prefill node for this attempt; None: there is none, and the flight waits
@@ -81,9 +86,10 @@ class PrefillDispatch:
             self._retry(flight, "its prefill node left during the reservation", now,
                         count=False)
             return
+        if flight.prefill_node is None:  # colocated: no reservation counted it yet
+            node.queued_prompt_tokens += len(flight.wire_prompt)
         flight.prefill_node, flight.state = node.node_id, State.PREFILLING
         node.requests.add(flight.wire_id)
-        node.queued_prompt_tokens += len(flight.wire_prompt)
         self._batches.setdefault(node.node_id, []).append(P.PrefillRequest(
             req_id=flight.wire_id, prompt_token_ids=flight.wire_prompt, sampling=flight.spec,
             decode_node_id=decode.node_id, kv_address=decode.hello.kv_address or "",
@@ -92,9 +98,11 @@ class PrefillDispatch:
             skip_blocks=flight.skip_blocks, decode_host_id=decode.hello.host_id))
 
     def flush(self, now: float):
-        """Everything queued for one prefill node since the last flush leaves as one
-        message (several when that would pass MAX_BATCH_BYTES). Requests that ended or
-        moved meanwhile (cancelled, failed over) are left out."""
+        """Everything queued for one node since the last flush leaves as one message
+        (several when that would pass MAX_BATCH_BYTES): reservations first, then prefill
+        batches. Requests that ended or moved meanwhile (cancelled, failed over) are left
+        out."""
+        self._flush_reservations(now)
         batches, self._batches = self._batches, {}
         for node_id, requests in batches.items():
             requests = [r for r in requests if self._queued_on(r.req_id, node_id)]
@@ -114,6 +122,23 @@ class PrefillDispatch:
                             self._fail(self.flights[r.req_id], S.INTERNAL,
                                        "internal error while dispatching; see the router's log")
         return self.take()
+
+    def _flush_reservations(self, now: float) -> None:
+        reservations, self._reservations = self._reservations, {}
+        for node_id, items in reservations.items():
+            items = [r for r in items if self._reserving_on(r.req_id, node_id)]
+            for part in split_by_size(items, MAX_BATCH_BYTES):
+                if request_bytes(part[0]) > MAX_BATCH_BYTES:  # alone, and still too big
+                    self._fail(self.flights[part[0].req_id], S.BAD_REQUEST, (
+                        f"the request needs a {request_bytes(part[0])}-byte message to its "
+                        f"decode node, over the {MAX_BATCH_BYTES}-byte limit"))
+                    continue
+                self._send(node_id, P.Reserve(items=part))
+
+    def _reserving_on(self, wire_id: str, node_id: str) -> bool:
+        flight = self.flights.get(wire_id)
+        return flight is not None and flight.state is State.RESERVING \
+            and flight.decode_node == node_id
 
     def _queued_on(self, wire_id: str, node_id: str) -> bool:
         flight = self.flights.get(wire_id)

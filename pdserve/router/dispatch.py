@@ -14,7 +14,7 @@ sends what it returns; router/core.py is the asyncio shell the front ends call.
 
 A request's way (``State``)::
 
-    submit --> RESERVING (Reserve to a decode node; refused: the next node; every node
+    submit --> RESERVING (one Reserve per decode node per flush; refused: the next node; every node
       refused, or no live prefill node: WAITING, tried again by tick) --> PREFILLING
       (joins its prefill node's batch; one PrefillBatch per node per flush) --> first
       token from the prefill node --> DECODING (TokenBatch per decode step) --> done
@@ -69,6 +69,7 @@ class Dispatch(NodeMessages, PrefillDispatch):
         self.requests: dict[str, Flight] = {}   # by the client's request id
         self._ids = itertools.count()
         self._batches: dict[str, list[P.PrefillRequest]] = {}  # by prefill node, until flush
+        self._reservations: dict[str, list[P.ReserveRequest]] = {}  # by decode node, ditto
         self._out = Output()
 
     def take(self) -> Output:
@@ -172,10 +173,11 @@ class Dispatch(NodeMessages, PrefillDispatch):
         """A message this dispatch returned could not be sent (the node is gone, its queue
         is full, or the message would not encode)."""
         if isinstance(msg, P.Reserve):
-            flight = self.flights.get(msg.req_id)
-            if flight is not None and flight.state is State.RESERVING \
-                    and flight.decode_node == node_id:
-                self._refused(flight, node_id, "unreachable", now)
+            for r in msg.items:
+                flight = self.flights.get(r.req_id)
+                if flight is not None and flight.state is State.RESERVING \
+                        and flight.decode_node == node_id:
+                    self._refused(flight, node_id, "unreachable", now)
         elif isinstance(msg, P.PrefillBatch):
             for r in msg.requests:
                 flight = self.flights.get(r.req_id)
@@ -205,9 +207,12 @@ class Dispatch(NodeMessages, PrefillDispatch):
             return
         node = self.policy.pick("decode", candidates, flight.wire_prompt)
         flight.decode_node, flight.prefill_node = node.node_id, prefill.node_id
+        # Its prompt counts as the prefill node's load from now: requests picked in the
+        # same turn (before any reply) must not all go to one node.
+        prefill.queued_prompt_tokens += len(flight.wire_prompt)
         flight.state = State.RESERVING
         node.requests.add(flight.wire_id)
-        self._send(node.node_id, P.Reserve(
+        self._reservations.setdefault(node.node_id, []).append(P.ReserveRequest(
             req_id=flight.wire_id, prompt_token_ids=flight.wire_prompt, sampling=flight.spec,
             prefill_node_id=prefill.node_id, lease_s=self.config.reserve_lease_s,
             timeout_s=max(1.0, flight.deadline - now)))
@@ -217,7 +222,8 @@ class Dispatch(NodeMessages, PrefillDispatch):
         if node is not None:
             node.requests.discard(flight.wire_id)
         flight.refused_by.add(node_id)
-        flight.decode_node = None
+        self._unqueue(flight)
+        flight.decode_node = flight.prefill_node = None
         log.debug("decode node %s refused %s: %s", node_id, flight.req_id, reason)
         self._reserve(flight, now)
 
@@ -296,14 +302,20 @@ class Dispatch(NodeMessages, PrefillDispatch):
             node = self.registry.nodes.get(node_id)
             if node is None:
                 continue
-            if node_id == flight.prefill_node and flight.state is State.PREFILLING:
-                node.queued_prompt_tokens -= len(flight.wire_prompt)  # no first token came
+            if node_id == flight.prefill_node:
+                self._unqueue(flight)
             node.requests.discard(flight.wire_id)
             # A prefill node hears of a request only once it is queued for its batch.
             told = node_id == flight.decode_node or flight.state in (State.PREFILLING,
                                                                      State.DECODING)
             if abort and told:
                 self._send(node_id, P.Abort(req_ids=[flight.wire_id], reason=reason))
+
+    def _unqueue(self, flight: Flight) -> None:
+        """Its prompt no longer counts as its prefill node's load (no first token came)."""
+        node = self.registry.nodes.get(flight.prefill_node)
+        if node is not None and flight.state in (State.RESERVING, State.PREFILLING):
+            node.queued_prompt_tokens -= len(flight.wire_prompt)
 
     def _fail(self, flight: Flight, code: str, message: str) -> None:
         log.warning("request %s failed (%s): %s", flight.req_id, code, message)

@@ -47,7 +47,8 @@ class NodeMessages:
         if node_id not in self.registry.nodes:
             self._drop(node_id, type(msg).__name__, "-", "the node is not registered")
         elif isinstance(msg, P.ReserveReply):
-            self._reserve_reply(node_id, msg, now)
+            for result in msg.items:
+                self._reserve_reply(node_id, result, now)
         elif isinstance(msg, P.FirstTokens):
             for item in msg.items:
                 self._first_token(node_id, item)
@@ -63,7 +64,7 @@ class NodeMessages:
     def _drop(self, node_id: str, what: str, req_id: str, why: str) -> None:
         self._out.dropped.append((node_id, what, req_id, why))
 
-    def _reserve_reply(self, node_id: str, msg: P.ReserveReply, now: float) -> None:
+    def _reserve_reply(self, node_id: str, msg: P.ReserveResult, now: float) -> None:
         flight = self.flights.get(msg.req_id)
         if flight is None or flight.decode_node != node_id or flight.state is not State.RESERVING:
             # (a reply for an earlier attempt, or for a request already gone)

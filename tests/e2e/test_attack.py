@@ -147,9 +147,9 @@ class FakeNode:
             if self.sock.poll(10):
                 msg = recv_message(self.sock)
                 if isinstance(msg, P.Reserve):
-                    self.send(P.ReserveReply(req_id=msg.req_id, ok=self.grant,
-                                             reason="" if self.grant else "no_capacity: fake",
-                                             num_blocks=1))
+                    self.send(P.ReserveReply(items=[P.ReserveResult(
+                        req_id=r.req_id, ok=self.grant, num_blocks=1,
+                        reason="" if self.grant else "no_capacity: fake") for r in msg.items]))
                 with self.lock:
                     self.inbox.append(msg)
 

@@ -115,6 +115,17 @@ class Rig:
         assert len(got) == 1, (node_id, kind.__name__, got, self.inbox)
         return got[0]
 
+    def reserves(self, node_id: str | None = None) -> list[P.ReserveRequest]:
+        """The reservations sent to ``node_id`` (any: None) once the turn ended (a flush),
+        taken out of their Reserve messages."""
+        self.flush()
+        return [r for m in self.read(node_id, P.Reserve) for r in m.items]
+
+    def one_reserve(self, node_id: str) -> P.ReserveRequest:
+        got = self.reserves(node_id)
+        assert len(got) == 1, (node_id, got, self.inbox)
+        return got[0]
+
     def aborted(self) -> dict[str, set[str]]:
         """Node id -> wire ids aborted there (read from the inbox)."""
         out: dict[str, set[str]] = {}
@@ -125,12 +136,12 @@ class Rig:
 
     # -- a node's answers ------------------------------------------------------------------
     def grant(self, node_id: str, wire_id: str, cached: int = 0):
-        return self.say(node_id, P.ReserveReply(req_id=wire_id, ok=True, reason="",
-                                                num_blocks=4, cached_blocks=cached))
+        return self.say(node_id, P.ReserveReply(items=[P.ReserveResult(
+            req_id=wire_id, ok=True, reason="", num_blocks=4, cached_blocks=cached)]))
 
     def refuse(self, node_id: str, wire_id: str, reason: str = "no_capacity: full"):
-        return self.say(node_id, P.ReserveReply(req_id=wire_id, ok=False, reason=reason,
-                                                num_blocks=0))
+        return self.say(node_id, P.ReserveReply(items=[P.ReserveResult(
+            req_id=wire_id, ok=False, reason=reason, num_blocks=0)]))
 
     def first(self, node_id: str, wire_id: str, token: int, finish: str | None = None):
         return self.say(node_id, P.FirstTokens(items=[P.FirstToken(
@@ -143,7 +154,7 @@ class Rig:
     def to_prefill(self, decode: str, prefill: str, wire_id: str) -> P.PrefillRequest:
         """Grants ``wire_id``'s Reserve on ``decode``, flushes, and returns its request in
         the PrefillBatch ``prefill`` got."""
-        reserve = self.one(decode, P.Reserve)
+        reserve = self.one_reserve(decode)
         assert reserve.req_id == wire_id and reserve.prefill_node_id == prefill
         self.grant(decode, wire_id)
         self.flush()
@@ -161,7 +172,7 @@ def counted(metrics: RouterMetrics, name: str, **labels) -> float:
 def test_reserve_before_prefill_then_tokens_reach_the_client_once_in_order():
     rig = Rig(("prefill", "p0"), ("decode", "d0"))
     rid = rig.submit(params=greedy(4))
-    reserve = rig.one("d0", P.Reserve)
+    reserve = rig.one_reserve("d0")
     assert reserve.req_id == rid and reserve.prompt_token_ids == [5, 6, 7, 8, 9]
     rig.flush()
     assert not rig.read("p0"), "prefill must wait for the reservation"
@@ -199,11 +210,15 @@ def test_the_router_stops_at_max_tokens_and_aborts_what_the_nodes_still_hold():
 
 def test_one_prefill_batch_per_prefill_node_per_flush():
     rig = Rig(("prefill", "p0"), ("prefill", "p1"), ("decode", "d0"), ("decode", "d1"))
-    rids = []
-    for i in range(6):   # granted one by one: the prefill node's queue grows in between
-        rids.append(rig.submit(prompt=[10 + i] * 6))
-        (reserve,) = rig.read(None, P.Reserve)
-        rig.grant(rig.d.requests[rids[-1]].decode_node, reserve.req_id)
+    # Six submitted in one turn: each counts as its prefill node's load from its pick, so
+    # they spread over both prefill nodes before any reply came (and over both decode
+    # nodes: one Reserve each).
+    rids = [rig.submit(prompt=[10 + i] * 6) for i in range(6)]
+    reserves = {n: rig.read(n, P.Reserve) for n in ("d0", "d1")} if rig.flush() else {}
+    assert [[len(m.items) for m in r] for r in reserves.values()] == [[3], [3]]
+    for node, msgs in reserves.items():
+        for r in msgs[0].items:
+            rig.grant(node, r.req_id)
     rig.flush()
     batches = {n: rig.read(n, P.PrefillBatch) for n in ("p0", "p1")}
     assert [[len(m.requests) for m in b] for b in batches.values()] == [[3], [3]]
@@ -217,10 +232,12 @@ def test_messages_per_request_at_concurrency_64():
     per request. A regression to per-request sends of a batched message fails here."""
     rig = Rig(("prefill", "p0"), ("decode", "d0"))
     ids = [rig.submit(params=greedy(3)) for _ in range(64)]
-    reserves = rig.read("d0", P.Reserve)
-    assert len(reserves) == 64       # one per request (batching them is #14's next step)
-    for r in reserves:
-        rig.grant("d0", r.req_id)
+    assert not rig.inbox, "nothing leaves before the turn ends"
+    rig.flush()
+    (reserve,) = rig.read("d0", P.Reserve)          # one message for all 64
+    assert [r.req_id for r in reserve.items] == ids
+    rig.say("d0", P.ReserveReply(items=[P.ReserveResult(req_id=i, ok=True, reason="",
+                                                        num_blocks=2) for i in ids]))
     rig.flush()
     (batch,) = rig.read("p0", P.PrefillBatch)        # one message for all 64
     assert [r.req_id for r in batch.requests] == ids
@@ -232,6 +249,40 @@ def test_messages_per_request_at_concurrency_64():
     assert not rig.inbox, f"nothing else is sent: {rig.inbox[:3]}"
 
 
+def test_prefill_load_counts_from_the_pick_and_returns_to_zero():
+    """A request counts as its prefill node's load from the moment it is picked (so one
+    turn's requests spread), and every way out takes it off again: refusal and re-pick,
+    a failover, the first token, cancellation."""
+    rig = Rig(("prefill", "p0"), ("prefill", "p1"), ("decode", "d0"), ("decode", "d1"))
+    rids = [rig.submit(prompt=[7] * 8) for _ in range(8)]
+    loads = lambda: [rig.registry.nodes[p].queued_prompt_tokens for p in ("p0", "p1")]  # noqa: E731
+    assert loads() == [32, 32]
+    reserves = rig.reserves()
+    for r in reserves[:2]:                  # refused: picked again, counted once
+        rig.refuse(rig.d.flights[r.req_id].decode_node, r.req_id)
+    assert sum(loads()) == 64
+    rig.cancel(rids[7])
+    assert sum(loads()) == 56
+    pending = {r.req_id for r in reserves[2:7]} | {r.req_id for r in rig.reserves()}
+    for wire_id in pending:
+        flight = rig.d.flights[wire_id]
+        rig.grant(flight.decode_node, wire_id)
+    rig.flush()
+    rig.gone("d1")                          # its requests move: counted again, not twice
+    assert sum(loads()) == 56
+    while rig.d.flights:
+        for r in rig.reserves():
+            rig.grant(rig.d.flights[r.req_id].decode_node, r.req_id)
+        rig.flush()
+        for node in ("p0", "p1"):
+            for batch in rig.read(node, P.PrefillBatch):
+                for req in batch.requests:
+                    rig.first(node, req.req_id, 11)
+                    rig.stream(req.decode_node_id, req.req_id, [12] * 9, "length")
+    assert loads() == [0, 0]
+    assert all(rig.end[r].finish_reason in ("length", "abort") for r in rids)
+
+
 def test_a_batch_over_the_size_limit_is_split_and_a_request_too_big_alone_fails(
         monkeypatch):
     limit = 3000   # the real limit (MAX_BATCH_BYTES) needs million-token prompts
@@ -240,7 +291,7 @@ def test_a_batch_over_the_size_limit_is_split_and_a_request_too_big_alone_fails(
     n = (limit // 2 - 600) // 5                # two of these fit under the limit, not three
     rids = [rig.submit(prompt=[7] * n, params=greedy(1)) for _ in range(3)]
     huge = rig.submit(prompt=[7] * (limit // 5), params=greedy(1))
-    for m in rig.read("d0", P.Reserve):
+    for m in rig.reserves("d0"):
         rig.grant("d0", m.req_id)
     rig.flush()
     batches = rig.read("p0", P.PrefillBatch)
@@ -253,7 +304,7 @@ def test_a_batch_over_the_size_limit_is_split_and_a_request_too_big_alone_fails(
 def test_colocated_node_needs_no_reservation():
     rig = Rig(("colocated", "c0"))
     rid = rig.submit(params=greedy(3))
-    assert not rig.read("c0", P.Reserve)
+    assert not rig.reserves("c0")
     rig.flush()
     (req,) = rig.one("c0", P.PrefillBatch).requests
     assert req.decode_node_id == "c0" and req.req_id == rid
@@ -269,7 +320,7 @@ def test_colocated_node_needs_no_reservation():
 def test_decode_node_gone_while_reserving_moves_the_request():
     rig = Rig(("prefill", "p0"), ("decode", "d0"), ("decode", "d1"))
     rid = rig.submit()
-    first = rig.read(None, P.Reserve)[0]
+    first = rig.reserves(None)[0]
     dead = "d0" if rig.d.requests[rid].decode_node == "d0" else "d1"
     alive = {"d0": "d1", "d1": "d0"}[dead]
     assert first.req_id == rid
@@ -290,7 +341,8 @@ def test_decode_node_gone_while_prefilling_aborts_the_prefill_and_goes_again():
     rig.join("decode", "d1")
     rig.gone("d0")
     assert rig.aborted() == {"p0": {rid}}
-    assert rig.registry.nodes["p0"].queued_prompt_tokens == 0
+    # the new attempt's prompt alone counts as p0's load (the old one's was taken off)
+    assert rig.registry.nodes["p0"].queued_prompt_tokens == 5
     rig.to_prefill("d1", "p0", f"{rid}~1")
     rig.first("p0", rid, 99)                 # the old attempt's first token: ignored
     assert rig.tokens[rid] == []
@@ -312,7 +364,7 @@ def test_decode_node_gone_mid_stream_resumes_with_the_streamed_tokens():
     rig.stream(serving, rid, [12, 13])
     rig.gone(serving)
     assert rig.aborted() == {"p0": {rid}}     # the prefill node may still be sending KV
-    reserve = rig.one(other, P.Reserve)
+    reserve = rig.one_reserve(other)
     assert reserve.req_id == f"{rid}~1" and reserve.prompt_token_ids == [5, 6, 7, 11, 12, 13]
     spec = reserve.sampling
     assert (spec.seed, spec.seed_offset, spec.max_tokens, spec.min_tokens) == (1234, 3, 3, 1)
@@ -341,13 +393,13 @@ def test_prefill_node_gone_releases_the_reservation_and_uses_another():
 def test_prefill_node_gone_during_the_reservation_goes_round_again():
     rig = Rig(("prefill", "p0"), ("decode", "d0"))
     rid = rig.submit()
-    rig.one("d0", P.Reserve)
+    rig.one_reserve("d0")
     rig.join("prefill", "p1")
     rig.gone("p0")
     assert not rig.aborted()  # p0 holds nothing of it yet; d0 is asked to hold KV for p0
     rig.grant("d0", rid)      # but KV only from p0: the reservation is useless
     assert rig.aborted() == {"d0": {rid}}
-    reserve = rig.one("d0", P.Reserve)
+    reserve = rig.one_reserve("d0")
     assert reserve.req_id == f"{rid}~1" and reserve.prefill_node_id == "p1"
     assert rig.d.requests[rid].failures == 0, "nobody failed: no attempt used up"
     rig.grant("d0", rid)                     # the old reservation's grant again: given back
@@ -377,15 +429,15 @@ def test_colocated_node_gone_sends_prompt_and_tokens_to_another():
 def test_unsent_messages_count_as_a_refusal_or_a_failed_attempt():
     rig = Rig(("prefill", "p0"), ("decode", "d0"), ("decode", "d1"))
     rid = rig.submit()
-    (reserve,) = rig.read(None, P.Reserve)
+    (reserve,) = rig.reserves(None)
     first = rig.d.requests[rid].decode_node
-    rig.apply(rig.d.send_failed(first, reserve, rig.now))
+    rig.apply(rig.d.send_failed(first, P.Reserve(items=[reserve]), rig.now))
     other = rig.d.requests[rid].decode_node
     assert other not in (first, None)
     req = rig.to_prefill(other, "p0", rid)    # a refusal: the same attempt, the same id
     rig.apply(rig.d.send_failed("p0", P.PrefillBatch(requests=[req]), rig.now))
     assert rig.aborted() == {"p0": {rid}, other: {rid}}
-    assert rig.read(None, P.Reserve)[0].req_id == f"{rid}~1"
+    assert rig.reserves(None)[0].req_id == f"{rid}~1"
     assert rig.d.requests[rid].failures == 1
 
 
@@ -414,7 +466,7 @@ def test_a_prefill_node_that_joins_in_time_takes_the_waiting_request():
     rig.join("prefill", "p0")
     for _ in range(20):
         rig.tick(0.1)
-    (reserve,) = rig.read("d0", P.Reserve)
+    (reserve,) = rig.reserves("d0")
     assert reserve.prefill_node_id == "p0" and reserve.req_id.startswith(f"{rid}~")
     assert rig.d.requests[rid].failures == 0, "waiting is not a failure"
     assert reserve.timeout_s <= 5.0 - 0.1
@@ -423,7 +475,7 @@ def test_a_prefill_node_that_joins_in_time_takes_the_waiting_request():
 def test_a_request_nobody_answers_times_out_and_is_aborted_where_it_was():
     rig = Rig(("prefill", "p0"), ("decode", "d0"))
     rid = rig.submit(timeout_s=2.0)
-    assert rig.one("d0", P.Reserve).timeout_s == 2.0
+    assert rig.one_reserve("d0").timeout_s == 2.0
     rig.tick(1.9)
     assert rid not in rig.end
     rig.tick(0.2)
@@ -437,13 +489,13 @@ def test_refused_by_every_decode_node_then_retried_until_one_has_room():
     rig = Rig(("prefill", "p0"), ("decode", "d0"), ("decode", "d1"))
     rid = rig.submit()
     for _ in range(2):
-        (reserve,) = rig.read(None, P.Reserve)
+        (reserve,) = rig.reserves(None)
         rig.refuse(rig.d.requests[rid].decode_node, reserve.req_id)
     assert not rig.inbox and rig.d.requests[rid].state is State.WAITING
     rig.tick(RETRY_RESERVE_S / 2)
     assert not rig.inbox
     rig.tick(RETRY_RESERVE_S)
-    (reserve,) = rig.read(None, P.Reserve)
+    (reserve,) = rig.reserves(None)
     assert reserve.req_id == rid, "a refusal uses up no attempt: same wire id"
     rig.grant(rig.d.requests[rid].decode_node, rid)
     rig.flush()
@@ -453,11 +505,11 @@ def test_refused_by_every_decode_node_then_retried_until_one_has_room():
 def test_rejected_as_malformed_by_a_decode_node_fails_at_once():
     rig = Rig(("prefill", "p0"), ("decode", "d0"), ("decode", "d1"))
     rid = rig.submit()
-    (reserve,) = rig.read(None, P.Reserve)
+    (reserve,) = rig.reserves(None)
     rig.refuse(rig.d.requests[rid].decode_node, rid, f"{E.BAD_MESSAGE}: stop ids too many")
     err = rig.end[rid].error
     assert err.code == S.BAD_REQUEST and err.message.endswith("stop ids too many")
-    assert not rig.read(None, P.Reserve), "no other node is asked"
+    assert not rig.reserves(None), "no other node is asked"
 
 
 def test_retryable_node_errors_move_the_request_up_to_max_attempts():
@@ -470,7 +522,7 @@ def test_retryable_node_errors_move_the_request_up_to_max_attempts():
         assert rig.aborted() == {"p0": {wire}, "d0": {wire}}
     err = rig.end[rid].error
     assert err.code == S.NODE_ERROR and f"gave up after {MAX_ATTEMPTS} attempts" in err.message
-    assert not rig.read(None, P.Reserve) and not rig.d.flights
+    assert not rig.reserves(None) and not rig.d.flights
 
 
 def test_a_node_error_no_retry_fixes_fails_the_request():
@@ -543,7 +595,8 @@ def test_too_many_early_token_batches_fail_the_request():
 def test_messages_from_an_unregistered_node_are_dropped():
     rig = Rig(("prefill", "p0"), ("decode", "d0"))
     rid = rig.submit()
-    rig.say("intruder", P.ReserveReply(req_id=rid, ok=True, reason="", num_blocks=1))
+    rig.say("intruder", P.ReserveReply(items=[P.ReserveResult(req_id=rid, ok=True, reason="",
+                                                              num_blocks=1)]))
     assert rig.dropped == [("intruder", "ReserveReply", "-", "the node is not registered")]
     assert rig.d.requests[rid].state is State.RESERVING and not rig.inbox[1:]
 
@@ -555,7 +608,7 @@ def test_cancel_aborts_on_the_nodes_holding_the_request(stage):
     rid = rig.submit()
     holders = {"d0"}
     if stage != "reserving":
-        rig.one("d0", P.Reserve)
+        rig.one_reserve("d0")
         rig.grant("d0", rid)
         holders.add("p0")
     if stage in ("prefilling", "decoding"):
@@ -620,7 +673,7 @@ def test_cache_aware_sends_a_shared_prefix_back_to_the_same_nodes():
     placed = []
     for tail in ([1, 2], [3], [4, 5, 6]):
         rid = rig.submit(prompt=shared + tail)
-        (reserve,) = rig.read(None, P.Reserve)
+        (reserve,) = rig.reserves(None)
         flight = rig.d.requests[rid]
         placed.append((reserve.prefill_node_id, flight.decode_node))
         rig.grant(flight.decode_node, rid)

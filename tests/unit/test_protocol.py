@@ -68,9 +68,10 @@ SAMPLES = [
     prefill_batch(),
     P.FirstTokens(items=[P.FirstToken(req_id="r0", token_id=5),
                          P.FirstToken(req_id="r1", token_id=2, finish_reason="stop")]),
-    P.Reserve(req_id="r0", prompt_token_ids=[1, 2, 3], sampling=SAMPLING, prefill_node_id="p0",
-              lease_s=5.0),
-    P.ReserveReply(req_id="r0", ok=False, reason="no free blocks", num_blocks=0),
+    P.Reserve(items=[P.ReserveRequest(req_id="r0", prompt_token_ids=[1, 2, 3], sampling=SAMPLING,
+                                      prefill_node_id="p0", lease_s=5.0)]),
+    P.ReserveReply(items=[P.ReserveResult(req_id="r0", ok=False, reason="no free blocks",
+                                          num_blocks=0)]),
     kv_chunk(), kv_chunk(last=False, first_token=None, checksums=True),
     P.KVAck(results=[P.KVResult(req_id="r0", ok=True),
                      P.KVResult(req_id="r1", ok=False, reason="no reservation")]),
@@ -279,14 +280,17 @@ def test_limits_in_the_schema():
         return expect_error([bytes(f) for f in codec.encode(msg)], E.BAD_MESSAGE, *fragments,
                             expected=expected)
 
-    refused(P.Reserve(req_id="r", prompt_token_ids=[1], prefill_node_id="p", lease_s=1.0,
-                      sampling=msgspec.structs.replace(SAMPLING, seed=P.MAX_SEED)),
-            "Reserve.sampling.seed: expected `int` <= 9223372036854775807")
-    refused(P.Reserve(req_id="r", prompt_token_ids=[1], prefill_node_id="p", lease_s=1.0,
-                      sampling=msgspec.structs.replace(SAMPLING, seed=-1)),
-            "Reserve.sampling.seed: expected `int` >= 0")
-    refused(P.ReserveReply(req_id="r", ok=True, reason="", num_blocks=2**64 - 1),
-            "ReserveReply.num_blocks: expected `int` <= 9223372036854775807")
+    def reserve(**sampling):
+        return P.Reserve(items=[P.ReserveRequest(
+            req_id="r", prompt_token_ids=[1], prefill_node_id="p", lease_s=1.0,
+            sampling=msgspec.structs.replace(SAMPLING, **sampling))])
+
+    refused(reserve(seed=P.MAX_SEED),
+            "Reserve.items[0].sampling.seed: expected `int` <= 9223372036854775807")
+    refused(reserve(seed=-1), "Reserve.items[0].sampling.seed: expected `int` >= 0")
+    refused(P.ReserveReply(items=[P.ReserveResult(req_id="r", ok=True, reason="",
+                                                  num_blocks=2**64 - 1)]),
+            "ReserveReply.items[0].num_blocks: expected `int` <= 9223372036854775807")
     refused(P.TokenBatch(items=[P.TokenItem(req_id="r", token_ids=[2**63])]),
             "TokenBatch.items[0].token_ids[0]: expected `int` <= 9223372036854775807")
     refused(P.Heartbeat(node_id="n" * (P.MAX_ID_CHARS + 1)),

@@ -70,6 +70,8 @@ from pdserve.common.protocol.messages import (  # noqa: F401 (this package's API
     PrefillRequest,
     Reserve,
     ReserveReply,
+    ReserveRequest,
+    ReserveResult,
     SamplingSpec,
     TokenBatch,
     TokenItem,

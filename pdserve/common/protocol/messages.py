@@ -188,9 +188,8 @@ class FirstTokens(Message, tag="first_tokens", kw_only=True):
     items: list_of(FirstToken)
 
 
-@_message
-class Reserve(Message, tag="reserve", kw_only=True):
-    """router -> decode: hold KV blocks for a request for lease_s seconds."""
+class ReserveRequest(Nested, kw_only=True):
+    """Hold KV blocks for one request for lease_s seconds (an item of Reserve)."""
     req_id: Id
     prompt_token_ids: TokenIds
     sampling: SamplingSpec
@@ -199,15 +198,26 @@ class Reserve(Message, tag="reserve", kw_only=True):
     timeout_s: float = 0.0  # the request's time left; the node ends it past that (0: none)
 
 
-@_message
-class ReserveReply(Message, tag="reserve_reply", kw_only=True):
-    """decode -> router: whether the blocks were reserved, and how many; of those, how
-    many leading ones the decode node had cached (their KV need not be sent)."""
+class ReserveResult(Nested, kw_only=True):
+    """Whether one request's blocks were reserved, and how many; of those, how many leading
+    ones the decode node had cached (their KV need not be sent). An item of ReserveReply."""
     req_id: Id
     ok: bool
     reason: Text
     num_blocks: Count
     cached_blocks: Count = 0
+
+
+@_message
+class Reserve(Message, tag="reserve", kw_only=True):
+    """router -> decode: the reservations of one router turn for this node."""
+    items: list_of(ReserveRequest)
+
+
+@_message
+class ReserveReply(Message, tag="reserve_reply", kw_only=True):
+    """decode -> router: the outcome of each reservation of one Reserve."""
+    items: list_of(ReserveResult)
 
 
 @_message
