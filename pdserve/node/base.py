@@ -20,6 +20,7 @@ import time
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.common import shm
+from pdserve.common.gc_heap import freeze_startup_objects
 from pdserve.common.kv_events import KVEventPublisher
 from pdserve.common.metrics import node_metrics, start_metrics_server
 from pdserve.common.request import SamplingParams, from_spec
@@ -180,6 +181,7 @@ class Node:
                          if self.kv_events.replay_endpoint else "")
             if not self._wait_welcome():
                 return 1
+            freeze_startup_objects()
             log.info("%s node %s registered with router %s%s", self.role, self.node_id,
                      self.config.router,
                      f", KV socket {self.io.hello.kv_address}" if self.io.hello.kv_address else "")

@@ -13,6 +13,7 @@ import signal
 import uvicorn
 import uvloop
 
+from pdserve.common.gc_heap import freeze_startup_objects
 from pdserve.common.metrics import metrics_endpoint, start_metrics_server
 from pdserve.common.security import (
     INGRESS_DOMAIN,
@@ -56,6 +57,7 @@ async def serve(config: RouterConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    freeze_startup_objects()
     log.info("router ready: http://%s:%d (OpenAI API), control %s, ingress %s",
              config.host, config.http_port, config.control, config.ingress or "off")
     warnings = InsecureWarnings(router_exposures(config))
