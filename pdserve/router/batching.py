@@ -102,16 +102,13 @@ class PrefillDispatch:
         (several when that would pass MAX_BATCH_BYTES): reservations first, then prefill
         batches. Requests that ended or moved meanwhile (cancelled, failed over) are left
         out."""
-        self._flush_reservations(now)
+        reservations, self._reservations = self._reservations, {}
+        for node_id, items in reservations.items():
+            for part in self._parts(items, node_id, self._reserving_on, "decode"):
+                self._send(node_id, P.Reserve(items=part))
         batches, self._batches = self._batches, {}
         for node_id, requests in batches.items():
-            requests = [r for r in requests if self._queued_on(r.req_id, node_id)]
-            for part in split_by_size(requests, MAX_BATCH_BYTES):
-                if request_bytes(part[0]) > MAX_BATCH_BYTES:  # alone, and still too big
-                    self._fail(self.flights[part[0].req_id], S.BAD_REQUEST, (
-                        f"the request needs a {request_bytes(part[0])}-byte message to its "
-                        f"prefill node, over the {MAX_BATCH_BYTES}-byte limit"))
-                    continue
+            for part in self._parts(requests, node_id, self._queued_on, "prefill"):
                 try:
                     self.metrics.dispatched(self.flights[r.req_id].req_id for r in part)
                     self._send(node_id, P.PrefillBatch(requests=part))
@@ -123,17 +120,17 @@ class PrefillDispatch:
                                        "internal error while dispatching; see the router's log")
         return self.take()
 
-    def _flush_reservations(self, now: float) -> None:
-        reservations, self._reservations = self._reservations, {}
-        for node_id, items in reservations.items():
-            items = [r for r in items if self._reserving_on(r.req_id, node_id)]
-            for part in split_by_size(items, MAX_BATCH_BYTES):
-                if request_bytes(part[0]) > MAX_BATCH_BYTES:  # alone, and still too big
-                    self._fail(self.flights[part[0].req_id], S.BAD_REQUEST, (
-                        f"the request needs a {request_bytes(part[0])}-byte message to its "
-                        f"decode node, over the {MAX_BATCH_BYTES}-byte limit"))
-                    continue
-                self._send(node_id, P.Reserve(items=part))
+    def _parts(self, items: list, node_id: str, still_on, role: str):
+        """The items still meant for ``node_id`` (``still_on``), in messages under
+        MAX_BATCH_BYTES; an item too big alone fails its request."""
+        items = [r for r in items if still_on(r.req_id, node_id)]
+        for part in split_by_size(items, MAX_BATCH_BYTES):
+            if request_bytes(part[0]) > MAX_BATCH_BYTES:  # alone, and still too big
+                self._fail(self.flights[part[0].req_id], S.BAD_REQUEST, (
+                    f"the request needs a {request_bytes(part[0])}-byte message to its "
+                    f"{role} node, over the {MAX_BATCH_BYTES}-byte limit"))
+                continue
+            yield part
 
     def _reserving_on(self, wire_id: str, node_id: str) -> bool:
         flight = self.flights.get(wire_id)
