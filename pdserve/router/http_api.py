@@ -9,7 +9,6 @@ is supported and what is refused: docs/http-api.md.
 """
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
@@ -33,6 +32,7 @@ from pdserve.router.choices import (
     submit_choices,
 )
 from pdserve.router.http_tokens import add_token_routes
+from pdserve.router.http_wait import ClientWatch, EventStream
 from pdserve.router.openai_schema import (  # noqa: F401 (re-exported: the app's API)
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_BODY_BYTES,
@@ -98,70 +98,6 @@ async def read_json(request: Request) -> dict:
     if problem:
         raise bad(problem)
     return body
-
-
-class ClientWatch:
-    """Races waits on a request's choices against the client's disconnect (an ASGI
-    receive): one waiter at a time, woken by an event or by the disconnect, and no wait at
-    all when an event is already there."""
-
-    def __init__(self, request: Request):
-        self._waiter: asyncio.Future | None = None
-        self._gone = asyncio.ensure_future(self._wait(request.receive))
-        self._gone.add_done_callback(self._wake)
-
-    @staticmethod
-    async def _wait(receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-    def _wake(self, _) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    @property
-    def gone(self) -> bool:
-        return self._gone.done()
-
-    async def next(self, choices: Choices) -> tuple[Choice, StreamEvent] | None:
-        """The next (choice, events), or None when the client went away or the choices
-        ended."""
-        while (item := choices.take()) is None:
-            if choices.ended or self.gone:
-                return None
-            self._waiter = choices.wakeup()
-            await self._waiter
-        return item
-
-    def close(self, choices: Choices) -> None:
-        self._gone.cancel()
-        choices.cancel()  # a no-op once the streams ended
-
-
-class EventStream(Response):
-    """A text/event-stream response from an async iterator of bytes, each sent as it comes.
-    Starlette's StreamingResponse would also run a task group listening for the disconnect
-    (ClientWatch already does) and ``background`` in a thread pool; ``on_close`` runs here,
-    on the loop, whether or not the body was ever iterated."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, body, headers: dict, on_close):
-        self.body_iterator, self.on_close = body, on_close
-        self.status_code, self.background = 200, None
-        self.init_headers(headers)
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": self.raw_headers})
-            async for chunk in self.body_iterator:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except OSError:
-            raise ClientDisconnect() from None
-        finally:
-            self.on_close()
 
 
 def _ended_early() -> RequestError:
