@@ -202,7 +202,7 @@ class KVReceiver:
             dst_sel += t.block_ids.tolist()
         for t in todo.values():
             t.state = TransferState.TRANSFERRING
-        bad = self._place_tensors(chunk, names, sources, src_sel, dst_sel,
+        bad = self._place_tensors(chunk, names, sources, src_ids, src_sel, dst_sel,
                                   whole=len(todo) == len(chunk.parts))
         if bad is not None:
             return failed | {i: bad for i in todo}
@@ -212,30 +212,33 @@ class KVReceiver:
         return failed
 
     def _place_tensors(self, chunk: KVChunk, names: list[str], sources: list[memoryview],
-                       src_sel: list[int], dst_sel: list[int], whole: bool
-                       ) -> KVTransferError | None:
-        """Copies source pages src_sel to this node's pages dst_sel in every tensor, one
-        call per tensor, checking each tensor's checksum: while placing when every part is
-        placed (the pieces land in the frame's order), over the whole source first when
-        some part is not. The error that fails them all, if a tensor is corrupt."""
+                       src_ids: list[int], src_sel: list[int], dst_sel: list[int],
+                       whole: bool) -> KVTransferError | None:
+        """Copies source pages src_sel (of the chunk's src_ids) to this node's pages
+        dst_sel in every tensor, one call per tensor, checking each tensor's checksum:
+        while placing when every part is placed (the pieces land in the frame's order),
+        over all src_ids first when some part is not. The error that fails them all, if a
+        tensor is corrupt."""
         page_bytes = _page_bytes(self.layout)
         runs = paired_runs(src_sel, dst_sel)
+        staged_runs, dst_index = None, None  # for a device pool: stage in host memory first
+        if self.kv_caches[0][0].device.type != "cpu":
+            staged_runs = paired_runs(src_sel, range(len(dst_sel)))
+            dst_index = torch.tensor(dst_sel, dtype=torch.int64,
+                                     device=self.kv_caches[0][0].device)
+        # Some part is left out: the hash covers all the chunk's pages, in a pass of its own.
+        all_ids = None if whole or not chunk.checksums else src_ids
         for k, (name, src) in enumerate(zip(names, sources)):
             layer, kv = int(name[1:]), 0 if name[0] == "k" else 1
             cache, dst = self.kv_caches[layer][kv], self._pool_bytes[layer][kv]
             h = xxhash.xxh3_64() if chunk.checksums and whole else None
-            got = None
-            if chunk.checksums and not whole:
-                all_ids = chunk.shm.block_ids if chunk.shm else range(len(chunk.tensors[name]))
-                got = pages_checksum(src, list(all_ids), page_bytes)
-            if cache.device.type == "cpu":
+            got = None if all_ids is None else pages_checksum(src, all_ids, page_bytes)
+            if dst_index is None:
                 copy_pages(dst, src, runs, page_bytes, h)
-            else:  # pages arrive in host memory: stage them there, then one device copy
+            else:
                 staged = torch.empty((len(dst_sel), *cache.shape[1:]), dtype=cache.dtype)
-                copy_pages(bytes_of(staged), src, paired_runs(src_sel, range(len(dst_sel))),
-                           page_bytes, h)
-                cache.index_copy_(0, torch.tensor(dst_sel, dtype=torch.int64,
-                                                  device=cache.device), staged.to(cache.device))
+                copy_pages(bytes_of(staged), src, staged_runs, page_bytes, h)
+                cache.index_copy_(0, dst_index, staged.to(cache.device))
             got = h.intdigest() if h is not None else got
             if got is not None and got != chunk.checksums[k]:
                 where = f" (read from shared segment {chunk.shm.segment})" if chunk.shm else ""

@@ -61,7 +61,7 @@ def prefill_timeout(deadline: float, now: float, lease_s: float, colocated: bool
 
 class PrefillDispatch:
     """Needs Dispatch's registry, policy, flights, metrics, config, _batches, _reservations,
-    _send, _refused, _retry and _fail."""
+    _send, _retry and _fail."""
 
     def has_batches(self) -> bool:
         """Whether reservations or requests wait for ``flush``."""

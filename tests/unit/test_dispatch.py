@@ -255,7 +255,9 @@ def test_prefill_load_counts_from_the_pick_and_returns_to_zero():
     a failover, the first token, cancellation."""
     rig = Rig(("prefill", "p0"), ("prefill", "p1"), ("decode", "d0"), ("decode", "d1"))
     rids = [rig.submit(prompt=[7] * 8) for _ in range(8)]
-    loads = lambda: [rig.registry.nodes[p].queued_prompt_tokens for p in ("p0", "p1")]  # noqa: E731
+
+    def loads():
+        return [rig.registry.nodes[p].queued_prompt_tokens for p in ("p0", "p1")]
     assert loads() == [32, 32]
     reserves = rig.reserves()
     for r in reserves[:2]:                  # refused: picked again, counted once
