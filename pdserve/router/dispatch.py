@@ -79,7 +79,17 @@ class Dispatch(NodeMessages, PrefillDispatch):
         return out
 
     def _send(self, node_id: str | bytes, msg: P.Message) -> None:
-        self._out.sends.append((node_id, msg))
+        sends = self._out.sends
+        if isinstance(msg, P.Abort):  # one Abort per node and reason per event
+            last = next((j for j in range(len(sends) - 1, -1, -1) if sends[j][0] == node_id),
+                        None)
+            prev = sends[last][1] if last is not None else None
+            # Only into the node's latest message: what it sees stays in the same order.
+            if isinstance(prev, P.Abort) and prev.reason == msg.reason:
+                sends[last] = (node_id, P.Abort(req_ids=prev.req_ids + msg.req_ids,
+                                                reason=msg.reason))
+                return
+        sends.append((node_id, msg))
 
     def _emit(self, flight: Flight, event: S.StreamEvent) -> None:
         self._out.events.append((flight.req_id, event))

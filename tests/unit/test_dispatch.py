@@ -247,6 +247,20 @@ def test_messages_per_request_at_concurrency_64():
     assert all(rig.tokens[i] == [11, 12, 13] and rig.end[i].finish_reason == "length"
                for i in ids)
     assert not rig.inbox, f"nothing else is sent: {rig.inbox[:3]}"
+    # 64 more, each ended by the router in one event (an end-of-sequence token the node
+    # did not stop at): one Abort per node for all of them.
+    ids = [rig.submit(params=SamplingParams(max_tokens=8, temperature=0)) for _ in range(64)]
+    rig.flush()
+    rig.say("d0", P.ReserveReply(items=[P.ReserveResult(req_id=i, ok=True, reason="",
+                                                        num_blocks=2) for i in ids]))
+    rig.flush()
+    rig.one("d0", P.Reserve)
+    rig.one("p0", P.PrefillBatch)
+    rig.say("p0", P.FirstTokens(items=[P.FirstToken(req_id=i, token_id=11) for i in ids]))
+    rig.say("d0", P.TokenBatch(items=[P.TokenItem(req_id=i, token_ids=[EOS]) for i in ids]))
+    assert all(rig.end[i].finish_reason == "stop" for i in ids)
+    assert rig.one("d0", P.Abort).req_ids == ids and rig.one("p0", P.Abort).req_ids == ids
+    assert not rig.inbox, f"nothing else is sent: {rig.inbox[:3]}"
 
 
 def test_prefill_load_counts_from_the_pick_and_returns_to_zero():
