@@ -20,6 +20,12 @@ def bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+def pool_bytes(kv_caches) -> list[list[memoryview | None]]:
+    """Each layer's [K, V] pool as bytes (None for a device pool), made once per process: a
+    view per pool per message cost as much as checksumming a short prompt's pages."""
+    return [[bytes_of(c) if c.device.type == "cpu" else None for c in pair] for pair in kv_caches]
+
+
 def copy_pages(dst: memoryview, src: memoryview, runs, page_bytes: int,
                hasher=None) -> None:
     """Copies runs (first source page, first destination page, n) of pages of page_bytes
@@ -53,10 +59,12 @@ def split_runs(runs, piece_blocks: int):
             yield s + i, d + i, min(piece_blocks, n - i)
 
 
-def pages_checksum(src: memoryview, block_ids: list[int], page_bytes: int) -> int:
-    """XXH3 of pages ``block_ids`` of a pool's bytes ``src``, in that order: the same value
-    as checksum_of their gathered copy, computed without gathering (one update per run)."""
+def pages_checksum(src: memoryview, runs, page_bytes: int) -> int:
+    """XXH3 of the pages of a pool's bytes ``src`` that ``runs`` (first page, _, n) name,
+    in that order: the same value as checksum_of their gathered copy, computed without
+    gathering (one update per run). ``paired_runs(ids, ids)`` makes the runs of a list of
+    pages; a chunk makes them once for all its tensors."""
     h = xxhash.xxh3_64()
-    for first, _, n in paired_runs(block_ids, block_ids):
+    for first, _, n in runs:
         h.update(src[first * page_bytes:(first + n) * page_bytes])
     return h.intdigest()

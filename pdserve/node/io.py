@@ -113,6 +113,7 @@ class NodeIO(threading.Thread):
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._pipe_lock = threading.Lock()   # no write to the pipe once it is closed
+        self._woken = False  # the pipe was written since the thread last read it
         self._kv_used: dict[str, float] = {}  # KV address -> last send
         self._stopping = threading.Event()
         self.last_router_message = time.monotonic()
@@ -140,7 +141,9 @@ class NodeIO(threading.Thread):
                 self._wake()
                 if not self.is_alive():
                     return
-        self._wake()
+        if not self._woken:  # one pipe write per wake-up, not per message (a syscall each)
+            self._woken = True
+            self._wake()
 
     def _wake(self) -> None:
         with self._pipe_lock:
@@ -187,6 +190,7 @@ class NodeIO(threading.Thread):
                 else:
                     events = dict(poller.poll(min(timeout_ms, 500)))
                 if self._wake_r in events:
+                    self._woken = False  # before the flush below: a later put wakes again
                     os.read(self._wake_r, 4096)
                 if control in events:
                     self._drain(control, CONTROL, CONTROL_IN)

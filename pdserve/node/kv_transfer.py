@@ -32,7 +32,7 @@ from pdserve.common.protocol import (
     kv_tensor_names,
 )
 from pdserve.common.shm import Segment, SegmentError
-from pdserve.engine.kv_pages import bytes_of, copy_pages, pages_checksum, paired_runs
+from pdserve.engine.kv_pages import bytes_of, copy_pages, pages_checksum, paired_runs, pool_bytes
 from pdserve.node.kv_shm import PeerSegments, shm_ref
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -64,20 +64,25 @@ class Outgoing:
 
 def kv_chunk(model: ModelIdentity, layout: KVLayout, kv_caches: KVCaches,
              parts: list[Outgoing], layer_start: int, layer_end: int, *, checksums: bool,
-             last: bool, segment: Segment | None = None) -> KVChunk:
+             last: bool, segment: Segment | None = None,
+             views: list[list[memoryview | None]] | None = None) -> KVChunk:
     """The one message carrying layers [layer_start, layer_end) of several requests' blocks
     to one decode node: per tensor, the parts' pages one after the other, and (with
     ``checksums``) one checksum of them. With ``segment`` (the shared segment ``kv_caches``
-    lie in; the decode node is on this host) the message names the pages in it instead."""
+    lie in; the decode node is on this host) the message names the pages in it instead.
+    ``views``: ``pool_bytes(kv_caches)``, which a node makes once (made here if None)."""
     ids = [b for p in parts for b in p.block_ids]
+    runs = paired_runs(ids, ids)  # the same for every tensor
+    views = pool_bytes(kv_caches) if views is None else views
     sums: list[int] = []
     tensors: dict[str, torch.Tensor] = {}
     ref = None
     if segment is not None:
         pools = _pools(kv_caches, layer_start, layer_end)
         ref = shm_ref(segment, pools, ids)
-        sums = [pages_checksum(bytes_of(pool), ids, pool[0].nbytes)
-                for pool in (pools if checksums else ())]
+        page = pools[0][0].nbytes
+        sums = [pages_checksum(views[layer][kv], runs, page)
+                for layer in (range(layer_start, layer_end) if checksums else ()) for kv in (0, 1)]
     for layer in range(layer_start, layer_end) if segment is None else ():
         k_cache, v_cache = kv_caches[layer]
         if k_cache.device.type != "cpu":
@@ -86,7 +91,8 @@ def kv_chunk(model: ModelIdentity, layout: KVLayout, kv_caches: KVCaches,
             frames = [(f, checksum_of(f) if checksums else None)   # [nb, bs, KVH, D] each
                       for f in (k.cpu(), v.cpu())]
         else:
-            frames = [_frame_of(k_cache, ids, checksums), _frame_of(v_cache, ids, checksums)]
+            frames = [_frame_of(pool, views[layer][kv], ids, runs, checksums)
+                      for kv, pool in enumerate((k_cache, v_cache))]
         for kv, (frame, frame_sum) in zip("kv", frames):
             tensors[f"{kv}{layer}"] = frame
             if checksums:
@@ -102,19 +108,23 @@ def _pools(kv_caches: KVCaches, layer_start: int, layer_end: int) -> list[torch.
     return [kv_caches[layer][i] for layer in range(layer_start, layer_end) for i in (0, 1)]
 
 
-def _frame_of(pool: torch.Tensor, ids: list[int], checksum: bool
+def _frame_of(pool: torch.Tensor, src: memoryview, ids: list[int], runs, checksum: bool
               ) -> tuple[torch.Tensor, int | None]:
-    """The frame of pages ``ids`` of a CPU pool, and its checksum (None when off). Pages
-    consecutive in the pool are one slice of it: that memory itself goes on the wire (the
-    blocks stay allocated until the decode node acknowledges). Others are gathered into a
-    new frame, hashed piece by piece as they land."""
-    first, n = (ids[0] if ids else 0), len(ids)
-    if ids == list(range(first, first + n)):
+    """The frame of pages ``ids`` (in ``runs``, see kv_chunk) of a CPU pool whose bytes
+    are ``src``, and its checksum (None when off). Pages consecutive in the pool are one
+    slice of it: that memory itself goes on the wire (the blocks stay allocated until the
+    decode node acknowledges). Others are gathered into a new frame, hashed piece by piece
+    as they land."""
+    n = len(ids)
+    if len(runs) <= 1:
+        first = runs[0][0] if runs else 0
         view = pool[first:first + n]
         return view, checksum_of(view) if checksum else None
     frame = torch.empty((n, *pool.shape[1:]), dtype=pool.dtype)  # [nb, bs, KVH, D]
     h = xxhash.xxh3_64() if checksum else None
-    copy_pages(bytes_of(frame), bytes_of(pool), paired_runs(ids, range(n)), pool[0].nbytes, h)
+    at = itertools.accumulate((r[2] for r in runs[:-1]), initial=0)
+    copy_pages(bytes_of(frame), src, [(s, d, k) for (s, _, k), d in zip(runs, at)],
+               pool[0].nbytes, h)
     return frame, h.intdigest() if checksum else None
 
 
@@ -147,10 +157,7 @@ class KVReceiver:
         self.layout = layout
         self.kv_caches = kv_caches
         self.segments = PeerSegments()  # same-host senders' segments, mapped on first use
-        # The CPU pools' bytes, made once: a view per pool per part of every chunk cost more
-        # than copying a short prompt's pages.
-        self._pool_bytes = [[bytes_of(c) if c.device.type == "cpu" else None for c in pair]
-                            for pair in kv_caches]
+        self._pool_bytes = pool_bytes(kv_caches)
 
     def check(self, chunk: KVChunk, part: KVPart, transfer: InboundTransfer) -> None:
         """Raises KVTransferError when a part must not be placed. (Checksums are checked
@@ -227,12 +234,12 @@ class KVReceiver:
             dst_index = torch.tensor(dst_sel, dtype=torch.int64,
                                      device=self.kv_caches[0][0].device)
         # Some part is left out: the hash covers all the chunk's pages, in a pass of its own.
-        all_ids = None if whole or not chunk.checksums else src_ids
+        all_runs = None if whole or not chunk.checksums else paired_runs(src_ids, src_ids)
         for k, (name, src) in enumerate(zip(names, sources)):
             layer, kv = int(name[1:]), 0 if name[0] == "k" else 1
             cache, dst = self.kv_caches[layer][kv], self._pool_bytes[layer][kv]
             h = xxhash.xxh3_64() if chunk.checksums and whole else None
-            got = None if all_ids is None else pages_checksum(src, all_ids, page_bytes)
+            got = None if all_runs is None else pages_checksum(src, all_runs, page_bytes)
             if dst_index is None:
                 copy_pages(dst, src, runs, page_bytes, h)
             else:

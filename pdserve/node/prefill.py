@@ -18,6 +18,7 @@ from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.common.shm import Segment, SegmentError
 from pdserve.engine.engine import layer_groups
+from pdserve.engine.kv_pages import pool_bytes
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
 from pdserve.node.base import Node
@@ -48,6 +49,7 @@ class PrefillNode(Node):
         self.jobs: dict[str, PrefillJob] = {}
         self.groups = layer_groups(self.layout.num_layers, config.kv_layers_per_chunk)
         self.engine.layer_groups = self.groups  # where the step hands out KV to ship
+        self.pool_views = pool_bytes(self.engine.runner.kv_caches)
         self._paths_logged: set[tuple[str, bool]] = set()
 
     def kv_storage(self, nbytes: int):
@@ -191,7 +193,7 @@ class PrefillNode(Node):
                 parts = outgoing[at:at + P.MAX_KV_PARTS]
                 chunk = kv_chunk(self.identity, self.layout, self.engine.runner.kv_caches,
                                  parts, start, end, checksums=self.config.kv_checksums,
-                                 last=last, segment=segment)
+                                 last=last, segment=segment, views=self.pool_views)
                 self.io.send_kv(address, chunk)
                 self.metrics.kv_sent([p.req_id for p in parts], payload_bytes(chunk),
                                      "tcp" if segment is None else "shm")

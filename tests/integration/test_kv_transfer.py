@@ -239,7 +239,7 @@ def test_checksum_without_gather_equals_checksum_of_gathered_pages():
 
     pool = caches(fill=True)[0][0]
     for ids in ([3, 4, 5], [9, 2, 3, 4, 31]):
-        assert pages_checksum(bytes_of(pool), ids, pool[0].nbytes) == \
+        assert pages_checksum(bytes_of(pool), paired_runs(ids, ids), pool[0].nbytes) == \
             codec.checksum_of(pool[ids])
 
 

@@ -23,6 +23,17 @@ def test_allocator_allocates_frees_and_refuses_double_free():
     assert alloc.num_free_blocks == 4 and alloc.usage() == 0
 
 
+def test_blocks_freed_together_come_back_in_ascending_order():
+    """A sequence's blocks are consecutive where the free list allows: its KV then moves
+    as one run per tensor (kv_pages.paired_runs) instead of one copy per block."""
+    alloc = BlockAllocator(6)
+    a, b = alloc.allocate(3), alloc.allocate(3)
+    assert (a, b) == ([0, 1, 2], [3, 4, 5])
+    alloc.free(a)  # last block first: a prefix's tail is evicted before its head
+    alloc.free(b)
+    assert alloc.allocate(3) == [0, 1, 2] and alloc.allocate(3) == [3, 4, 5]
+
+
 def seq(i, n, max_tokens=4):
     return Sequence(str(i), list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens))
 
