@@ -1,0 +1,58 @@
+"""A node's I/O thread (pdserve/node/io.py) in this process, over real sockets on 127.0.0.1,
+against the stand-in router: what the compute loop hands it reaches the router whole and
+in order, and a burst of messages wakes the thread far fewer times than it has messages."""
+import pytest
+
+from pdserve.common import protocol as P
+from pdserve.node.io import NodeIO
+from tests.node_driver import RouterDriver
+
+BURST = 2000
+
+
+def hello() -> P.Hello:
+    stats = P.NodeStats(num_free_blocks=64, num_total_blocks=64, num_running=0,
+                        num_waiting=0, queued_prompt_tokens=0)
+    return P.Hello(node_id="io-test", role="prefill", protocol_version=P.PROTOCOL_VERSION,
+                   model=P.ModelIdentity(name="m", config_hash="h"),
+                   kv_layout=P.KVLayout(num_layers=2, num_kv_heads=2, head_dim=16,
+                                        dtype="float32", block_size=4),
+                   capacity=stats, pid=1)
+
+
+@pytest.fixture
+def io_and_router():
+    driver = RouterDriver()
+    io = NodeIO(driver.address, hello())
+    try:
+        yield io, driver
+    finally:
+        io.stop()
+        if io.is_alive():
+            io.join(timeout=5)
+        driver.close()
+
+
+def test_a_burst_arrives_whole_and_in_order_with_few_wake_ups(io_and_router):
+    io, driver = io_and_router
+    wakes = []
+    wake = io._wake
+
+    def counted():
+        wakes.append(1)
+        wake()
+    io._wake = counted
+    io.start()
+    assert io.welcomed.wait(30) and io.welcome.accepted
+    for i in range(BURST):  # as a prefill step's messages leave: back to back
+        io.send_control(P.Error(req_id=f"r{i}", code="bad_message", message="x"))
+    driver.wait(lambda: sum(isinstance(m, P.Error) for _, m in driver.inbox) >= BURST,
+                what=f"{BURST} messages at the router")
+    got = [m.req_id for _, m in driver.inbox if isinstance(m, P.Error)]
+    assert got == [f"r{i}" for i in range(BURST)]
+    # One pipe write per wake-up of the thread, not one per message (a syscall each).
+    assert len(wakes) < BURST / 10, len(wakes)
+    # After the burst the thread still wakes for the next message.
+    io.send_control(P.Error(req_id="late", code="bad_message", message="x"))
+    driver.take(P.Error, lambda m: m.req_id == "late", timeout_s=10)
+    assert len(wakes) >= 2
