@@ -32,10 +32,10 @@ from pdserve.common.rate_limit import PeerBudgets
 from pdserve.common.security import CONTROL_DOMAIN, server_curve
 from pdserve.common.transport import (
     SendError,
+    PlainTwin,
     Throttled,
-    async_recv_routed,
     make_socket,
-    send_routed_nowait,
+    split_routed,
 )
 from pdserve.router import streams as S
 from pdserve.router.config import RouterConfig
@@ -75,6 +75,7 @@ class Control:
         self._sock = make_socket(self._ctx, zmq.ROUTER, bind=self.config.control,
                                  max_msg_size=64 * 2**20,
                                  curve=server_curve(self.config.curve_dir, CONTROL_DOMAIN))
+        self._twin = PlainTwin(self._sock)  # every send and receive goes through it
         self.last_tick = time.monotonic()
 
     def close(self) -> None:
@@ -90,26 +91,32 @@ class Control:
         fails goes back to dispatch (which picks another node or retries); a node found
         not connected leaves the registry at once (nobody may pick it) and its other
         requests move once the failed sends are dealt with."""
-        todo = [out]
-        while todo:
-            out = todo.pop(0)
-            gone = []
-            for node_id, msg in out.sends:
-                why = self._send(node_id, msg)
-                if why is None:
-                    continue
-                if why == "unreachable":
-                    node = self.registry.remove(_text(node_id))
-                    if node is not None:
-                        gone.append(node)
-                todo.append(self.dispatch.send_failed(node_id, msg, time.monotonic()))
-            for node in gone:
-                todo.append(self.dispatch.node_gone(
-                    node, f"node {node.node_id} is not connected any more", time.monotonic()))
-            for node_id, what, req_id, why in out.dropped:
-                self._refuse(node_id, what, req_id, why)
-            if out.events:
-                self.on_events(out.events)
+        todo, sent = [out], False
+        try:
+            while todo:
+                out = todo.pop(0)
+                gone = []
+                for node_id, msg in out.sends:
+                    sent = True
+                    why = self._send(node_id, msg)
+                    if why is None:
+                        continue
+                    if why == "unreachable":
+                        node = self.registry.remove(_text(node_id))
+                        if node is not None:
+                            gone.append(node)
+                    todo.append(self.dispatch.send_failed(node_id, msg, time.monotonic()))
+                for node in gone:
+                    todo.append(self.dispatch.node_gone(
+                        node, f"node {node.node_id} is not connected any more",
+                        time.monotonic()))
+                for node_id, what, req_id, why in out.dropped:
+                    self._refuse(node_id, what, req_id, why)
+                if out.events:
+                    self.on_events(out.events)
+        finally:
+            if sent:
+                self._twin.rearm()
         if self.dispatch.has_batches() and not self._flush_scheduled:
             self._flush_scheduled = True  # what comes in this loop turn leaves together
             asyncio.get_running_loop().call_soon(self._flush)
@@ -118,7 +125,7 @@ class Control:
         """None when sent, else why not ("unreachable", "full", "unencodable")."""
         peer = node_id if isinstance(node_id, bytes) else node_id.encode()
         try:
-            send_routed_nowait(self._sock, peer, msg)
+            self._twin.send_routed(peer, msg)
             return None
         except P.ProtocolError as exc:  # cannot be encoded: dispatch fails what it carried
             log.error("%s to node %s not sent: %s", type(msg).__name__, _text(node_id), exc)
@@ -156,28 +163,33 @@ class Control:
         budgets = self._message_budgets()
         while True:
             try:
-                peer, msg = await async_recv_routed(self._sock, CONTROL_IN, admit=budgets.admit)
-            except Throttled as err:
-                self.metrics.dropped("rate_limit")
-                if self._refusal_log(("throttled", err.peer)) is not None:
-                    log.warning("messages from %r dropped: %s", err.peer, err)
-                continue
-            except P.ProtocolError as err:
-                if self._refusal_log(("bad", err.peer, err.code)) is not None:
-                    log.warning("bad message from node %r: %s", err.peer, err)
-                if err.peer is not None:
-                    self.apply(Output(sends=[(err.peer, err.to_message())]))
-                continue
+                async for frames in self._twin.received(copy=False):
+                    self._receive(frames, handle, budgets)
             except Exception:  # a socket failure: count it, keep the loop
                 self.metrics.internal_error("router.receive", log)
-                continue
-            self.loop_ticks["receive"] += 1
-            try:
-                handle(peer.decode(errors="replace"), msg)
-            except Exception:  # one bad message must not stop the router
-                where = f"router.receive.{type(msg).__name__}"
-                self.metrics.internal_error(where, log)
-                self._salvage(where)
+
+    def _receive(self, frames: list, handle: Callable[[str, P.Message], None],
+                 budgets: PeerBudgets) -> None:
+        try:
+            peer, msg = split_routed(frames, CONTROL_IN, budgets.admit)
+        except Throttled as err:
+            self.metrics.dropped("rate_limit")
+            if self._refusal_log(("throttled", err.peer)) is not None:
+                log.warning("messages from %r dropped: %s", err.peer, err)
+            return
+        except P.ProtocolError as err:
+            if self._refusal_log(("bad", err.peer, err.code)) is not None:
+                log.warning("bad message from node %r: %s", err.peer, err)
+            if err.peer is not None:
+                self.apply(Output(sends=[(err.peer, err.to_message())]))
+            return
+        self.loop_ticks["receive"] += 1
+        try:
+            handle(peer.decode(errors="replace"), msg)
+        except Exception:  # one bad message must not stop the router
+            where = f"router.receive.{type(msg).__name__}"
+            self.metrics.internal_error(where, log)
+            self._salvage(where)
 
     def _refuse(self, node_id: str, what: str, req_id: str, why: str) -> None:
         if self._refusal_log((node_id, what, why)) is not None:

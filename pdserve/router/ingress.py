@@ -35,7 +35,7 @@ from pdserve.common.codec import check_expansion
 from pdserve.common.errors import DUPLICATE_ID
 from pdserve.common.protocol import queue as Q
 from pdserve.common.request import SamplingParams
-from pdserve.common.transport import CurveConfig, endpoint_of, make_socket
+from pdserve.common.transport import CurveConfig, PlainTwin, endpoint_of, make_socket
 from pdserve.router.limits import check_prompt_bytes
 from pdserve.router.openai_schema import encode_text
 from pdserve.router.streams import (
@@ -80,6 +80,7 @@ class Ingress:
         self._sock = make_socket(ctx or zmq.asyncio.Context.instance(), zmq.ROUTER,
                                  bind=address, max_msg_size=max_msg_size, sndhwm=sndhwm,
                                  curve=curve)
+        self._twin = PlainTwin(self._sock)  # every send and receive goes through it
         self.endpoint = endpoint_of(self._sock)
         self._flights: dict[tuple[bytes, str], _Flight] = {}
         self._outbox: dict[bytes, list[bytes]] = {}   # this loop turn's messages per producer
@@ -93,8 +94,7 @@ class Ingress:
         """Serves until cancelled; then cancels every request in flight and closes."""
         log.info("queue ingress listening on %s", self.endpoint)
         try:
-            while True:
-                frames = await self._sock.recv_multipart()
+            async for frames in self._twin.received():
                 try:
                     self._handle(frames[0], frames[1:])
                 except Exception:  # a bug must not stop the ingress
@@ -231,18 +231,21 @@ class Ingress:
         outbox, self._outbox = self._outbox, {}
         if self._closed:
             return
-        for peer, frames in outbox.items():
-            for i in range(0, len(frames), MAX_FRAMES_PER_SEND):
-                fut = self._sock.send_multipart([peer, *frames[i:i + MAX_FRAMES_PER_SEND]],
-                                                flags=zmq.NOBLOCK)
-                exc = fut.exception() if fut.done() else None
-                if exc is not None:
-                    why = ("gone (not connected)"
-                           if getattr(exc, "errno", None) == errno.EHOSTUNREACH else
-                           "not reading (send queue full)" if isinstance(exc, zmq.Again)
-                           else str(exc))
-                    self._drop_producer(peer, why)
-                    break
+        try:
+            for peer, frames in outbox.items():
+                for i in range(0, len(frames), MAX_FRAMES_PER_SEND):
+                    try:
+                        self._twin.plain.send_multipart(
+                            [peer, *frames[i:i + MAX_FRAMES_PER_SEND]], flags=zmq.NOBLOCK)
+                    except zmq.ZMQError as exc:
+                        why = ("gone (not connected)" if exc.errno == errno.EHOSTUNREACH else
+                               "not reading (send queue full)" if isinstance(exc, zmq.Again)
+                               else str(exc))
+                        self._drop_producer(peer, why)
+                        break
+        finally:
+            if outbox:
+                self._twin.rearm()
 
     def _drop_producer(self, peer: bytes, why: str) -> None:
         mine = [key for key in self._flights if key[0] == peer]

@@ -2,6 +2,7 @@
 import asyncio
 import ctypes
 import gc
+import select
 import time
 
 import pytest
@@ -261,6 +262,49 @@ def test_asyncio_twins():
         finally:
             router.close(linger=0)
             dealer.close(linger=0)
+            ctx.term()
+
+    asyncio.run(main())
+
+
+def test_plain_twin_drains_in_order_and_a_plain_send_loses_no_wake_up():
+    """A burst arrives whole and in order through PlainTwin.received. Then the lost wake-up
+    that ZeroMQ's edge-triggered notification allows: a message arrives while the loop is
+    busy, and a plain send on the same socket takes in its notification (the socket's FD
+    is no longer readable) before the loop looks. After ``rearm`` the waiting receive
+    still gets it; without rearm nothing would wake it (checked while writing this)."""
+    async def main():
+        ctx = zmq.asyncio.Context()
+        router = T.make_socket(ctx, zmq.ROUTER, bind=LOCAL)
+        twin = T.PlainTwin(router)
+        peer = zmq.Context.instance().socket(zmq.DEALER)
+        peer.setsockopt(zmq.IDENTITY, b"p")
+        peer.connect(T.endpoint_of(router))
+        inbox = twin.received()
+        waiting = None
+        try:
+            for i in range(500):
+                peer.send(b"%d" % i)
+            got = [(await asyncio.wait_for(inbox.__anext__(), 5))[1] for _ in range(500)]
+            assert got == [b"%d" % i for i in range(500)]
+            waiting = asyncio.ensure_future(inbox.__anext__())
+            await asyncio.sleep(0.2)            # the receive waits on the socket's FD
+            peer.send(b"late")
+            time.sleep(0.5)                     # the loop busy: the FD signals, unread
+            twin.send_routed(b"p", P.Drain(reason="x"))   # takes the signal in
+            fd = router.getsockopt(zmq.FD)
+            assert select.select([fd], [], [], 0)[0] == [], "the hazard did not occur"
+            twin.rearm()
+            done, _ = await asyncio.wait({waiting}, timeout=5)
+            assert done and waiting.result()[1] == b"late"
+            assert peer.poll(5000) and peer.recv_multipart()  # the plain send arrived
+        finally:
+            if waiting is not None and not waiting.done():
+                waiting.cancel()
+                await asyncio.wait({waiting})
+            await inbox.aclose()
+            router.close(linger=0)
+            peer.close(linger=0)
             ctx.term()
 
     asyncio.run(main())
