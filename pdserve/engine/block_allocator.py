@@ -90,9 +90,6 @@ class BlockAllocator:
                 del self._free[block]
             self._refs[block] += 1
             blocks.append(block)
-        # Ascending: blocks freed together come back last-first (see free), and a sequence
-        # whose blocks are consecutive moves its KV as one run per tensor, not one per block.
-        blocks.sort()
         return blocks
 
     def register(self, block: int, block_hash: int, parent_hash: int | None,

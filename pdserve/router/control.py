@@ -31,8 +31,8 @@ from pdserve.common.metrics import RouterMetrics
 from pdserve.common.rate_limit import PeerBudgets
 from pdserve.common.security import CONTROL_DOMAIN, server_curve
 from pdserve.common.transport import (
-    SendError,
     PlainTwin,
+    SendError,
     Throttled,
     make_socket,
     split_routed,

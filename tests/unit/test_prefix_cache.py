@@ -68,6 +68,19 @@ def test_full_hit_still_computes_the_last_token():
     assert b.block_table[:3] == a_blocks[:3] and b.block_table[3] != a_blocks[3]
 
 
+def test_a_cached_prefix_comes_back_in_prefix_order_whatever_its_block_ids():
+    """A prefix's blocks keep their order (block i holds tokens i*bs..): allocation may hand
+    blocks out in ascending order, a prefix match must not reorder them."""
+    alloc = BlockAllocator(4, enable_caching=True)
+    blocks = alloc.allocate(3)                  # [0, 1, 2]
+    prefix = [blocks[2], blocks[0]]             # the prefix lies in blocks 2, then 0
+    tokens = list(range(1, 9))
+    alloc.register(prefix[0], 111, None, tokens[:4])
+    alloc.register(prefix[1], 222, 111, tokens[4:])
+    alloc.free(blocks)
+    assert alloc.match_prefix([111, 222], tokens, 4) == prefix
+
+
 def test_shared_blocks_freed_only_when_the_last_reference_goes():
     sched = make_sched(num_blocks=8)
     alloc = sched.allocator
