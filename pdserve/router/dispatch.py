@@ -54,6 +54,29 @@ RETRY_RESERVE_S = 0.05     # how soon a request no decode node had room for trie
 MAX_ATTEMPTS = 4           # dispatches of one request before its failure is final
 
 
+def merge_aborts(sends: list) -> list:
+    """One Abort per node and reason per event: an Abort joins the node's latest message
+    when that is an Abort for the same reason, so what each node sees keeps its order.
+    One pass over the sends (a node's death can end thousands of requests at once)."""
+    merged: list = []
+    latest: dict = {}                    # node id -> index in merged of its last message
+    ids: dict[int, list[str]] = {}       # index of an Abort in merged -> its request ids
+    for node_id, msg in sends:
+        j = latest.get(node_id)
+        if isinstance(msg, P.Abort) and j in ids and merged[j][1].reason == msg.reason:
+            ids[j].extend(msg.req_ids)
+            continue
+        latest[node_id] = len(merged)
+        if isinstance(msg, P.Abort):
+            ids[len(merged)] = list(msg.req_ids)
+        merged.append((node_id, msg))
+    for j, req_ids in ids.items():
+        node_id, msg = merged[j]
+        if len(req_ids) != len(msg.req_ids):
+            merged[j] = (node_id, P.Abort(req_ids=req_ids, reason=msg.reason))
+    return merged
+
+
 class Dispatch(NodeMessages, PrefillDispatch):
     """The state machine. ``registry`` is read for live nodes and holds the router's own
     per-node counts (requests placed, prompt tokens queued), which dispatch keeps; who is
@@ -76,20 +99,11 @@ class Dispatch(NodeMessages, PrefillDispatch):
         """What was decided since the last take. Every event returns it; after an event
         raised, what it decided before the failure is still here to be sent."""
         out, self._out = self._out, Output()
+        out.sends = merge_aborts(out.sends)
         return out
 
     def _send(self, node_id: str | bytes, msg: P.Message) -> None:
-        sends = self._out.sends
-        if isinstance(msg, P.Abort):  # one Abort per node and reason per event
-            last = next((j for j in range(len(sends) - 1, -1, -1) if sends[j][0] == node_id),
-                        None)
-            prev = sends[last][1] if last is not None else None
-            # Only into the node's latest message: what it sees stays in the same order.
-            if isinstance(prev, P.Abort) and prev.reason == msg.reason:
-                sends[last] = (node_id, P.Abort(req_ids=prev.req_ids + msg.req_ids,
-                                                reason=msg.reason))
-                return
-        sends.append((node_id, msg))
+        self._out.sends.append((node_id, msg))
 
     def _emit(self, flight: Flight, event: S.StreamEvent) -> None:
         self._out.events.append((flight.req_id, event))

@@ -720,3 +720,18 @@ def test_a_failure_inside_one_request_is_contained():
     assert rig.end[bad].error.code == S.INTERNAL
     assert "injected detokenizer fault" in rig.end[bad].error.message
     assert rig.tokens[good] == [11] and good not in rig.end
+
+
+def test_aborts_merge_only_into_a_nodes_latest_message():
+    """Aborts for one node and reason join while nothing else for that node lies between
+    them; a message between keeps them apart, so the node sees everything in order."""
+    from pdserve.router.dispatch import merge_aborts
+
+    def abort(i, reason="x"):
+        return P.Abort(req_ids=[i], reason=reason)
+    sends = [("p0", abort("a")), ("d0", abort("a")), ("p0", abort("b")), ("d0", abort("b")),
+             ("p0", P.Drain(reason="d")), ("p0", abort("c")), ("p0", abort("e", "y"))]
+    assert merge_aborts(sends) == [
+        ("p0", P.Abort(req_ids=["a", "b"], reason="x")),
+        ("d0", P.Abort(req_ids=["a", "b"], reason="x")),
+        ("p0", P.Drain(reason="d")), ("p0", abort("c")), ("p0", abort("e", "y"))]
