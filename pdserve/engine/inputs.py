@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pdserve import kernels
 from pdserve.model.attention import DECODE, MIXED, PREFILL, AttentionMetadata
 
 
@@ -63,12 +64,15 @@ def build_model_inputs(token_chunks: list[list[int]], start_positions: list[int]
     def t(a, dtype):
         return torch.from_numpy(a).to(device=device, dtype=dtype)
 
+    seq_lens_t, tables_t = t(seq_lens, torch.int32), t(tables, torch.int32)
     meta = AttentionMetadata(
         kind=kind,
         cu_seqlens_q=t(cu, torch.int32),
-        seq_lens=t(seq_lens, torch.int32),
+        seq_lens=seq_lens_t,
         slot_mapping=t(slots, torch.int64),
-        block_tables=t(tables, torch.int32),
+        block_tables=tables_t,
+        decode_gather=(kernels.decode_gather(tables_t, seq_lens_t, block_size)
+                       if kind == DECODE and seq_lens_t.device.type == "cpu" else None),
     )
     return ModelInputs(t(input_ids, torch.int64), t(positions, torch.int64), meta,
                        t(logits_indices, torch.int64), sample_rows)

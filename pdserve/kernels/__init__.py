@@ -4,14 +4,16 @@
 references are the CPU serving path and match transformers bit for bit.
 Triton is optional: without it everything runs on torch.
 """
-from pdserve.kernels.attention_decode import paged_decode_attention
+from pdserve.kernels.attention_decode import DecodeGather, decode_gather, paged_decode_attention
 from pdserve.kernels.attention_prefill import paged_prefill_attention, prefill_attention
 from pdserve.kernels.kv_cache import gather_kv, scatter_kv, store_kv
 from pdserve.kernels.norm import rms_norm
 from pdserve.kernels.rotary import apply_rotary
 
 __all__ = [
+    "DecodeGather",
     "apply_rotary",
+    "decode_gather",
     "gather_kv",
     "paged_decode_attention",
     "paged_prefill_attention",

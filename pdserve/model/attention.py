@@ -25,6 +25,8 @@ class AttentionMetadata:
     seq_lens: torch.Tensor       # int32 [B]: tokens each sequence attends to (cached + new)
     slot_mapping: torch.Tensor   # int64 [T]: cache slot of each new token, -1 to skip
     block_tables: torch.Tensor   # int32 [B, max_blocks]
+    # DECODE on the CPU: the torch decode attention's page list and mask, once per step
+    decode_gather: kernels.DecodeGather | None = None
 
 
 class PagedAttention(torch.nn.Module):
@@ -51,6 +53,7 @@ class PagedAttention(torch.nn.Module):
             return kernels.prefill_attention(q, k, v, meta.cu_seqlens_q, self.scale)
         if meta.kind == DECODE:
             return kernels.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale)
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
+                gather=meta.decode_gather)
         return kernels.paged_prefill_attention(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, self.scale)

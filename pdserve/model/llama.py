@@ -96,10 +96,18 @@ class MLP(nn.Module):
             del self.gate_proj, self.up_proj
 
     def forward(self, x):
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        else:
+        if self.gate_up_proj is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
+        elif x.device.type == "cpu":
+            # Two GEMMs over the fused weight's halves (row views: no copy), same bits.
+            # On the CPU one [2I, H] GEMM ran 5-10 % slower than two [I, H] ones at
+            # 16-64 rows (MKL, SmolLM2's shapes), and silu then read a strided half.
+            w, b = self.gate_up_proj.weight, self.gate_up_proj.bias
+            i = w.shape[0] // 2
+            gate = nn.functional.linear(x, w[:i], None if b is None else b[:i])
+            up = nn.functional.linear(x, w[i:], None if b is None else b[i:])
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 

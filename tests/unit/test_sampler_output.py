@@ -80,8 +80,12 @@ def test_build_model_inputs_mixed_batch():
     assert inp.meta.slot_mapping.tolist() == [3 * 16 + 4, 16, 17, 18, 2 * 16 + 4, 2 * 16 + 5]
     assert inp.logits_indices.tolist() == [0, 5] and inp.sample_rows == [0, 2]
     assert inp.meta.block_tables.tolist() == [[7, 3], [1, 0], [2, 4]]
-    assert build_model_inputs([[1], [2]], [3, 5], [[0], [1]], [True, True], 16).meta.kind \
-        == DECODE
+    assert inp.meta.decode_gather is None  # only a decode step shares one across layers
+    decode = build_model_inputs([[1], [2]], [3, 5], [[0], [1]], [True, True], 16).meta
+    assert decode.kind == DECODE
+    # built once for the step: sequence i's pages, then block 0 where it has none
+    assert decode.decode_gather.blocks.tolist() == [0, 1]
+    assert decode.decode_gather.max_len == 6 and decode.decode_gather.mask is not None
     assert build_model_inputs([[1, 2], [2]], [0, 0], [[0], [1]], [True, True], 16).meta.kind \
         == PREFILL
 

@@ -118,6 +118,29 @@ def test_decode_zero_length_gives_zeros():
         assert torch.equal(out[1], torch.zeros(4, 64)) and out[0].abs().sum() > 0
 
 
+def test_decode_gather_built_once_per_step_gives_the_same_bits():
+    """A model builds the page list and mask once per step (decode_gather) and passes it
+    to every layer; the attention must be what the call without it computes."""
+    from pdserve.kernels import decode_gather
+    for lens in ([5, 17, 9, 0], [17, 17, 17]):  # padded (a mask), equal (no mask needed)
+        ks, vs, gen = random_seqs(lens, 6, 2, 64, torch.float32)
+        k_cache, tables = paged(ks, 8)
+        v_cache, _ = paged(vs, 8)
+        q = torch.randn(len(lens), 6, 64, generator=gen)
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        gather = decode_gather(tables, seq_lens, 8)
+        assert (gather.mask is None) == (len(set(lens)) == 1)
+        with_plan = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125,
+                                           gather=gather)
+        assert torch.equal(with_plan, paged_decode_attention(q, k_cache, v_cache, tables,
+                                                             seq_lens, 0.125))
+        # and the padded rows' masking really applies: the answer is the float64 formula's
+        expected = torch.stack([naive_attention(q[i:i + 1], k, v, 0.125, torch.tensor([n - 1]))[0]
+                                if n else torch.zeros(6, 64, dtype=torch.float64)
+                                for i, (k, v, n) in enumerate(zip(ks, vs, lens))])
+        torch.testing.assert_close(with_plan.double(), expected, **F32_TOL)
+
+
 # ---- torch references against transformers (same SDPA call, same bits) ------------
 
 class _Attn(torch.nn.Module):

@@ -66,5 +66,5 @@ def test_import_without_triton():
 
 def test_public_names():
     assert sorted(kernels.__all__) == sorted([
-        "apply_rotary", "gather_kv", "paged_decode_attention", "paged_prefill_attention",
-        "prefill_attention", "rms_norm", "scatter_kv", "store_kv"])
+        "DecodeGather", "apply_rotary", "decode_gather", "gather_kv", "paged_decode_attention",
+        "paged_prefill_attention", "prefill_attention", "rms_norm", "scatter_kv", "store_kv"])
