@@ -48,10 +48,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     check_contiguous("v_cache", v_cache)
     if pick_backend(backend, k.device) == "torch":
         keep = slot_mapping >= 0  # [T]
-        slots = slot_mapping[keep].long()  # [T']
+        if bool(keep.all()):  # every token of a model step: no boolean-mask copies
+            slots = slot_mapping.long()
+        else:
+            slots, k, v = slot_mapping[keep].long(), k[keep], v[keep]  # [T']
         num_kv_heads, head_dim = k.shape[1:]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k[keep])
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[keep])
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
         return
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:

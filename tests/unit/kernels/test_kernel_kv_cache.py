@@ -26,11 +26,12 @@ def fused_kv(num_tokens, num_kv_heads, head_dim, dtype, seed=0):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype,slot_dtype", [(torch.float32, torch.int64),
                                               (torch.bfloat16, torch.int32)])
-def test_store_kv_matches_loop_and_skips_minus_one(backend, dtype, slot_dtype):
+@pytest.mark.parametrize("slot_list", [[0, 5, -1, 19, 8, -1], [3, 5, 2, 19, 8, 9]])
+def test_store_kv_matches_loop_and_skips_minus_one(backend, dtype, slot_dtype, slot_list):
     num_blocks, block_size, num_kv_heads, head_dim = 5, 4, 2, 64
     k, v = fused_kv(6, num_kv_heads, head_dim, dtype)
     assert not k.is_contiguous()
-    slots = torch.tensor([0, 5, -1, 19, 8, -1], dtype=slot_dtype)
+    slots = torch.tensor(slot_list, dtype=slot_dtype)
     k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), 7.0, dtype=dtype)
     v_cache = k_cache.clone()
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
