@@ -1,12 +1,17 @@
-"""Decode step time through the engine against the bare model forward, same batch.
+"""Decode step time through the engine against the bare model forward, same batch
+(and, with ``--transformers``, against transformers' own decode step).
 
 The engine's step = schedule + build inputs + forward + sample + detokenize +
 stop checks. The bare forward = the model's forward and LM head on the inputs
 of the engine's next step, built beforehand (each round, so both attend over
 the same context). Both run on the same 16 sequences (255-token prompts),
-interleaved round by round so machine noise hits both alike.
+interleaved round by round so machine noise hits both alike. ``--transformers`` adds
+a third: transformers' model on the same checkpoint and prompts, stepping with its own
+KV cache (greedy, its forward and argmax), as many steps per round, so that its
+context grows with the engine's.
 
-    python benchmarks/engine_overhead.py [--model DIR] [--rounds 10] [--steps 8]
+    python benchmarks/engine_overhead.py [--model DIR|FILE.gguf] [--rounds 10] [--steps 8]
+        [--transformers]
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import time
 
 import torch
 
+from pdserve.bench.reference import DecodeStepper, transformers_model
 from pdserve.common.request import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
@@ -32,6 +38,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="decode steps per round")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--transformers", action="store_true",
+                    help="also time transformers' decode step on the same prompts")
     args = ap.parse_args()
 
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, threads=args.threads))
@@ -39,13 +47,17 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     total_steps = args.rounds * args.steps + 4
     params = SamplingParams(max_tokens=total_steps + 8, temperature=0, ignore_eos=True)
-    for i in range(args.batch):
-        engine.add_request(str(i), torch.randint(3, vocab, (args.prompt_len,),
-                                                 generator=gen).tolist(), params)
+    prompts = torch.randint(3, vocab, (args.batch, args.prompt_len), generator=gen)
+    for i, prompt in enumerate(prompts.tolist()):
+        engine.add_request(str(i), prompt, params)
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) \
             or engine.scheduler.waiting:
         engine.step()  # prefill (in chunks) until every sequence decodes
     engine.step()
+    hf = None
+    if args.transformers:
+        hf = DecodeStepper(transformers_model(engine.model_dir), prompts)
+        hf.step()  # the engine's context: the prompts and one decoded token
 
     def bare_inputs():
         """Inputs of the engine's next decode step, built outside the timing: the bare
@@ -56,10 +68,16 @@ def main() -> None:
         engine.scheduler.postprocess(batch, [0] * len(batch))  # keep the engine consistent
         return inputs
 
-    engine_ms, bare_ms = [], []
+    engine_ms, bare_ms, hf_ms = [], [], []
     with torch.inference_mode():
         for _ in range(args.rounds):
             inputs = bare_inputs()
+            if hf is not None:
+                hf.step()  # bare_inputs advanced the engine's context by one token
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    hf.step()
+                hf_ms.append((time.perf_counter() - t0) / args.steps * 1e3)
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 engine.runner.forward(inputs).argmax(-1)
@@ -77,6 +95,10 @@ def main() -> None:
     print(f"engine decode step : {e:8.3f} ms (median of {args.rounds} rounds x {args.steps})")
     print(f"bare model forward : {b:8.3f} ms")
     print(f"ratio engine/bare  : {e / b:8.3f}  (goal < 1.10)")
+    if hf_ms:
+        h = statistics.median(hf_ms)
+        print(f"transformers step  : {h:8.3f} ms (its KV cache, same prompts and context)")
+        print(f"ratio engine/transformers: {e / h:.3f}  (goal <= 1.0)")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ positions. Each position's page is looked up on its own, so any block size
 works and pages can lie anywhere in the cache.
 
 Numerics: the torch reference gathers the pages into one padded batch and
-calls torch's SDPA on the input dtype with a padding mask, the call
-transformers' "sdpa" attention makes for a decode step. When every sequence
+calls torch's SDPA on the input dtype with a padding mask (none when no
+sequence is shorter than the longest), the call transformers' "sdpa" attention
+makes for a decode step. When every sequence
 has the batch's longest length (a batch of one, say) that is bit for bit what
 transformers computes; padding changes the blocking inside SDPA, so shorter
 sequences can differ by an ulp (about 1e-7 in float32). The Triton kernel
