@@ -13,7 +13,8 @@ the whole batch with its KV cache. Two workloads:
   each, as requests come: transformers left-pads the batch and generates the
   longest output for all; only the tokens asked for count, on both sides.
 
-The three alternate over ``--rounds``; figures are medians.
+The three alternate over ``--rounds``; figures are medians. Each round has fresh
+prompts of the same lengths, so that no round is served from pdserve's prefix cache.
 
     python benchmarks/vs_transformers.py [--model DIR|FILE.gguf] [--rounds 3] [--no-launch]
 """
@@ -67,10 +68,16 @@ def main() -> None:
     model_dir = a.model or str(default_model_dir())
     tok = datasets.load_tokenizer(model_dir)
     rng = np.random.default_rng(0)
-    loads = {
-        "equal": workload(tok, a.batch, [a.prompt_len] * a.batch, [a.output_len] * a.batch, 0),
-        "mixed": workload(tok, a.mixed_batch, rng.integers(32, 513, a.mixed_batch).tolist(),
-                          rng.integers(16, 129, a.mixed_batch).tolist(), 1)}
+    lengths = {"equal": ([a.prompt_len] * a.batch, [a.output_len] * a.batch),
+               "mixed": (rng.integers(32, 513, a.mixed_batch).tolist(),
+                         rng.integers(16, 129, a.mixed_batch).tolist())}
+
+    def loads_of(seed: int) -> dict[str, list[datasets.SampleRequest]]:
+        """The workloads with fresh token ids (same lengths): pdserve's prefix cache must
+        not serve a round from an earlier one, since transformers keeps nothing."""
+        return {w: workload(tok, len(ins), ins, outs, 2 * seed + i)
+                for i, (w, (ins, outs)) in enumerate(lengths.items())}
+    loads = loads_of(0)
 
     llm = LLM(model=model_dir, threads=a.threads)
     hf = transformers_model(model_dir)
@@ -112,18 +119,18 @@ def main() -> None:
     # launch's own default threads (cores / nodes): more would oversubscribe the cores.
     launch = ["--model", model_dir, "--prefill", "1", "--decode", "1"]
     with launched(*launch) if not a.no_launch else contextlib.nullcontext() as c:
-        small = loads["equal"][:2]
+        small = loads_of(a.rounds)["equal"][:2]
         run_pdserve(small), run_hf(small)  # warm-up
         if c is not None:
             asyncio.run(run_launch(c, small))
         for r in range(a.rounds):
-            for w, reqs in loads.items():
+            for w, reqs in loads_of(r).items():
                 t, ours = run_pdserve(reqs)
                 times[w, "pdserve LLM"].append(t)
                 t, theirs = run_hf(reqs)
                 times[w, "transformers"].append(t)
                 if w == "equal":
-                    same = sum(o == t for o, t in zip(ours, theirs))
+                    same += sum(o == t for o, t in zip(ours, theirs))
                 if c is not None:
                     times[w, "pdserve launch"].append(asyncio.run(run_launch(c, reqs))[0])
                 print(f"round {r + 1} {w}: " + ", ".join(
@@ -136,7 +143,7 @@ def main() -> None:
     for w, reqs in loads.items():
         n_tokens = sum(r.output_len for r in reqs)
         desc = (f"{a.batch} prompts x {a.prompt_len} tokens, {a.output_len} new each; "
-                f"outputs identical to transformers: {same}/{a.batch}") if w == "equal" else \
+                f"outputs identical to transformers: {same}/{a.batch * a.rounds}") if w == "equal" else \
             (f"{len(reqs)} prompts of {min(r.prompt_len for r in reqs)}.."
              f"{max(r.prompt_len for r in reqs)} tokens, {min(r.output_len for r in reqs)}.."
              f"{max(r.output_len for r in reqs)} new each ({n_tokens} in all)")
