@@ -33,6 +33,8 @@ from pdserve.common import protocol as P
 from pdserve.common.shm import Segment
 from pdserve.common.transport import make_socket, recv_message, recv_routed, send_message
 from pdserve.engine.engine import layer_groups
+from pdserve.engine.host_memory import tune_malloc
+from pdserve.engine.kv_pages import pool_bytes
 from pdserve.engine.model_runner import kv_tensor_bytes, kv_views
 from pdserve.node.kv_transfer import (
     InboundTransfer,
@@ -40,8 +42,6 @@ from pdserve.node.kv_transfer import (
     Outgoing,
     kv_chunk,
 )
-from pdserve.engine.host_memory import tune_malloc
-from pdserve.engine.kv_pages import pool_bytes
 
 LAYOUT = P.KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16",
                     block_size=16)

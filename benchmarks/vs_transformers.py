@@ -39,7 +39,6 @@ from pdserve.bench.reference import transformers_model
 from pdserve.model.default_model import default_model_dir
 from pdserve.model.loader import model_name
 
-
 # Issue 13's goals, as ratios to transformers' tokens/s.
 GOALS = {("equal", "pdserve LLM"): 1.1, ("equal", "pdserve launch"): 1.0,
          ("mixed", "pdserve launch"): 2.0}
@@ -142,8 +141,8 @@ def main() -> None:
           f"medians of {a.rounds} rounds")
     for w, reqs in loads.items():
         n_tokens = sum(r.output_len for r in reqs)
-        desc = (f"{a.batch} prompts x {a.prompt_len} tokens, {a.output_len} new each; "
-                f"outputs identical to transformers: {same}/{a.batch * a.rounds}") if w == "equal" else \
+        desc = (f"{a.batch} prompts x {a.prompt_len} tokens, {a.output_len} new each; outputs "
+                f"identical to transformers: {same}/{a.batch * a.rounds}") if w == "equal" else \
             (f"{len(reqs)} prompts of {min(r.prompt_len for r in reqs)}.."
              f"{max(r.prompt_len for r in reqs)} tokens, {min(r.output_len for r in reqs)}.."
              f"{max(r.output_len for r in reqs)} new each ({n_tokens} in all)")

@@ -1,6 +1,7 @@
 """transformers as the reference a benchmark measures pdserve against."""
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -24,8 +25,6 @@ class DecodeStepper:
     without its sampling and stopping logic. Equal-length prompts (no padding)."""
 
     def __init__(self, model, prompts: torch.Tensor):  # prompts int64 [B, P]
-        import inspect
-
         from transformers import DynamicCache
 
         self.model = model
