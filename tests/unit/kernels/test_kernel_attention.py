@@ -122,6 +122,7 @@ def test_decode_gather_built_once_per_step_gives_the_same_bits():
     """A model builds the page list and mask once per step (decode_gather) and passes it
     to every layer; the attention must be what the call without it computes."""
     from pdserve.kernels import decode_gather
+    from pdserve.kernels._dispatch import sdpa
     for lens in ([5, 17, 9, 0], [17, 17, 17]):  # padded (a mask), equal (no mask needed)
         ks, vs, gen = random_seqs(lens, 6, 2, 64, torch.float32)
         k_cache, tables = paged(ks, 8)
@@ -134,6 +135,12 @@ def test_decode_gather_built_once_per_step_gives_the_same_bits():
                                            gather=gather)
         assert torch.equal(with_plan, paged_decode_attention(q, k_cache, v_cache, tables,
                                                              seq_lens, 0.125))
+        if gather.mask is None:  # left out as all-true: the masked call gives the same bits
+            k = k_cache[tables[:, :3].long()].flatten(1, 2)[:, :17].transpose(1, 2)
+            v = v_cache[tables[:, :3].long()].flatten(1, 2)[:, :17].transpose(1, 2)
+            masked = sdpa(q[:, :, None], k, v, 0.125,
+                          attn_mask=torch.ones(len(lens), 1, 1, 17, dtype=torch.bool))
+            assert torch.equal(with_plan, masked[:, :, 0])
         # and the padded rows' masking really applies: the answer is the float64 formula's
         expected = torch.stack([naive_attention(q[i:i + 1], k, v, 0.125, torch.tensor([n - 1]))[0]
                                 if n else torch.zeros(6, 64, dtype=torch.float64)
