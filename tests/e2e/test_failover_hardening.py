@@ -36,13 +36,14 @@ def _kill(proc):
 
 def _run_killing(h, prompt, params, victim_of=None):
     """Runs one request; with ``victim_of`` ("decode_node" or "prefill_node"), SIGKILLs
-    that node of the request once a few tokens streamed."""
+    that node of the request once its second token streamed."""
     async def go():
         stream = h.core.submit(S.GenerationRequest(prompt, params))
         task = asyncio.create_task(collect(stream))
         if victim_of:
             flight = h.core.requests[stream.request_id]
-            while len(flight.out.token_ids) < 5:
+            # Early: killed later, a fast node could finish the request before it dies.
+            while len(flight.out.token_ids) < 2:
                 await asyncio.sleep(0.002)
             _kill(h.procs[getattr(flight, victim_of)])
         return await task

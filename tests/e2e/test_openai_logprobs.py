@@ -327,17 +327,23 @@ def test_logprobs_survive_decode_node_sigkill(model_dir, hf, tmp_path):
         async def go():
             stream = h.core.submit(S.GenerationRequest(prompt, params))
             flight = h.core.requests[stream.request_id]
-            tokens, lps, killed = [], [], False
+            tokens, lps, killed, moved_to = [], [], None, None
             async for ev in stream:
                 tokens += ev.token_ids
                 if ev.logprobs is not None:
                     lps += ev.logprobs.token_logprobs
-                if not killed and len(tokens) >= 5:
-                    _kill(h.procs[flight.decode_node])
-                    killed = True
-            return tokens, lps
+                if killed is None and len(tokens) >= 2:
+                    # Killed at its first token: killed later, a fast node could have sent
+                    # all 40 before it died, and the request would never need to move.
+                    killed = flight.decode_node
+                    _kill(h.procs[killed])
+                elif killed is not None and flight.decode_node not in (None, killed):
+                    moved_to = flight.decode_node
+            return tokens, lps, killed, moved_to
 
-        tokens, lps = h.run(go())
+        tokens, lps, killed, moved_to = h.run(go())
+        assert killed is not None and moved_to is not None and moved_to != killed, \
+            "the request did not move off its killed decode node"
         assert len(h.core.registry.live("decode")) == 1, "no decode node was killed"
         assert len(tokens) == len(lps) == 40
         ref = hf_logprobs(hf, prompt + tokens)
