@@ -63,6 +63,10 @@ def engine_options(fn):
                      help="KV cache size in blocks [default: from --kv-cache-memory-gb]."),
         click.option("--kv-cache-memory-gb", type=click.FloatRange(min=0, min_open=True),
                      default=engine_default("kv_cache_memory_gb"), show_default=True),
+        click.option("--decode-window-memory-gb", type=click.FloatRange(min=0), default=None,
+                     help="CPU decode steps keep the batch's context contiguous across "
+                     "steps in at most this much memory, instead of gathering it from the KV "
+                     "pages in every layer; 0: off [default: half of the KV cache's size]."),
         click.option("--max-num-seqs", type=click.IntRange(min=1),
                      default=engine_default("max_num_seqs"),
                      show_default=True),
@@ -126,6 +130,7 @@ def engine_config(kw):
                         device=kw.pop("device"), block_size=kw.pop("block_size"),
                         num_kv_blocks=kw.pop("num_kv_blocks"),
                         kv_cache_memory_gb=kw.pop("kv_cache_memory_gb"),
+                        decode_window_memory_gb=kw.pop("decode_window_memory_gb"),
                         max_num_seqs=kw.pop("max_num_seqs"),
                         max_num_batched_tokens=kw.pop("max_num_batched_tokens"),
                         threads=kw.pop("threads"), compute=kw.pop("compute"),

@@ -22,6 +22,9 @@ class EngineConfig:
     compute: str = "model"               # "none": skip the forward, emit a fixed token
                                          # (benchmarks of everything around the model)
     enable_prefix_caching: bool = True   # reuse the KV of full blocks of earlier prompts
+    # CPU decode windows (engine/decode_window.py): at most this much memory; None: half
+    # the KV cache's size; 0: off (every decode step gathers the context from the pages)
+    decode_window_memory_gb: float | None = None
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -34,6 +37,9 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.decode_window_memory_gb is not None and not self.decode_window_memory_gb >= 0:
+            raise ValueError(f"decode_window_memory_gb must be >= 0, got "
+                             f"{self.decode_window_memory_gb}")
         if self.compute not in COMPUTE_MODES:
             raise ValueError(f"compute must be one of {COMPUTE_MODES}, got {self.compute!r}")
         if self.dtype not in DTYPES:

@@ -22,6 +22,7 @@ class ModelInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # int64 [S]: rows of the hidden states that are sampled
     sample_rows: list[int]        # which sequences of the batch those S rows belong to
+    seqs: tuple = ()              # the batch's Sequence objects (the runner's decode windows)
 
 
 def build_model_inputs(token_chunks: list[list[int]], start_positions: list[int],

@@ -4,11 +4,13 @@ Shared by prefill and decode nodes and by the offline ``LLM``.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import torch
 
 from pdserve.engine import logprobs
+from pdserve.engine.decode_window import DecodeWindows
 from pdserve.engine.inputs import ModelInputs, build_model_inputs
 from pdserve.engine.sampler import make_generator, sample
 from pdserve.engine.scheduler import ScheduledBatch
@@ -41,9 +43,12 @@ def kv_views(storage: torch.Tensor, num_layers: int, shape: tuple[int, ...],
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
                  device: torch.device | str, dtype: torch.dtype, compute: str = "model",
-                 kv_storage: Callable[[int], torch.Tensor | None] | None = None):
+                 kv_storage: Callable[[int], torch.Tensor | None] | None = None,
+                 decode_window_bytes: int = 0):
         """``kv_storage(nbytes)``: where the CPU KV cache lives (a uint8 tensor of nbytes,
-        zero-filled; a prefill node's shared-memory segment), or None for its own memory."""
+        zero-filled; a prefill node's shared-memory segment), or None for its own memory.
+        ``decode_window_bytes``: the most the CPU decode windows may take
+        (engine/decode_window.py); 0 turns them off."""
         cfg = model.config
         model.fuse_projections()
         self.model = model
@@ -69,6 +74,9 @@ class ModelRunner:
                  torch.zeros(shape, dtype=dtype, device=self.device))
                 for _ in range(cfg.num_hidden_layers)
             ]
+        self.decode_windows = (DecodeWindows(self.kv_caches, block_size, decode_window_bytes)
+                               if self.device.type == "cpu" and decode_window_bytes > 0
+                               else None)
 
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:
         chunks, starts, tables, mask = [], [], [], []
@@ -78,7 +86,8 @@ class ModelRunner:
             starts.append(start)
             tables.append(seq.block_table)
             mask.append(batch.samples(i))
-        return build_model_inputs(chunks, starts, tables, mask, self.block_size, self.device)
+        inputs = build_model_inputs(chunks, starts, tables, mask, self.block_size, self.device)
+        return replace(inputs, seqs=tuple(batch.seqs))
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs,
@@ -89,8 +98,19 @@ class ModelRunner:
     def _hidden(self, inputs: ModelInputs, on_layer: Callable[[int], None] | None
                 ) -> torch.Tensor:
         """The hidden states [T, H] of every fed token."""
-        return self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches,
-                          on_layer)
+        windows = self.decode_windows
+        if windows is None:
+            return self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches,
+                              on_layer)
+        meta = windows.plan(inputs.meta, inputs.seqs)
+        try:
+            hidden = self.model(inputs.input_ids, inputs.positions, meta, self.kv_caches,
+                                on_layer)
+        except BaseException:
+            windows.forget()  # some layers may have taken the step's token, others not
+            raise
+        windows.commit()
+        return hidden
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch,

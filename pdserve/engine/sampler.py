@@ -50,12 +50,19 @@ def make_generator(params: SamplingParams, device: torch.device | str, vocab_siz
     return SeededStream(params.seed, params.seed_offset + num_drawn, device)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [S, V] → the index of each row's largest value, the first one on ties, as
+    ``x.argmax(-1)`` gives; ``max``'s indices are the same, and 3x faster on the CPU
+    (1.06 against 0.35 ms for 16 x 49,152 float32 on one thread)."""
+    return x.max(dim=-1).indices
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[SeededStream | None]) -> list[int]:
     """logits [S, V] float32 → one token id per row."""
     greedy = [p.greedy for p in params]
     if all(greedy):
-        return logits.argmax(dim=-1).tolist()
+        return argmax(logits).tolist()
     device = logits.device
     temps = torch.tensor([p.temperature if not g else 1.0 for p, g in zip(params, greedy)],
                          dtype=torch.float32, device=device)
@@ -79,6 +86,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     noise = torch.empty_like(probs)
     for i, gen in enumerate(generators):
         noise[i].exponential_(generator=gen.next() if gen is not None else None)
-    sampled = (probs / noise).argmax(dim=-1)
-    out = torch.where(torch.tensor(greedy, device=device), logits.argmax(dim=-1), sampled)
+    sampled = argmax(probs / noise)
+    out = torch.where(torch.tensor(greedy, device=device), argmax(logits), sampled)
     return out.tolist()

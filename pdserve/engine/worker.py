@@ -40,8 +40,11 @@ class Worker:
         per_block = kv_bytes_per_block(self.model, config.block_size, self.dtype)
         num_blocks = config.num_kv_blocks or max(
             1, int(config.kv_cache_memory_gb * 2**30) // per_block)
+        window_gb = config.decode_window_memory_gb
         self.runner = ModelRunner(self.model, num_blocks, config.block_size,
-                                  config.device, self.dtype, config.compute, kv_storage)
+                                  config.device, self.dtype, config.compute, kv_storage,
+                                  num_blocks * per_block // 2 if window_gb is None
+                                  else int(window_gb * 2**30))
         self.runner.logits_processors = LogitsProcessors(
             self.model_dir, self.model_config.vocab_size, self.model_config.eos_token_ids)
         self.allocator = BlockAllocator(num_blocks, config.enable_prefix_caching)

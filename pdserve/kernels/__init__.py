@@ -4,7 +4,13 @@
 references are the CPU serving path and match transformers bit for bit.
 Triton is optional: without it everything runs on torch.
 """
-from pdserve.kernels.attention_decode import DecodeGather, decode_gather, paged_decode_attention
+from pdserve.kernels.attention_decode import (
+    DecodeGather,
+    DecodeWindow,
+    WindowFill,
+    decode_gather,
+    paged_decode_attention,
+)
 from pdserve.kernels.attention_prefill import paged_prefill_attention, prefill_attention
 from pdserve.kernels.kv_cache import gather_kv, scatter_kv, store_kv
 from pdserve.kernels.norm import rms_norm
@@ -12,6 +18,8 @@ from pdserve.kernels.rotary import apply_rotary
 
 __all__ = [
     "DecodeGather",
+    "DecodeWindow",
+    "WindowFill",
     "apply_rotary",
     "decode_gather",
     "gather_kv",

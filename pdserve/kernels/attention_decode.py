@@ -45,7 +45,8 @@ _LOG2E = 1.4426950408889634
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            backend: str | None = None,
-                           gather: DecodeGather | None = None) -> torch.Tensor:
+                           gather: DecodeGather | None = None,
+                           window: DecodeWindow | None = None) -> torch.Tensor:
     """Attention of each sequence's newest token over its first ``seq_lens[i]`` cached tokens.
 
     q [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size,
@@ -59,6 +60,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``gather``: ``decode_gather(block_tables, seq_lens, block_size)``, built once for
     all the layers of a step; the torch backend builds it per call without it, and the
     Triton kernel reads the tables itself.
+
+    ``window`` (torch backend, with ``gather``): this layer's context kept contiguous
+    across steps (``DecodeWindow``), brought up to date and attended over instead of
+    gathering every page again. The Triton kernel reads the pages and ignores it.
     """
     dims: dict[str, tuple[int, str]] = {}
     check_tensor("q", q, "[num_seqs, num_heads, head_dim]", FLOAT_DTYPES, dims)
@@ -73,7 +78,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if pick_backend(backend, q.device) == "torch":
         if gather is None:
             gather = decode_gather(block_tables, seq_lens, k_cache.shape[1])
-        return _decode_torch(q, k_cache, v_cache, gather, scale)
+        if window is not None:
+            window.check(q.shape[0], k_cache, gather.max_len)
+        return _decode_torch(q, k_cache, v_cache, gather, scale, window)
     return _decode_triton(q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(),
                           scale)
 
@@ -88,6 +95,42 @@ class DecodeGather:
     max_len: int                # L: the longest sequence's tokens
     mask: torch.Tensor | None   # bool [B, 1, 1, L]; None when every sequence has L tokens
     empty: torch.Tensor | None  # bool [B]: sequences of length 0; None when there are none
+
+
+@dataclass(frozen=True)
+class WindowFill:
+    """How one decode step brings every layer's window up to date (the same for all
+    layers). Either ``pages`` [B * cap / block_size] int64: refill the window from these
+    cache pages (row b's context is its pages in order; the batch changed), or ``rows`` [B]
+    int64 (= b * cap + seq_lens[b] - 1) and ``slots`` [B] int64: copy each sequence's newest
+    token from its cache slot to its row, the rest of the window being the earlier steps'."""
+    pages: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class DecodeWindow:
+    """One layer's decode window: K and V [B, cap, num_kv_heads, head_dim], contiguous,
+    row b holding sequence b's context at positions 0..seq_lens[b]-1 (what lies past it is
+    never attended). A decode step on the CPU otherwise copies every sequence's whole
+    context out of its pages in every layer; a window kept across steps takes one new token
+    per sequence instead. ``pdserve.engine.decode_window`` decides when that is valid."""
+    k: torch.Tensor
+    v: torch.Tensor
+    fill: WindowFill
+
+    def check(self, num_seqs: int, k_cache: torch.Tensor, max_len: int) -> None:
+        shape = (num_seqs, self.k.shape[1], *k_cache.shape[2:])
+        if tuple(self.k.shape) != shape or tuple(self.v.shape) != shape:
+            raise ValueError(f"decode window K/V must be [num_seqs, cap, num_kv_heads, head_dim] "
+                             f"= {list(shape)}, got {list(self.k.shape)} and {list(self.v.shape)}")
+        if shape[1] < max_len or shape[1] % k_cache.shape[1]:
+            raise ValueError(f"decode window holds {shape[1]} positions: it must be a multiple "
+                             f"of the block size {k_cache.shape[1]} and at least the longest "
+                             f"sequence's {max_len}")
+        if (self.fill.pages is None) == (self.fill.rows is None):
+            raise ValueError("a window fill takes either pages or rows and slots")
 
 
 def decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -113,14 +156,28 @@ def decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor,
     return DecodeGather(blocks, max_len, mask, empty)
 
 
+def _fill_window(cache: torch.Tensor, win: torch.Tensor, fill: WindowFill) -> None:
+    if fill.pages is not None:
+        torch.index_select(cache, 0, fill.pages, out=win.view(-1, *cache.shape[1:]))
+    else:
+        flat = cache.view(-1, *cache.shape[2:])  # [slots, KVH, D]
+        win.view(-1, *cache.shape[2:]).index_copy_(0, fill.rows, flat.index_select(0, fill.slots))
+
+
 def _decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  gather: DecodeGather, scale: float) -> torch.Tensor:
+                  gather: DecodeGather, scale: float,
+                  window: DecodeWindow | None = None) -> torch.Tensor:
     num_seqs = q.shape[0]
     if gather.max_len == 0:
         return q.new_zeros(q.shape)
-    # index_select on the flat table: ~4x faster on CPU than advanced indexing (same bits)
-    k = k_cache.index_select(0, gather.blocks).view(num_seqs, -1, *k_cache.shape[2:])
-    v = v_cache.index_select(0, gather.blocks).view(num_seqs, -1, *v_cache.shape[2:])
+    if window is not None:
+        _fill_window(k_cache, window.k, window.fill)
+        _fill_window(v_cache, window.v, window.fill)
+        k, v = window.k, window.v
+    else:
+        # index_select on the flat table: ~4x faster on CPU than advanced indexing (same bits)
+        k = k_cache.index_select(0, gather.blocks).view(num_seqs, -1, *k_cache.shape[2:])
+        v = v_cache.index_select(0, gather.blocks).view(num_seqs, -1, *v_cache.shape[2:])
     k, v = k[:, :gather.max_len], v[:, :gather.max_len]  # [B, L, KVH, D]
     # Without padding the mask is left out: same bits, and SDPA skips adding it.
     out = sdpa(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), scale,

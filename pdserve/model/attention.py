@@ -27,13 +27,17 @@ class AttentionMetadata:
     block_tables: torch.Tensor   # int32 [B, max_blocks]
     # DECODE on the CPU: the torch decode attention's page list and mask, once per step
     decode_gather: kernels.DecodeGather | None = None
+    # DECODE on the CPU: each layer's window of the batch's context, kept across steps
+    # (engine/decode_window.py); None: gather the pages
+    decode_windows: tuple[kernels.DecodeWindow, ...] | None = None
 
 
 class PagedAttention(torch.nn.Module):
     """Stores the new tokens' K/V into the layer's pages, then attends."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer: int = 0):
         super().__init__()
+        self.layer = layer  # picks this layer's decode window
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -54,6 +58,7 @@ class PagedAttention(torch.nn.Module):
         if meta.kind == DECODE:
             return kernels.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
-                gather=meta.decode_gather)
+                gather=meta.decode_gather,
+                window=None if meta.decode_windows is None else meta.decode_windows[self.layer])
         return kernels.paged_prefill_attention(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, self.scale)

@@ -31,7 +31,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -43,7 +43,7 @@ class Attention(nn.Module):
         # Qwen2 puts biases on q/k/v only; Llama's attention_bias covers o_proj too.
         o_bias = bias and cfg.model_type != "qwen2"
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=o_bias)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, layer)
         self.qkv_proj: nn.Linear | None = None  # set by fuse()
 
     def fuse(self) -> None:
@@ -112,9 +112,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -135,7 +135,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

@@ -148,6 +148,67 @@ def test_decode_gather_built_once_per_step_gives_the_same_bits():
         torch.testing.assert_close(with_plan.double(), expected, **F32_TOL)
 
 
+def test_decode_window_refilled_then_appended_gives_the_bits_of_the_gather():
+    """A decode window (the batch's context kept contiguous across steps) is refilled from
+    the pages, then takes one new token per sequence: each step must attend exactly as the
+    gather from the pages does, bit for bit."""
+    from pdserve.kernels import DecodeWindow, WindowFill, decode_gather
+    lens, block, cap = [5, 17, 9, 16], 8, 32  # 16: the next token opens a new page
+    ks, vs, gen = random_seqs([n + 1 for n in lens], 6, 2, 64, torch.float32)
+    k_cache, tables = paged(ks, block)
+    v_cache, _ = paged(vs, block)
+    num_seqs = len(lens)
+    # Uninitialised windows: a position the refill left out would poison the output.
+    win_k = torch.full((num_seqs, cap, 2, 64), float("nan"))
+    win_v = torch.full((num_seqs, cap, 2, 64), float("nan"))
+    pages = torch.zeros(num_seqs, cap // block, dtype=torch.int64)
+    for i, n in enumerate(lens):
+        used = -(-(n + 1) // block)
+        pages[i, :used] = tables[i, :used]
+
+    def both(seq_lens, fill):
+        q = torch.randn(num_seqs, 6, 64, generator=gen)
+        seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+        gather = decode_gather(tables, seq_lens, block)
+        windowed = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125,
+                                          gather=gather,
+                                          window=DecodeWindow(win_k, win_v, fill))
+        return windowed, paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125)
+
+    windowed, gathered = both(lens, WindowFill(pages=pages.flatten()))
+    assert torch.equal(windowed, gathered)
+    # The next step: each sequence's new token is stored (fresh values), then appended.
+    slots = torch.tensor([int(tables[i, n // block]) * block + n % block
+                          for i, n in enumerate(lens)])
+    k_cache.view(-1, 2, 64)[slots] = torch.randn(num_seqs, 2, 64, generator=gen)
+    v_cache.view(-1, 2, 64)[slots] = torch.randn(num_seqs, 2, 64, generator=gen)
+    rows = torch.arange(num_seqs) * cap + torch.tensor(lens)
+    windowed, gathered = both([n + 1 for n in lens], WindowFill(rows=rows, slots=slots))
+    assert torch.equal(windowed, gathered)
+    # and the appended token is really read: taking it from the wrong slots shows
+    wrong = torch.tensor([int(tables[i, 0]) * block for i in range(num_seqs)])
+    windowed, gathered = both([n + 1 for n in lens], WindowFill(rows=rows, slots=wrong))
+    assert not torch.equal(windowed, gathered)
+
+
+def test_decode_window_of_the_wrong_size_is_refused():
+    from pdserve.kernels import DecodeWindow, WindowFill
+    ks, vs, gen = random_seqs([20], 4, 2, 64, torch.float32)
+    k_cache, tables = paged(ks, 8)
+    v_cache, _ = paged(vs, 8)
+    q = torch.randn(1, 4, 64, generator=gen)
+    fill = WindowFill(pages=torch.zeros(2, dtype=torch.int64))
+    for cap, match in ((16, "at least the longest"), (20, "multiple of the block size")):
+        win = torch.zeros(1, cap, 2, 64)
+        with pytest.raises(ValueError, match=match):
+            paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor([20]), 0.125,
+                                   window=DecodeWindow(win, win, fill))
+    with pytest.raises(ValueError, match=r"\[num_seqs, cap, num_kv_heads, head_dim\]"):
+        win = torch.zeros(1, 24, 4, 64)
+        paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor([20]), 0.125,
+                               window=DecodeWindow(win, win, fill))
+
+
 # ---- torch references against transformers (same SDPA call, same bits) ------------
 
 class _Attn(torch.nn.Module):

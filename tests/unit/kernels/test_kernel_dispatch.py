@@ -66,5 +66,6 @@ def test_import_without_triton():
 
 def test_public_names():
     assert sorted(kernels.__all__) == sorted([
-        "DecodeGather", "apply_rotary", "decode_gather", "gather_kv", "paged_decode_attention",
-        "paged_prefill_attention", "prefill_attention", "rms_norm", "scatter_kv", "store_kv"])
+        "DecodeGather", "DecodeWindow", "WindowFill", "apply_rotary", "decode_gather",
+        "gather_kv", "paged_decode_attention", "paged_prefill_attention", "prefill_attention",
+        "rms_norm", "scatter_kv", "store_kv"])

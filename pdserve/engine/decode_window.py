@@ -1,0 +1,116 @@
+"""Decode windows: the running batch's context kept contiguous across CPU decode steps.
+
+The torch decode attention reads a sequence's context from its pages, which lie
+anywhere in the cache, so each layer of each step used to copy every sequence's whole
+context out of its pages before calling SDPA: on SmolLM2 at batch 16 that gather was
+about a tenth of the step. transformers keeps one contiguous cache per batch instead
+(and copies it whole every step to append a token).
+
+A window is one layer's K and V as ``[B, cap, num_kv_heads, head_dim]``, row b holding
+sequence b's context. While the batch stays the same (the same sequences in the same
+order, each one token further), a step copies just the new token of each sequence
+from its cache slot into its row. When the batch changes, the step refills the windows
+from the pages, once per layer: what the gather did every step. The windows cost memory,
+a second copy of the batch's context padded to the longest one; past
+``budget_bytes`` the step gathers as before.
+
+Only CPU decode steps use them (the GPU's Triton kernel reads the pages itself). The
+pages stay the source of truth: every window is rebuilt from them whenever the runner
+cannot prove it is current.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from pdserve.kernels import DecodeWindow, WindowFill
+from pdserve.model.attention import AttentionMetadata
+
+# Positions a window holds past the longest context when it is (re)built: it is refilled
+# when the longest context outgrows it, so every HEADROOM steps in a steady batch.
+HEADROOM = 64
+
+
+class DecodeWindows:
+    """Every layer's window, and the proof of what they hold. ``plan`` puts them in a
+    step's metadata; ``commit`` records the step once its forward is complete; any
+    other forward, or a failed one, calls ``forget``."""
+
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+                 budget_bytes: int):
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.budget_bytes = budget_bytes
+        k = kv_caches[0][0]
+        self._token_shape = tuple(k.shape[2:])  # (num_kv_heads, head_dim)
+        # bytes of one position of one row, K and V of every layer
+        self.position_bytes = 2 * len(kv_caches) * k[0, 0].numel() * k.element_size()
+        self._storage: list[tuple[torch.Tensor, torch.Tensor]] = []  # flat, per layer
+        self._held: tuple | None = None     # (seqs, lens, cap) that the windows hold
+        self._pending: tuple | None = None  # the same, once this step's forward completes
+        self.refills = 0
+        self.appends = 0
+
+    def plan(self, meta: AttentionMetadata, seqs: tuple) -> AttentionMetadata:
+        """``meta`` with the step's windows, or ``meta`` itself when they do not apply (not a
+        CPU decode step, or over the budget). ``seqs``: the batch's sequence objects, in
+        order; they identify the rows (kept referenced, so no object can take another's
+        place)."""
+        gather = meta.decode_gather
+        self._pending = None
+        if gather is None or not seqs:
+            self.forget()
+            return meta
+        lens = meta.seq_lens.numpy().astype(np.int64)  # counting the new token
+        rows = len(lens)
+        held = self._held
+        if (held is not None and gather.max_len <= held[2] and len(held[0]) == rows
+                and all(a is b for a, b in zip(seqs, held[0]))
+                and bool(((lens == held[1]) | (lens == held[1] + 1)).all())):
+            # Same batch, each sequence one token further (or the same step again): the rows
+            # hold positions < lens - 1, so only the newest token of each is copied.
+            cap = held[2]
+            fill = WindowFill(rows=torch.from_numpy(np.arange(rows) * cap + lens - 1),
+                              slots=meta.slot_mapping)
+            self.appends += 1
+        else:
+            cap = -(-(gather.max_len + HEADROOM) // self.block_size) * self.block_size
+            if rows * cap * self.position_bytes > self.budget_bytes:
+                self.forget()
+                self._storage = []  # give the memory back; gather as before
+                return meta
+            fill = WindowFill(pages=self._pages(meta.block_tables.numpy(), lens, cap))
+            self.refills += 1
+        self._pending = (tuple(seqs), lens, cap)
+        return replace(meta, decode_windows=self._windows(rows, cap, fill))
+
+    def commit(self) -> None:
+        """The planned step's forward ran through every layer: its windows are current."""
+        if self._pending is not None:
+            self._held, self._pending = self._pending, None
+
+    def forget(self) -> None:
+        self._held = self._pending = None
+
+    def _pages(self, tables: np.ndarray, lens: np.ndarray, cap: int) -> torch.Tensor:
+        """Row b's pages in order, cap / block_size of them: entries past its last block
+        (any value in a block table) become block 0, which is never attended."""
+        per_row = cap // self.block_size
+        pages = np.zeros((len(lens), per_row), dtype=np.int64)
+        n = min(per_row, tables.shape[1])
+        pages[:, :n] = tables[:, :n]
+        used = -(-lens // self.block_size)
+        pages[np.arange(per_row)[None, :] >= used[:, None]] = 0
+        return torch.from_numpy(pages.reshape(-1))
+
+    def _windows(self, rows: int, cap: int, fill: WindowFill) -> tuple[DecodeWindow, ...]:
+        numel = rows * cap * int(np.prod(self._token_shape))
+        if not self._storage or self._storage[0][0].numel() < numel:
+            # (Only on a refill: an append keeps rows and cap, so its windows fit.)
+            self._storage = []  # free the old windows before taking the new ones
+            self._storage = [(k.new_empty(numel), v.new_empty(numel)) for k, v in self.kv_caches]
+        shape = (rows, cap, *self._token_shape)
+        return tuple(DecodeWindow(k[:numel].view(shape), v[:numel].view(shape), fill)
+                     for k, v in self._storage)

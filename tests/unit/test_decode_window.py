@@ -1,0 +1,93 @@
+"""CPU decode windows (engine/decode_window.py) against gathering the pages every step:
+the same tokens and logprobs, bit for bit, while the batch changes, over the memory
+budget, and after a forward that failed half way. A real tiny model, no mocks."""
+import pytest
+
+from pdserve.common.request import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model):
+    return tiny_model("llama")
+
+
+def engine_of(model_dir, **kw) -> Engine:
+    cfg = dict(model=str(model_dir), block_size=4, num_kv_blocks=1024, max_num_seqs=8,
+               max_num_batched_tokens=64, enable_prefix_caching=False)
+    return Engine(EngineConfig(**{**cfg, **kw}), detokenize=False)
+
+
+# (arrival step, prompt length, tokens wanted): sequences join and finish at different
+# steps, so the batch changes many times and stays the same in between.
+WORKLOAD = [(0, 7, 30), (0, 21, 12), (0, 3, 45), (5, 30, 20), (5, 11, 8), (14, 2, 25),
+            (30, 40, 10)]
+
+
+def run(engine: Engine, fail_at_step: int | None = None,
+        refills: list[int] | None = None) -> dict[str, list]:
+    """Runs WORKLOAD to the end; returns each request's (token, logprob) pairs.
+    ``refills`` gets the windows' refill count after each step."""
+    got: dict[str, list] = {}
+    step = 0
+    while engine.has_unfinished() or step <= WORKLOAD[-1][0]:
+        for i, (at, n, wanted) in enumerate(WORKLOAD):
+            if at == step:
+                prompt = [(7 * i + 3 * j) % 97 + 3 for j in range(n)]
+                engine.add_request(str(i), prompt, SamplingParams(
+                    max_tokens=wanted, temperature=0, ignore_eos=True, logprobs=0))
+        if step == fail_at_step:
+            fail_one_forward(engine)
+        for out in engine.step():
+            got.setdefault(out.req_id, []).append(
+                (out.new_token_ids, list(out.logprobs.token_logprobs)))
+        if refills is not None:
+            refills.append(engine.runner.decode_windows.refills)
+        step += 1
+    return got
+
+
+def fail_one_forward(engine: Engine) -> None:
+    """The next decode step's forward raises half way through the layers (its windows
+    have taken the new token in some layers only). Nothing else changes: scheduling a
+    decode batch again reserves nothing more, so the next step runs the same batch."""
+    assert not engine.scheduler.waiting
+    inputs = engine.runner.prepare(engine.scheduler.schedule())
+    assert inputs.meta.kind == "decode"
+
+    def boom(layer):
+        if layer == 1:
+            raise RuntimeError("injected")
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.runner.forward(inputs, on_layer=boom)
+
+
+def test_windows_give_the_bits_of_the_page_gather_while_the_batch_changes(model_dir):
+    windowed, gathered = engine_of(model_dir), engine_of(model_dir, decode_window_memory_gb=0)
+    assert gathered.runner.decode_windows is None
+    assert run(windowed) == run(gathered)
+    stats = windowed.runner.decode_windows
+    # Refilled at each change of the batch, appended in between: both paths ran.
+    assert stats.refills >= 5 and stats.appends > 3 * stats.refills
+
+
+def test_over_the_budget_the_step_gathers_the_pages(model_dir):
+    reference = run(engine_of(model_dir, decode_window_memory_gb=0))
+    tight = engine_of(model_dir, decode_window_memory_gb=1e-6)  # 1 KiB: no batch fits
+    assert run(tight) == reference
+    assert tight.runner.decode_windows.refills == tight.runner.decode_windows.appends == 0
+
+
+def test_a_forward_that_failed_half_way_leaves_no_stale_window(model_dir):
+    reference = run(engine_of(model_dir, decode_window_memory_gb=0))
+    steady, failing = [], []
+    assert run(engine_of(model_dir), refills=steady) == reference
+    assert steady[20] == steady[19]  # step 20 appends when nothing fails
+    assert run(engine_of(model_dir), fail_at_step=20, refills=failing) == reference
+    assert failing[20] == failing[19] + 1  # after the failure it refills
+
+
+def test_decode_window_budget_must_not_be_negative(model_dir):
+    with pytest.raises(ValueError, match="decode_window_memory_gb must be >= 0"):
+        EngineConfig(decode_window_memory_gb=-1.0)
