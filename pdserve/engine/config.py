@@ -1,6 +1,7 @@
 """The engine's frozen configuration, checked where a user sets it."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")   # auto: the checkpoint's own
@@ -35,10 +36,12 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.kv_cache_memory_gb <= 0:
-            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
-        if self.decode_window_memory_gb is not None and not self.decode_window_memory_gb >= 0:
-            raise ValueError(f"decode_window_memory_gb must be >= 0, got "
+        if not 0 < self.kv_cache_memory_gb < math.inf:
+            raise ValueError(f"kv_cache_memory_gb must be > 0 and finite, got "
+                             f"{self.kv_cache_memory_gb}")
+        if self.decode_window_memory_gb is not None and not (
+                0 <= self.decode_window_memory_gb < math.inf):
+            raise ValueError(f"decode_window_memory_gb must be >= 0 and finite, got "
                              f"{self.decode_window_memory_gb}")
         if self.compute not in COMPUTE_MODES:
             raise ValueError(f"compute must be one of {COMPUTE_MODES}, got {self.compute!r}")

@@ -6,17 +6,19 @@ context out of its pages before calling SDPA: on SmolLM2 at batch 16 that gather
 about a tenth of the step. transformers keeps one contiguous cache per batch instead
 (and copies it whole every step to append a token).
 
-A window is one layer's K and V as ``[B, cap, num_kv_heads, head_dim]``, row b holding
-sequence b's context. While the batch stays the same (the same sequences in the same
-order, each one token further), a step copies just the new token of each sequence
-from its cache slot into its row. When the batch changes, the step refills the windows
-from the pages, once per layer: what the gather did every step. The windows cost memory,
-a second copy of the batch's context padded to the longest one; past
-``budget_bytes`` the step gathers as before.
+A window is one layer's K and V as ``[B, num_kv_heads, cap, head_dim]``, [b, h] holding
+sequence b's context, head-major as SDPA reads it. While the batch stays the same (the
+same sequences in the same order, each one token further), a step copies just the new
+token of each sequence from its cache slot into its row. When the batch changes, the
+step refills the windows from the pages, once per layer: what the gather did every step.
+The windows cost memory, a second copy of the batch's context padded to the longest one;
+past ``budget_bytes`` the step gathers as before.
 
 Only CPU decode steps use them (the GPU's Triton kernel reads the pages itself). The
-pages stay the source of truth: every window is rebuilt from them whenever the runner
-cannot prove it is current.
+pages stay the source of truth: a step appends only when its batch holds the same
+sequence objects in the same order, each one token further (or the same step again)
+on the same pages under the window's positions, after a forward that completed;
+anything else refills.
 """
 from __future__ import annotations
 
@@ -28,8 +30,10 @@ import torch
 from pdserve.kernels import DecodeWindow, WindowFill
 from pdserve.model.attention import AttentionMetadata
 
-# Positions a window holds past the longest context when it is (re)built: it is refilled
-# when the longest context outgrows it, so every HEADROOM steps in a steady batch.
+# Positions a window holds past the longest context when it is (re)built, at most: it is
+# refilled when the longest context outgrows it, so every HEADROOM steps in a steady batch.
+# Short contexts get a quarter of their length (at least a block), so that a batch that
+# changes every step does not copy much more than the gather did.
 HEADROOM = 64
 
 
@@ -64,26 +68,31 @@ class DecodeWindows:
             self.forget()
             return meta
         lens = meta.seq_lens.numpy().astype(np.int64)  # counting the new token
+        tables = meta.block_tables.numpy()
         rows = len(lens)
         held = self._held
         if (held is not None and gather.max_len <= held[2] and len(held[0]) == rows
                 and all(a is b for a, b in zip(seqs, held[0]))
-                and bool(((lens == held[1]) | (lens == held[1] + 1)).all())):
-            # Same batch, each sequence one token further (or the same step again): the rows
-            # hold positions < lens - 1, so only the newest token of each is copied.
-            cap = held[2]
-            fill = WindowFill(rows=torch.from_numpy(np.arange(rows) * cap + lens - 1),
-                              slots=meta.slot_mapping)
+                and bool(((lens == held[1]) | (lens == held[1] + 1)).all())
+                and self._same_pages(held[3], held[1], tables)):
+            # Same batch, each sequence one token further (or the same step again), on the
+            # same pages: the rows hold positions < lens - 1, so only the newest token of
+            # each is copied.
+            cap, heads = held[2], self._token_shape[0]
+            # row (b, h) of the [B * KVH * cap, D] window takes position lens[b] - 1
+            at = (np.arange(rows * heads).reshape(rows, heads) * cap + (lens - 1)[:, None])
+            fill = WindowFill(rows=torch.from_numpy(at.reshape(-1)), slots=meta.slot_mapping)
             self.appends += 1
         else:
-            cap = -(-(gather.max_len + HEADROOM) // self.block_size) * self.block_size
+            headroom = min(HEADROOM, max(self.block_size, gather.max_len // 4))
+            cap = -(-(gather.max_len + headroom) // self.block_size) * self.block_size
             if rows * cap * self.position_bytes > self.budget_bytes:
                 self.forget()
                 self._storage = []  # give the memory back; gather as before
                 return meta
-            fill = WindowFill(pages=self._pages(meta.block_tables.numpy(), lens, cap))
+            fill = WindowFill(pages=self._pages(tables, lens, cap))
             self.refills += 1
-        self._pending = (tuple(seqs), lens, cap)
+        self._pending = (tuple(seqs), lens, cap, tables)
         return replace(meta, decode_windows=self._windows(rows, cap, fill))
 
     def commit(self) -> None:
@@ -93,6 +102,19 @@ class DecodeWindows:
 
     def forget(self) -> None:
         self._held = self._pending = None
+
+    def _same_pages(self, held_tables: np.ndarray, held_lens: np.ndarray,
+                    tables: np.ndarray) -> bool:
+        """Whether every row's pages under the positions its window holds are the same.
+        They can change under a sequence that stays in the batch: preempted and readmitted
+        in one schedule, it may take its prefix from the cache, in another request's
+        blocks (same tokens, K/V computed another way, so not the same bits)."""
+        need = -(-held_lens // self.block_size)  # blocks under positions < held_lens
+        width = int(need.max())
+        if width > held_tables.shape[1] or width > tables.shape[1]:
+            return False
+        same = held_tables[:, :width] == tables[:, :width]
+        return bool((same | (np.arange(width)[None, :] >= need[:, None])).all())
 
     def _pages(self, tables: np.ndarray, lens: np.ndarray, cap: int) -> torch.Tensor:
         """Row b's pages in order, cap / block_size of them: entries past its last block
@@ -111,6 +133,7 @@ class DecodeWindows:
             # (Only on a refill: an append keeps rows and cap, so its windows fit.)
             self._storage = []  # free the old windows before taking the new ones
             self._storage = [(k.new_empty(numel), v.new_empty(numel)) for k, v in self.kv_caches]
-        shape = (rows, cap, *self._token_shape)
+        heads, head_dim = self._token_shape
+        shape = (rows, heads, cap, head_dim)
         return tuple(DecodeWindow(k[:numel].view(shape), v[:numel].view(shape), fill)
                      for k, v in self._storage)

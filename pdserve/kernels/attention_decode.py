@@ -101,9 +101,10 @@ class DecodeGather:
 class WindowFill:
     """How one decode step brings every layer's window up to date (the same for all
     layers). Either ``pages`` [B * cap / block_size] int64: refill the window from these
-    cache pages (row b's context is its pages in order; the batch changed), or ``rows`` [B]
-    int64 (= b * cap + seq_lens[b] - 1) and ``slots`` [B] int64: copy each sequence's newest
-    token from its cache slot to its row, the rest of the window being the earlier steps'."""
+    cache pages (sequence b's context is its pages in order; the batch changed), or ``rows``
+    [B * KVH] int64 (= (b * KVH + h) * cap + seq_lens[b] - 1: the window seen as
+    [B * KVH * cap, head_dim]) and ``slots`` [B] int64: copy each sequence's newest token from
+    its cache slot, the rest of the window being the earlier steps'."""
     pages: torch.Tensor | None = None
     rows: torch.Tensor | None = None
     slots: torch.Tensor | None = None
@@ -111,22 +112,23 @@ class WindowFill:
 
 @dataclass(frozen=True)
 class DecodeWindow:
-    """One layer's decode window: K and V [B, cap, num_kv_heads, head_dim], contiguous,
-    row b holding sequence b's context at positions 0..seq_lens[b]-1 (what lies past it is
-    never attended). A decode step on the CPU otherwise copies every sequence's whole
-    context out of its pages in every layer; a window kept across steps takes one new token
-    per sequence instead. ``pdserve.engine.decode_window`` decides when that is valid."""
+    """One layer's decode window: K and V [B, num_kv_heads, cap, head_dim], contiguous,
+    [b, h] holding sequence b's context at positions 0..seq_lens[b]-1 (what lies past it
+    is never attended), head-major as SDPA reads it. A decode step on the CPU otherwise
+    copies every sequence's whole context out of its pages in every layer; a window kept
+    across steps takes one new token per sequence instead.
+    ``pdserve.engine.decode_window`` decides when that is valid."""
     k: torch.Tensor
     v: torch.Tensor
     fill: WindowFill
 
     def check(self, num_seqs: int, k_cache: torch.Tensor, max_len: int) -> None:
-        shape = (num_seqs, self.k.shape[1], *k_cache.shape[2:])
+        shape = (num_seqs, k_cache.shape[2], self.k.shape[2], k_cache.shape[3])
         if tuple(self.k.shape) != shape or tuple(self.v.shape) != shape:
-            raise ValueError(f"decode window K/V must be [num_seqs, cap, num_kv_heads, head_dim] "
+            raise ValueError(f"decode window K/V must be [num_seqs, num_kv_heads, cap, head_dim] "
                              f"= {list(shape)}, got {list(self.k.shape)} and {list(self.v.shape)}")
-        if shape[1] < max_len or shape[1] % k_cache.shape[1]:
-            raise ValueError(f"decode window holds {shape[1]} positions: it must be a multiple "
+        if shape[2] < max_len or shape[2] % k_cache.shape[1]:
+            raise ValueError(f"decode window holds {shape[2]} positions: it must be a multiple "
                              f"of the block size {k_cache.shape[1]} and at least the longest "
                              f"sequence's {max_len}")
         if (self.fill.pages is None) == (self.fill.rows is None):
@@ -157,11 +159,13 @@ def decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor,
 
 
 def _fill_window(cache: torch.Tensor, win: torch.Tensor, fill: WindowFill) -> None:
-    if fill.pages is not None:
-        torch.index_select(cache, 0, fill.pages, out=win.view(-1, *cache.shape[1:]))
+    num_seqs, num_kv_heads, cap, head_dim = win.shape
+    if fill.pages is not None:  # the pages in token order, then head-major into the window
+        pages = cache.index_select(0, fill.pages)  # [B * cap / bs, bs, KVH, D]
+        win.copy_(pages.view(num_seqs, cap, num_kv_heads, head_dim).transpose(1, 2))
     else:
-        flat = cache.view(-1, *cache.shape[2:])  # [slots, KVH, D]
-        win.view(-1, *cache.shape[2:]).index_copy_(0, fill.rows, flat.index_select(0, fill.slots))
+        new = cache.view(-1, num_kv_heads, head_dim).index_select(0, fill.slots)  # [B, KVH, D]
+        win.view(-1, head_dim).index_copy_(0, fill.rows, new.view(-1, head_dim))
 
 
 def _decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -173,15 +177,15 @@ def _decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if window is not None:
         _fill_window(k_cache, window.k, window.fill)
         _fill_window(v_cache, window.v, window.fill)
-        k, v = window.k, window.v
+        k, v = window.k[:, :, :gather.max_len], window.v[:, :, :gather.max_len]
     else:
         # index_select on the flat table: ~4x faster on CPU than advanced indexing (same bits)
         k = k_cache.index_select(0, gather.blocks).view(num_seqs, -1, *k_cache.shape[2:])
         v = v_cache.index_select(0, gather.blocks).view(num_seqs, -1, *v_cache.shape[2:])
-    k, v = k[:, :gather.max_len], v[:, :gather.max_len]  # [B, L, KVH, D]
+        k = k[:, :gather.max_len].transpose(1, 2)  # [B, KVH, L, D]
+        v = v[:, :gather.max_len].transpose(1, 2)
     # Without padding the mask is left out: same bits, and SDPA skips adding it.
-    out = sdpa(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), scale,
-               attn_mask=gather.mask)  # [B, H, 1, D]
+    out = sdpa(q[:, :, None, :], k, v, scale, attn_mask=gather.mask)  # [B, H, 1, D]
     out = out[:, :, 0, :]  # [B, H, D]
     if gather.empty is not None:
         out = out.masked_fill(gather.empty[:, None, None], 0.0)

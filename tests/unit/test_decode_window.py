@@ -1,6 +1,10 @@
 """CPU decode windows (engine/decode_window.py) against gathering the pages every step:
 the same tokens and logprobs, bit for bit, while the batch changes, over the memory
-budget, and after a forward that failed half way. A real tiny model, no mocks."""
+budget, after a forward that failed half way, and when a sequence's pages change under
+it. A real tiny model, no mocks."""
+import math
+import random
+
 import pytest
 
 from pdserve.common.request import SamplingParams
@@ -89,5 +93,40 @@ def test_a_forward_that_failed_half_way_leaves_no_stale_window(model_dir):
 
 
 def test_decode_window_budget_must_not_be_negative(model_dir):
-    with pytest.raises(ValueError, match="decode_window_memory_gb must be >= 0"):
-        EngineConfig(decode_window_memory_gb=-1.0)
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="decode_window_memory_gb must be >= 0 and finite"):
+            EngineConfig(decode_window_memory_gb=bad)
+
+
+def shared_prefix_run(model_dir, window_gb, num_kv_blocks: int, seed: int) -> dict[str, list]:
+    """Requests that share prompt prefixes, arriving at random, on a KV cache so small
+    that the scheduler preempts: a preempted sequence can be readmitted in the same
+    schedule with its prefix taken from the cache, in another request's blocks."""
+    rng = random.Random(seed)
+    engine = engine_of(model_dir, num_kv_blocks=num_kv_blocks, enable_prefix_caching=True,
+                       decode_window_memory_gb=window_gb)
+    base = [rng.randrange(3, 90) for _ in range(9)]
+    got: dict[str, list] = {}
+    sent = 0
+    for _ in range(400):
+        if sent < 12 and rng.random() < 0.3:
+            prompt = (base[:rng.choice([5, 8, 9])] if rng.random() < 0.6 else
+                      [rng.randrange(3, 90) for _ in range(rng.randrange(2, 12))])
+            engine.add_request(str(sent), prompt, SamplingParams(
+                max_tokens=rng.randrange(5, 30), temperature=0, ignore_eos=True, logprobs=0))
+            sent += 1
+        for out in engine.step():
+            got.setdefault(out.req_id, []).append(
+                (out.new_token_ids, list(out.logprobs.token_logprobs)))
+        if sent == 12 and not engine.has_unfinished():
+            break
+    assert len(got) == 12
+    return got
+
+
+@pytest.mark.parametrize("num_kv_blocks", [12, 16, 24])
+def test_windows_follow_a_sequence_whose_pages_change_under_it(model_dir, num_kv_blocks):
+    """Prefix caching on (the default) and a full cache: the same bits as the gather."""
+    for seed in range(4):
+        assert (shared_prefix_run(model_dir, 0.05, num_kv_blocks, seed)
+                == shared_prefix_run(model_dir, 0, num_kv_blocks, seed)), seed

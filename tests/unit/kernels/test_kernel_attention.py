@@ -159,8 +159,8 @@ def test_decode_window_refilled_then_appended_gives_the_bits_of_the_gather():
     v_cache, _ = paged(vs, block)
     num_seqs = len(lens)
     # Uninitialised windows: a position the refill left out would poison the output.
-    win_k = torch.full((num_seqs, cap, 2, 64), float("nan"))
-    win_v = torch.full((num_seqs, cap, 2, 64), float("nan"))
+    win_k = torch.full((num_seqs, 2, cap, 64), float("nan"))
+    win_v = torch.full((num_seqs, 2, cap, 64), float("nan"))
     pages = torch.zeros(num_seqs, cap // block, dtype=torch.int64)
     for i, n in enumerate(lens):
         used = -(-(n + 1) // block)
@@ -182,7 +182,9 @@ def test_decode_window_refilled_then_appended_gives_the_bits_of_the_gather():
                           for i, n in enumerate(lens)])
     k_cache.view(-1, 2, 64)[slots] = torch.randn(num_seqs, 2, 64, generator=gen)
     v_cache.view(-1, 2, 64)[slots] = torch.randn(num_seqs, 2, 64, generator=gen)
-    rows = torch.arange(num_seqs) * cap + torch.tensor(lens)
+    # row (b, h) of the window seen as [B * KVH * cap, D] takes position lens[b]
+    rows = (torch.arange(num_seqs * 2).view(num_seqs, 2) * cap
+            + torch.tensor(lens)[:, None]).flatten()
     windowed, gathered = both([n + 1 for n in lens], WindowFill(rows=rows, slots=slots))
     assert torch.equal(windowed, gathered)
     # and the appended token is really read: taking it from the wrong slots shows
@@ -199,12 +201,12 @@ def test_decode_window_of_the_wrong_size_is_refused():
     q = torch.randn(1, 4, 64, generator=gen)
     fill = WindowFill(pages=torch.zeros(2, dtype=torch.int64))
     for cap, match in ((16, "at least the longest"), (20, "multiple of the block size")):
-        win = torch.zeros(1, cap, 2, 64)
+        win = torch.zeros(1, 2, cap, 64)
         with pytest.raises(ValueError, match=match):
             paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor([20]), 0.125,
                                    window=DecodeWindow(win, win, fill))
-    with pytest.raises(ValueError, match=r"\[num_seqs, cap, num_kv_heads, head_dim\]"):
-        win = torch.zeros(1, 24, 4, 64)
+    with pytest.raises(ValueError, match=r"\[num_seqs, num_kv_heads, cap, head_dim\]"):
+        win = torch.zeros(1, 4, 24, 64)
         paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor([20]), 0.125,
                                window=DecodeWindow(win, win, fill))
 
