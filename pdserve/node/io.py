@@ -159,8 +159,12 @@ class NodeIO(threading.Thread):
         ctx = zmq.Context()
         socks: list[zmq.Socket] = []
         try:
+            # The control queue holds what the outbox holds: a step's burst of messages
+            # (a thousand requests' tokens, say) sent NOBLOCK must not meet libzmq's
+            # default high-water mark of 1,000 and fail requests while the router reads.
             control = make_socket(ctx, zmq.DEALER, connect=self.router,
                                   identity=self.hello.node_id, linger_ms=1000,
+                                  sndhwm=OUTBOX_MAX,
                                   max_msg_size=CONTROL_MAX_MSG_BYTES,
                                   curve=self.curve.control if self.curve else None)
             socks.append(control)
