@@ -16,6 +16,7 @@ of the HTTP client. Rounds alternate echo / fake / ingress / sync fake / sync
 ingress / fake HTTP / HTTP so machine noise hits each alike.
 
     python benchmarks/control_plane.py [--concurrency 128] [--tokens 8] [--rounds 2]
+        [--node-arg=--max-num-seqs=256 ...]
 """
 from __future__ import annotations
 
@@ -216,6 +217,9 @@ def main() -> None:
                     help="'model': real forwards (use a tiny --model)")
     ap.add_argument("--model", default=None, help="checkpoint folder (default: bundled model)")
     ap.add_argument("--dtype", default=None, help="the nodes' dtype (sets the KV page size)")
+    ap.add_argument("--node-arg", action="append", default=[],
+                    help="an extra flag for every node, as launch's --node-arg "
+                         "(e.g. --node-arg=--max-num-seqs=256)")
     args = ap.parse_args()
 
     zero = args.compute == "none"
@@ -223,6 +227,7 @@ def main() -> None:
     launch += ["--compute", "none"] if zero else []
     launch += ["--model", args.model] if args.model else []
     launch += ["--dtype", args.dtype] if args.dtype else []
+    launch += [f"--node-arg={a}" for a in args.node_arg]
     print(f"{datetime.now():%Y-%m-%d %H:%M}; {machine()}")
     mode = "compute none: nodes skip the forward" if zero else "REAL forwards"
     print(f"cluster: pdserve launch {' '.join(launch)} ({mode})")
