@@ -52,7 +52,7 @@ class DecodeWindows:
         # bytes of one position of one row, K and V of every layer
         self.position_bytes = 2 * len(kv_caches) * k[0, 0].numel() * k.element_size()
         self._storage: list[tuple[torch.Tensor, torch.Tensor]] = []  # flat, per layer
-        self._held: tuple | None = None     # (seqs, lens, cap) that the windows hold
+        self._held: tuple | None = None     # (seqs, lens, cap, block tables) they hold
         self._pending: tuple | None = None  # the same, once this step's forward completes
         self.refills = 0
         self.appends = 0

@@ -123,7 +123,8 @@ class DecodeWindow:
     fill: WindowFill
 
     def check(self, num_seqs: int, k_cache: torch.Tensor, max_len: int) -> None:
-        shape = (num_seqs, k_cache.shape[2], self.k.shape[2], k_cache.shape[3])
+        cap = self.k.shape[2] if self.k.dim() == 4 else -1
+        shape = (num_seqs, k_cache.shape[2], cap, k_cache.shape[3])
         if tuple(self.k.shape) != shape or tuple(self.v.shape) != shape:
             raise ValueError(f"decode window K/V must be [num_seqs, num_kv_heads, cap, head_dim] "
                              f"= {list(shape)}, got {list(self.k.shape)} and {list(self.v.shape)}")
