@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from pdserve.kernels import DecodeWindow, WindowFill
+from pdserve.kernels.attention_decode import page_list
 from pdserve.model.attention import AttentionMetadata
 
 # Positions a window holds past the longest context when it is (re)built, at most: it is
@@ -90,7 +91,8 @@ class DecodeWindows:
                 self.forget()
                 self._storage = []  # give the memory back; gather as before
                 return meta
-            fill = WindowFill(pages=self._pages(tables, lens, cap))
+            fill = WindowFill(pages=page_list(meta.block_tables, meta.seq_lens,
+                                              self.block_size, cap // self.block_size))
             self.refills += 1
         self._pending = (tuple(seqs), lens, cap, tables)
         return replace(meta, decode_windows=self._windows(rows, cap, fill))
@@ -115,17 +117,6 @@ class DecodeWindows:
             return False
         same = held_tables[:, :width] == tables[:, :width]
         return bool((same | (np.arange(width)[None, :] >= need[:, None])).all())
-
-    def _pages(self, tables: np.ndarray, lens: np.ndarray, cap: int) -> torch.Tensor:
-        """Row b's pages in order, cap / block_size of them: entries past its last block
-        (any value in a block table) become block 0, which is never attended."""
-        per_row = cap // self.block_size
-        pages = np.zeros((len(lens), per_row), dtype=np.int64)
-        n = min(per_row, tables.shape[1])
-        pages[:, :n] = tables[:, :n]
-        used = -(-lens // self.block_size)
-        pages[np.arange(per_row)[None, :] >= used[:, None]] = 0
-        return torch.from_numpy(pages.reshape(-1))
 
     def _windows(self, rows: int, cap: int, fill: WindowFill) -> tuple[DecodeWindow, ...]:
         numel = rows * cap * int(np.prod(self._token_shape))

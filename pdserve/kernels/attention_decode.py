@@ -145,10 +145,7 @@ def decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor,
     if num_blocks > block_tables.shape[1]:
         raise ValueError(f"seq_lens needs {num_blocks} blocks of {block_size} tokens for "
                          f"{max_len} tokens, but block_tables has {block_tables.shape[1]} columns")
-    # Entries past a sequence's last block may be garbage: point them at block 0 (masked).
-    cols = torch.arange(num_blocks, device=lens.device)
-    used = cols[None, :] < (lens[:, None] + block_size - 1) // block_size  # [B, NB]
-    blocks = torch.where(used, block_tables[:, :num_blocks].long(), 0).flatten()  # [B * NB]
+    blocks = page_list(block_tables, lens, block_size, num_blocks)  # [B * NB]
     mask = empty = None
     if max_len and bool((lens < max_len).any()):
         mask = (torch.arange(max_len, device=lens.device)[None, :]
@@ -157,6 +154,21 @@ def decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor,
         if not bool(empty.any()):
             empty = None
     return DecodeGather(blocks, max_len, mask, empty)
+
+
+def page_list(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+              per_row: int) -> torch.Tensor:
+    """Each sequence's first ``per_row`` pages in order, int64 [B * per_row]. Entries past
+    its last block (any value in a block table, or past the table's width) become block
+    0, which is never attended."""
+    lens = seq_lens.long()
+    width = min(per_row, block_tables.shape[1])
+    cols = torch.arange(per_row, device=lens.device)
+    used = cols[None, :] < (lens[:, None] + block_size - 1) // block_size  # [B, per_row]
+    table = block_tables[:, :width].long()
+    if width < per_row:
+        table = torch.nn.functional.pad(table, (0, per_row - width))
+    return torch.where(used, table, 0).flatten()
 
 
 def _fill_window(cache: torch.Tensor, win: torch.Tensor, fill: WindowFill) -> None:
