@@ -194,8 +194,12 @@ class NodeIO(threading.Thread):
                 else:
                     events = dict(poller.poll(min(timeout_ms, 500)))
                 if self._wake_r in events:
-                    self._woken = False  # before the flush below: a later put wakes again
+                    # Read, then clear, then flush. Cleared before the read, a put in between
+                    # writes a byte this read takes too, leaving the flag set with the pipe
+                    # empty: every later put skips its write and waits for some socket event
+                    # (up to the heartbeat interval) to be sent.
                     os.read(self._wake_r, 4096)
+                    self._woken = False
                 if control in events:
                     self._drain(control, CONTROL, CONTROL_IN)
                 if kv_in is not None and kv_in in events:

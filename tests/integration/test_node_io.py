@@ -1,6 +1,9 @@
 """A node's I/O thread (pdserve/node/io.py) in this process, over real sockets on 127.0.0.1,
 against the stand-in router: what the compute loop hands it reaches the router whole and
-in order, and a burst of messages wakes the thread far fewer times than it has messages."""
+in order, a burst of messages wakes the thread far fewer times than it has messages, and
+a put that races the thread's read of its wake pipe does not stop later puts waking it."""
+import os
+
 import pytest
 
 from pdserve.common import protocol as P
@@ -56,3 +59,38 @@ def test_a_burst_arrives_whole_and_in_order_with_few_wake_ups(io_and_router):
     io.send_control(P.Error(req_id="late", code="bad_message", message="x"))
     driver.take(P.Error, lambda m: m.req_id == "late", timeout_s=10)
     assert len(wakes) >= 2
+
+
+def test_a_put_while_the_thread_reads_its_wake_pipe_does_not_silence_later_puts(
+        io_and_router, monkeypatch):
+    """The compute loop puts a message while the I/O thread is reading the wake pipe (made
+    to happen here by putting from inside that read). Both messages leave, and the next
+    put, once the thread is idle again, still wakes it: before, the flag said "woken" with
+    the pipe empty, so later messages waited for unrelated socket traffic or the poll's
+    timeout (seen as a cluster falling into a mode with 5x the latency)."""
+    io, driver = io_and_router
+    wakes = []
+    wake = io._wake
+
+    def counted():
+        wakes.append(1)
+        wake()
+    io._wake = counted
+    real_read, raced = os.read, []
+
+    def read_racing_a_put(fd, n):
+        if fd == io._wake_r and not raced:
+            raced.append(1)
+            io.send_control(P.Error(req_id="during-read", code="bad_message", message="x"))
+        return real_read(fd, n)
+    monkeypatch.setattr(os, "read", read_racing_a_put)
+    io.start()
+    assert io.welcomed.wait(30) and io.welcome.accepted
+    io.send_control(P.Error(req_id="first", code="bad_message", message="x"))
+    for req_id in ("first", "during-read"):
+        driver.take(P.Error, lambda m, r=req_id: m.req_id == r, timeout_s=10)
+    assert raced
+    before = len(wakes)
+    io.send_control(P.Error(req_id="after", code="bad_message", message="x"))
+    assert len(wakes) == before + 1, "the put after the race did not wake the I/O thread"
+    driver.take(P.Error, lambda m: m.req_id == "after", timeout_s=10)
