@@ -13,7 +13,9 @@ gives the most this client can measure here; the same two again with a plain
 synchronous pyzmq producer in a process of its own (no asyncio: its ceiling is
 higher); and a stand-in HTTP server answering each completion at once, the ceiling
 of the HTTP client. Rounds alternate echo / fake / ingress / sync fake / sync
-ingress / fake HTTP / HTTP so machine noise hits each alike.
+ingress / fake HTTP / HTTP so machine noise hits each alike. Each round also prints
+where the asyncio ingress run's requests spent their time, from the cluster's own
+histograms (router queue time, TTFT, the prefill node's KV transfer, end to end).
 
     python benchmarks/control_plane.py [--concurrency 128] [--tokens 8] [--rounds 2]
         [--node-arg=--max-num-seqs=256 ...]
@@ -34,7 +36,7 @@ import zmq.asyncio
 
 from pdserve.bench import datasets, metrics, runner
 from pdserve.bench.backends import IngressBackend, OpenAIBackend
-from pdserve.bench.cluster import free_port, launched, machine
+from pdserve.bench.cluster import free_port, launched, machine, metric_totals
 
 
 def echo_server(address: str) -> None:
@@ -184,6 +186,33 @@ async def echo_client(address: str, concurrency: int, seconds: float) -> float:
     return rate
 
 
+# Where an ingress round's requests spent their time, from the cluster's own histograms:
+# (process, histogram, label). A round whose rate falls while the CPU per request does not
+# shows here which hop waited.
+STAGES = (("router", "pdserve_request_queue_time_seconds", "queue"),
+          ("router", "pdserve_time_to_first_token_seconds", "TTFT"),
+          ("prefill-0", "pdserve_kv_transfer_seconds", "KV transfer"),
+          ("router", "pdserve_e2e_request_latency_seconds", "e2e"))
+
+
+def stage_totals(urls: dict[str, str]) -> dict[str, float]:
+    """Each STAGES histogram's sum and count, keyed "process histogram_sum" etc."""
+    out = {}
+    for proc in {p for p, _, _ in STAGES}:
+        names = tuple(f"{h}_{k}" for p, h, _ in STAGES if p == proc for k in ("sum", "count"))
+        out |= {f"{proc} {n}": v for n, v in metric_totals(urls[proc], names).items()}
+    return out
+
+
+def stage_means(before: dict[str, float], after: dict[str, float]) -> str:
+    parts = []
+    for proc, hist, label in STAGES:
+        n = after[f"{proc} {hist}_count"] - before[f"{proc} {hist}_count"]
+        total = after[f"{proc} {hist}_sum"] - before[f"{proc} {hist}_sum"]
+        parts.append(f"{label} {total / n * 1e3:.1f} ms" if n else f"{label} -")
+    return ", ".join(parts)
+
+
 async def through(backend, reqs, concurrency: int, cluster=None, cpu=None):
     """(requests/s, tokens/s, failed) of one run; with ``cluster``, adds each process's CPU
     ms per request (this one's as "load generator") to ``cpu``."""
@@ -252,6 +281,7 @@ def main() -> None:
             tok = datasets.load_tokenizer(model_dir)
             model = model_name(model_dir)
             sampling = {"temperature": 0.0, "ignore_eos": True}
+            urls, stages = c.metrics_urls(), []
 
             def reqs(n):
                 return datasets.random_requests(tok, n, args.prompt_len, args.tokens, seed=n)
@@ -266,9 +296,11 @@ def main() -> None:
                 results["fake ingress"].append(asyncio.run(through(
                     IngressBackend(fake, sampling), reqs(args.ingress_requests),
                     args.concurrency)))
+                before = stage_totals(urls)
                 results["ingress"].append(asyncio.run(through(
                     IngressBackend(c.ingress, sampling), reqs(args.ingress_requests),
                     args.concurrency, c, cpu["ingress"])))
+                stages.append(stage_means(before, stage_totals(urls)))
                 results["fake ingress, sync client"].append(sync_through(
                     fake, reqs(args.ingress_requests), args.tokens, args.concurrency))
                 results["ingress, sync client"].append(sync_through(
@@ -285,6 +317,7 @@ def main() -> None:
                 print(f"round {r + 1}: echo {echo:,.0f} rt/s; " + "; ".join(
                     f"{k} {v[-1][0]:,.0f} req/s" for k, v in results.items() if k != "echo"),
                     flush=True)
+                print(f"  ingress (asyncio) means: {stages[-1]}", flush=True)
     finally:
         for server in servers:
             server.kill()

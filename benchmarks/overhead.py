@@ -24,15 +24,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import statistics
 import time
-import urllib.request
 from datetime import datetime
 
 import torch
 
-from pdserve.bench.cluster import launched, machine
+from pdserve.bench.cluster import launched, machine, metric_totals
 from pdserve.client import AsyncQueueClient, Done
 from pdserve.common.request import SamplingParams
 from pdserve.engine.config import EngineConfig
@@ -41,27 +39,13 @@ from pdserve.engine.engine import Engine
 SAMPLING = {"temperature": 0.0, "ignore_eos": True}
 
 
-def metrics_url(log_path: str, role: str = "decode-0", timeout_s: float = 30.0) -> str:
-    """The node's /metrics address, from the table ``pdserve launch`` prints when ready."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        m = re.search(r"(http://\S+/metrics)\s+\(" + re.escape(role) + r"\)",
-                      open(log_path, errors="replace").read())
-        if m:
-            return m.group(1)
-        time.sleep(0.2)
-    raise RuntimeError(f"no metrics address for {role} in {log_path}")
+STEP_SAMPLES = ("pdserve_decode_step_seconds_sum", "pdserve_decode_step_seconds_count",
+                "pdserve_decode_batch_size_sum")
 
 
 def scrape(url: str) -> dict[str, float]:
     """The decode step histogram's sum and count and the batch-size histogram's sum."""
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    out = {}
-    for name in ("pdserve_decode_step_seconds_sum", "pdserve_decode_step_seconds_count",
-                 "pdserve_decode_batch_size_sum"):
-        m = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
-        out[name] = float(m.group(1)) if m else 0.0
-    return out
+    return metric_totals(url, STEP_SAMPLES)
 
 
 async def node_round(ingress: str, url: str, prompts: list[list[int]], output_len: int,
@@ -149,7 +133,7 @@ def main() -> None:
               *[f"--node-arg={a}" for a in args.node_arg]]
     rows = []
     with launched(*launch) as c:
-        url = metrics_url(c.log_path)
+        url = c.metrics_urls()["decode-0"]
         warm = [torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist()
                 for _ in range(args.batch)]
         try:  # warm-up: first prefill, connections, allocator

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -36,6 +37,18 @@ class Cluster:
         with open(self.log_path, errors="replace") as f:
             return f.read()
 
+    def metrics_urls(self, timeout_s: float = 30.0) -> dict[str, str]:
+        """The /metrics URL of each process ("router", "prefill-0", ...), from the table
+        ``pdserve launch`` prints once it is ready."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            log = self.log()
+            if "Ctrl-C stops everything" in log:
+                return {name: url for url, name in
+                        re.findall(r"(http://\S+/metrics)\s+\((\S+)\)", log)}
+            time.sleep(0.1)
+        raise TimeoutError("pdserve launch printed no endpoints:\n" + self.log()[-3000:])
+
     def cpu_seconds(self) -> dict[str, float]:
         """CPU time (user + system) used so far by each process of the cluster, by role."""
         out = subprocess.run(["ps", "-o", "pid=,args=", "-g", str(self.proc.pid)],
@@ -52,6 +65,17 @@ class Cluster:
                 cpu[role or pid] = cpu.get(role or pid, 0.0) + \
                     (int(fields[11]) + int(fields[12])) / tick
         return cpu
+
+
+def metric_totals(url: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Each named sample (a histogram's ``_sum`` or ``_count``, a counter) at ``url``,
+    summed over its label sets; 0.0 for one not there."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    out = dict.fromkeys(names, 0.0)
+    for name, value in re.findall(r"^(\w+)(?:{[^}]*})? (\S+)$", text, re.M):
+        if name in out:
+            out[name] += float(value)
+    return out
 
 
 @contextlib.contextmanager

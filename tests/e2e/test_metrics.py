@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 
 import httpx
@@ -63,14 +62,7 @@ REQUESTS = [("completions", {"prompt": "The quick brown fox"}, 12),
 
 def metrics_urls(cluster, timeout_s: float = 30.0) -> dict[str, str]:
     """The /metrics URL of each process, as `pdserve launch` printed them."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        log = cluster.log()
-        if "Ctrl-C stops everything" in log:
-            return {name: url for url, name in
-                    re.findall(r"(http://\S+/metrics)\s+\((\S+)\)", log)}
-        time.sleep(0.1)
-    raise TimeoutError("pdserve launch printed no endpoints:\n" + cluster.log()[-3000:])
+    return cluster.metrics_urls(timeout_s)
 
 
 def scrape(url: str) -> tuple[dict[str, str], list]:
