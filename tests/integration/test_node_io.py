@@ -23,6 +23,17 @@ def hello() -> P.Hello:
                    capacity=stats, pid=1)
 
 
+def count_wakes(io: NodeIO) -> list:
+    """A list that grows by one at each pipe write that wakes the I/O thread."""
+    wakes, wake = [], io._wake
+
+    def counted():
+        wakes.append(1)
+        wake()
+    io._wake = counted
+    return wakes
+
+
 @pytest.fixture
 def io_and_router():
     driver = RouterDriver()
@@ -38,13 +49,7 @@ def io_and_router():
 
 def test_a_burst_arrives_whole_and_in_order_with_few_wake_ups(io_and_router):
     io, driver = io_and_router
-    wakes = []
-    wake = io._wake
-
-    def counted():
-        wakes.append(1)
-        wake()
-    io._wake = counted
+    wakes = count_wakes(io)
     io.start()
     assert io.welcomed.wait(30) and io.welcome.accepted
     for i in range(BURST):  # as a prefill step's messages leave: back to back
@@ -69,13 +74,7 @@ def test_a_put_while_the_thread_reads_its_wake_pipe_does_not_silence_later_puts(
     the pipe empty, so later messages waited for unrelated socket traffic or the poll's
     timeout (seen as a cluster falling into a mode with 5x the latency)."""
     io, driver = io_and_router
-    wakes = []
-    wake = io._wake
-
-    def counted():
-        wakes.append(1)
-        wake()
-    io._wake = counted
+    wakes = count_wakes(io)
     real_read, raced = os.read, []
 
     def read_racing_a_put(fd, n):
