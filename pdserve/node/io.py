@@ -197,7 +197,7 @@ class NodeIO(threading.Thread):
                     # Read, then clear, then flush. Cleared before the read, a put in between
                     # writes a byte this read takes too, leaving the flag set with the pipe
                     # empty: every later put skips its write and waits for some socket event
-                    # (up to the heartbeat interval) to be sent.
+                    # (or the poll's timeout, up to 500 ms) to be sent.
                     os.read(self._wake_r, 4096)
                     self._woken = False
                 if control in events:

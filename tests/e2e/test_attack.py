@@ -332,14 +332,14 @@ def test_a_flooding_stranger_is_held_to_its_budget(cluster, where):
     and a reply it would otherwise owe), drops the rest unread and counts them."""
     from pdserve.node.io import KV_STRANGER_BURST, KV_STRANGER_MSGS_PER_S
     from pdserve.router.node_messages import STRANGER_BURST, STRANGER_MSGS_PER_S
-    from tests.e2e.test_metrics import metrics_urls, scrape, value
+    from tests.e2e.test_metrics import scrape, value
 
     if where == "router control":
-        address, url = cluster.control, metrics_urls(cluster)["router"]
+        address, url = cluster.control, cluster.metrics_urls()["router"]
         burst, rate = STRANGER_BURST, STRANGER_MSGS_PER_S
     else:
         address = re.search(r"KV socket (tcp://\S+)", cluster.log()).group(1)
-        url = metrics_urls(cluster)["decode-0"]
+        url = cluster.metrics_urls()["decode-0"]
         burst, rate = KV_STRANGER_BURST, KV_STRANGER_MSGS_PER_S
     dropped = value(scrape(url)[1], "pdserve_messages_dropped_total", reason="rate_limit")
     answers, elapsed = flood(address)
@@ -607,9 +607,9 @@ def test_a_batch_over_the_frame_limit_is_split():
 
 def test_no_attack_reached_a_handler_failure(cluster):
     """Every input above was refused by a check: none needed the containment net."""
-    from tests.e2e.test_metrics import metrics_urls, scrape, value
+    from tests.e2e.test_metrics import scrape, value
 
-    for name, url in metrics_urls(cluster).items():
+    for name, url in cluster.metrics_urls().items():
         assert value(scrape(url)[1], "pdserve_internal_errors_total") == 0, name
     assert "Traceback" not in cluster.log(), cluster.log()[-3000:]
     still_serving(cluster)

@@ -60,11 +60,6 @@ REQUESTS = [("completions", {"prompt": "The quick brown fox"}, 12),
             ("completions", {"prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]}, 5)]
 
 
-def metrics_urls(cluster, timeout_s: float = 30.0) -> dict[str, str]:
-    """The /metrics URL of each process, as `pdserve launch` printed them."""
-    return cluster.metrics_urls(timeout_s)
-
-
 def scrape(url: str) -> tuple[dict[str, str], list]:
     """(family name -> type, [(sample name, labels, value)]) of the pdserve_ families."""
     text = httpx.get(url, timeout=5).text
@@ -122,7 +117,7 @@ def served(tiny_model, tmp_path_factory):
     HTTP URL)."""
     model = tiny_model("llama")
     with launched(model, 1, 1, log_dir=tmp_path_factory.mktemp("logs")) as cluster:
-        urls = metrics_urls(cluster)
+        urls = cluster.metrics_urls()
         usages = asyncio.run(send_all(cluster.http_url, model.name))
         yield usages, urls, model.name, cluster.http_url
 

@@ -412,9 +412,9 @@ def test_n_choices_share_one_prefill(cluster, client, name):
     siblings, which reach it while the first is being prefilled, wait for its 62 full
     blocks and take them from the prefix cache (3 x 992 tokens hit; without the wait
     they would compute them again beside it)."""
-    from tests.e2e.test_metrics import eventually, metrics_urls, scrape, value
+    from tests.e2e.test_metrics import eventually, scrape, value
 
-    url = metrics_urls(cluster)["prefill-0"]
+    url = cluster.metrics_urls()["prefill-0"]
     hits = "pdserve_prefix_cache_hits_tokens_total"
     before = value(scrape(url)[1], hits)
     prompt = [(13 * i + 5) % 997 + 3 for i in range(1000)]   # asked nowhere else

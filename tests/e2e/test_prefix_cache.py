@@ -8,14 +8,14 @@ def test_prefill_node_reuses_a_shared_prefix(tiny_model, tmp_path):
 
     from pdserve import LLM
     from tests.cluster import launched
-    from tests.e2e.test_metrics import eventually, metrics_urls, scrape, value
+    from tests.e2e.test_metrics import eventually, scrape, value
 
     model_dir = tiny_model("llama")
     prefix = [(7 * i) % 900 + 3 for i in range(400)]
     prompts = [prefix + [11, 12, 13], prefix + [21, 22, 23, 24, 25]]
     body = {"model": model_dir.name, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     with launched(model_dir, 1, 1, log_dir=tmp_path) as cluster:
-        urls = metrics_urls(cluster)
+        urls = cluster.metrics_urls()
         prefill, decode = urls["prefill-0"], urls["decode-0"]
         with httpx.Client(base_url=cluster.http_url, timeout=60) as client:
             outs = []

@@ -35,7 +35,6 @@ import pytest
 import yaml
 
 from tests.cluster import free_port, launched
-from tests.e2e.test_metrics import metrics_urls
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
@@ -210,7 +209,7 @@ def prometheus(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("prometheus")
     model = tiny_model("llama")
     with launched(model, 1, 1, log_dir=tmp) as cluster:
-        prometheus_config(metrics_urls(cluster), tmp / "prometheus.yml")
+        prometheus_config(cluster.metrics_urls(), tmp / "prometheus.yml")
         base = f"http://127.0.0.1:{free_port()}"
         log = open(tmp / "prometheus.log", "w")
         proc = subprocess.Popen([PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}",

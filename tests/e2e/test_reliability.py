@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from tests.cluster import launched
-from tests.e2e.test_metrics import metrics_urls, scrape, value
+from tests.e2e.test_metrics import scrape, value
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_overload_is_429_with_retry_after_and_loses_nothing_accepted(cluster):
 
 
 def test_client_disconnect_frees_kv_within_a_second(cluster):
-    decode = metrics_urls(cluster)["decode-0"]
+    decode = cluster.metrics_urls()["decode-0"]
 
     def usage():
         return value(scrape(decode)[1], "pdserve_kv_cache_usage_ratio")

@@ -18,7 +18,7 @@ import pytest
 
 from tests.cluster import child_config, launched
 from tests.e2e.test_attack import process_tree
-from tests.e2e.test_metrics import metrics_urls, scrape, value
+from tests.e2e.test_metrics import scrape, value
 
 SCHEMA = {
     "type": "object",
@@ -150,7 +150,7 @@ def test_a_bad_constraint_is_a_400_that_says_why(client, extra, param, why):
 def decode_steps(cluster) -> dict[str, float]:
     """Decode steps run so far, by each decode node's metrics URL."""
     return {url: value(scrape(url)[1], "pdserve_decode_step_seconds_count")
-            for name, url in metrics_urls(cluster).items() if name.startswith("decode")}
+            for name, url in cluster.metrics_urls().items() if name.startswith("decode")}
 
 
 def kill_busy_decode_node(cluster, before: dict[str, float]) -> None:
