@@ -11,7 +11,7 @@ KV cache (greedy, its forward and argmax), as many steps per round, so that its
 context grows with the engine's.
 
     python benchmarks/engine_overhead.py [--model DIR|FILE.gguf] [--rounds 10] [--steps 8]
-        [--transformers] [--no-decode-windows]
+        [--transformers] [--no-decode-windows] [--cpu-linear auto|onednn|torch]
 """
 from __future__ import annotations
 
@@ -41,12 +41,15 @@ def main() -> None:
     ap.add_argument("--no-decode-windows", action="store_true",
                     help="gather the context from the KV pages in every decode step "
                          "(--decode-window-memory-gb 0)")
+    ap.add_argument("--cpu-linear", default="auto", choices=("auto", "onednn", "torch"),
+                    help="the engine's CPU linear layers (EngineConfig.cpu_linear)")
     ap.add_argument("--transformers", action="store_true",
                     help="also time transformers' decode step on the same prompts")
     args = ap.parse_args()
 
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, threads=args.threads,
-                                 decode_window_memory_gb=0 if args.no_decode_windows else None))
+                                 decode_window_memory_gb=0 if args.no_decode_windows else None,
+                                 cpu_linear=args.cpu_linear))
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     total_steps = args.rounds * args.steps + 4
@@ -96,7 +99,8 @@ def main() -> None:
     print(f"model: {engine.model_dir.name} ({cfg.num_hidden_layers} layers, hidden "
           f"{cfg.hidden_size}, {args.dtype}); batch {args.batch} x {args.prompt_len}-token "
           f"prompts; torch threads {torch.get_num_threads()}; {platform.processor() or 'cpu'}; "
-          f"decode windows {'off' if engine.runner.decode_windows is None else 'on'}")
+          f"decode windows {'off' if engine.runner.decode_windows is None else 'on'}; "
+          f"linear layers {engine.runner.linear}")
     print(f"engine decode step : {e:8.3f} ms (median of {args.rounds} rounds x {args.steps})")
     print(f"bare model forward : {b:8.3f} ms")
     print(f"ratio engine/bare  : {e / b:8.3f}  (goal < 1.10)")

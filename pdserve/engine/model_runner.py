@@ -14,6 +14,7 @@ from pdserve.engine.decode_window import DecodeWindows
 from pdserve.engine.inputs import ModelInputs, build_model_inputs
 from pdserve.engine.sampler import make_generator, sample
 from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.model.cpu_linear import resolve_cpu_linear
 from pdserve.model.llama import LlamaForCausalLM
 
 
@@ -44,13 +45,16 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
                  device: torch.device | str, dtype: torch.dtype, compute: str = "model",
                  kv_storage: Callable[[int], torch.Tensor | None] | None = None,
-                 decode_window_bytes: int = 0):
+                 decode_window_bytes: int = 0, cpu_linear: str = "auto"):
         """``kv_storage(nbytes)``: where the CPU KV cache lives (a uint8 tensor of nbytes,
         zero-filled; a prefill node's shared-memory segment), or None for its own memory.
         ``decode_window_bytes``: the most the CPU decode windows may take
-        (engine/decode_window.py); 0 turns them off."""
+        (engine/decode_window.py); 0 turns them off. ``cpu_linear``: EngineConfig's."""
         cfg = model.config
         model.fuse_projections()
+        self.linear = resolve_cpu_linear(cpu_linear, torch.device(device), dtype)
+        if self.linear == "onednn":
+            model.use_onednn()
         self.model = model
         self.compute = compute
         # compute="none": the token every sampled sequence gets, never an EOS. From the middle

@@ -44,7 +44,7 @@ class Worker:
         self.runner = ModelRunner(self.model, num_blocks, config.block_size,
                                   config.device, self.dtype, config.compute, kv_storage,
                                   num_blocks * per_block // 2 if window_gb is None
-                                  else int(window_gb * 2**30))
+                                  else int(window_gb * 2**30), config.cpu_linear)
         self.runner.logits_processors = LogitsProcessors(
             self.model_dir, self.model_config.vocab_size, self.model_config.eos_token_ids)
         self.allocator = BlockAllocator(num_blocks, config.enable_prefix_caching)

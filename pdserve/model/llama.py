@@ -15,9 +15,12 @@ from torch import nn
 from pdserve import kernels
 from pdserve.model.attention import AttentionMetadata, PagedAttention
 from pdserve.model.config import ModelConfig
+from pdserve.model.cpu_linear import OneDNNLinear
 from pdserve.model.rope import cos_sin_cache
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+
+LM_HEAD_CPU_BLOCK = 1024  # vocabulary rows per GEMM of the LM head on the CPU
 
 
 class RMSNorm(nn.Module):
@@ -98,7 +101,7 @@ class MLP(nn.Module):
     def forward(self, x):
         if self.gate_up_proj is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        elif x.device.type == "cpu":
+        elif x.device.type == "cpu" and isinstance(self.gate_up_proj, nn.Linear):
             # Two GEMMs over the fused weight's halves (row views: no copy), same bits.
             # On the CPU one [2I, H] GEMM ran 5-10 % slower than two [I, H] ones at
             # 16-64 rows (MKL, SmolLM2's shapes), and silu then read a strided half.
@@ -158,6 +161,17 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
+    def use_onednn(self) -> None:
+        """Every projection and the LM head through oneDNN with reordered weights
+        (model/cpu_linear.py), after ``fuse_projections``. A tied LM head keeps the
+        embedding as it is beside its reordered copy."""
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj, attn.o_proj = OneDNNLinear(attn.qkv_proj), OneDNNLinear(attn.o_proj)
+            mlp.gate_up_proj = OneDNNLinear(mlp.gate_up_proj)
+            mlp.down_proj = OneDNNLinear(mlp.down_proj)
+        self.lm_head = OneDNNLinear(self.lm_head)
+
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -181,4 +195,20 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] → logits [N, vocab] in float32 (sampling precision)."""
-        return self.lm_head(hidden).float()
+        head = self.lm_head
+        if not isinstance(head, nn.Linear) or hidden.device.type != "cpu" \
+                or hidden.shape[0] < 2 or head.bias is not None \
+                or head.weight.shape[0] < 2 * LM_HEAD_CPU_BLOCK:
+            return head(hidden).float()
+        weight = head.weight
+        # Through F.linear (cpu_linear "torch"), the LM head is the one GEMM whose weight
+        # (vocab x hidden: 113 MB for SmolLM2) and output are far larger than the caches.
+        # MKL runs it 15-30 % faster at 2-256 rows in blocks of 1,024 vocabulary rows
+        # written into one output, and each logit is the same dot product, so the bits are
+        # those of the one-call GEMM (tests/unit/test_fused_projections.py). One row takes
+        # MKL's GEMV, as fast whole.
+        out = torch.empty(hidden.shape[0], weight.shape[0], dtype=hidden.dtype)  # [N, V]
+        for lo in range(0, weight.shape[0], LM_HEAD_CPU_BLOCK):
+            hi = lo + LM_HEAD_CPU_BLOCK
+            torch.mm(hidden, weight[lo:hi].t(), out=out[:, lo:hi])
+        return out.float()

@@ -29,12 +29,15 @@ def hf_greedy(model_dir, prompts, new_tokens=NEW_TOKENS):
     return outs
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_greedy_batch_matches_transformers(tiny_model, arch):
+# cpu_linear: oneDNN's reordered weights (the CPU default) and F.linear (transformers' own).
+@pytest.mark.parametrize("arch,cpu_linear", [("llama", "onednn"), ("qwen2", "onednn"),
+                                             ("mistral", "onednn"), ("llama", "torch")])
+def test_greedy_batch_matches_transformers(tiny_model, arch, cpu_linear):
     model_dir = tiny_model(arch)
     # A small token budget makes the 70-token prompt prefill in several chunks and
     # mixes prefill chunks with decode tokens in one step.
-    llm = LLM(model=model_dir, max_num_batched_tokens=32)
+    llm = LLM(model=model_dir, max_num_batched_tokens=32, cpu_linear=cpu_linear)
+    assert llm.engine.runner.linear == cpu_linear
     prompts = make_prompts(llm.engine.model_config.vocab_size)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     ours = [o.token_ids for o in llm.generate(prompts, params)]

@@ -1,0 +1,69 @@
+"""Linear layers on the CPU through oneDNN, with each weight reordered once at load.
+
+torch's ``F.linear`` on a float32 CPU tensor calls MKL's SGEMM, which repacks the weight
+on every call. With a decode step's few rows the weights stream from memory for every
+layer of every step, and the repacking makes that pass twice as slow as it need be. oneDNN
+(bundled with torch) takes a weight reordered once into its own blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``, the format torch.compile's CPU freezing
+uses) and streams it once. Measured on the 2-core AMD EPYC dev machine, 1 thread, the 30
+layers' projections of SmolLM2-135M with weights cold: 80 -> 44 ms at 16 rows, 42 -> 31 ms
+at 1 row, 5.4 -> 4.1 s at 2,048 rows; its LM head at 16 rows 28 -> 13 ms
+(benchmarks/RESULTS.md).
+
+Numerics: still float32 products summed in float32, but in oneDNN's order, so results
+differ from ``F.linear``'s (and transformers') in the last bits: about 1e-6 relative.
+Rows do not depend on the other rows of the batch from 2 rows up (as with MKL, one row
+takes another kernel). ``EngineConfig.cpu_linear = "torch"`` keeps ``F.linear``, bit for
+bit transformers' CPU path.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_DTYPES = (torch.float32,)  # measured; bfloat16 / float16 keep F.linear
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
+                                                            "_linear_pointwise")
+
+
+def resolve_cpu_linear(mode: str, device: torch.device, dtype: torch.dtype) -> str:
+    """"onednn" or "torch": what the linear layers of a model on ``device`` in ``dtype``
+    run through, for ``mode`` "auto", "onednn" or "torch" (EngineConfig.cpu_linear).
+    Raises ValueError when "onednn" is asked for and cannot be had."""
+    if mode not in ("auto", "onednn", "torch"):
+        raise ValueError(f"cpu_linear must be 'auto', 'onednn' or 'torch', got {mode!r}")
+    usable = device.type == "cpu" and dtype in _DTYPES
+    if mode == "onednn":
+        if not usable:
+            raise ValueError(f"cpu_linear 'onednn' is for float32 models on the CPU, not "
+                             f"{str(dtype).removeprefix('torch.')} on {device}; use 'auto'")
+        if not onednn_available():
+            raise ValueError("cpu_linear 'onednn' needs a torch built with oneDNN (mkldnn), "
+                             "and this one is not; use 'torch' or 'auto'")
+    if mode == "auto":
+        return "onednn" if usable and onednn_available() else "torch"
+    return mode
+
+
+class OneDNNLinear(nn.Module):
+    """``nn.Linear``'s forward over a weight held in oneDNN's layout. The weight is no
+    parameter any more (an opaque tensor: no state dict, no ``.to()``): made after loading,
+    for inference."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        weight = linear.weight.detach()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        # The row count is a hint for the layout; the result does not depend on it.
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 16)
+        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, " \
+               f"bias={self.bias is not None}"

@@ -1,0 +1,75 @@
+"""oneDNN linear layers (model/cpu_linear.py): what the CPU serving path computes its
+projections and LM head with, against F.linear, and how the engine picks them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve import LLM
+from pdserve.model.cpu_linear import OneDNNLinear, onednn_available, resolve_cpu_linear
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+CPU = torch.device("cpu")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [0, 1, 2, 16, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_linear_is_f_linear_to_float32_rounding(rows, bias):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(576, 1536, bias=bias)
+    x = torch.randn(rows, 576)
+    with torch.inference_mode():
+        got, want = OneDNNLinear(linear)(x), linear(x)
+    assert got.shape == want.shape == (rows, 1536) and got.dtype == torch.float32
+    # Float32 sums of 576 products in another order: a few ulps of the largest terms.
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_a_row_does_not_depend_on_the_rest_of_the_batch():
+    # What a request gets must not depend on what else runs in its step (from 2 rows up;
+    # one row takes another kernel, as with MKL's GEMV).
+    torch.manual_seed(0)
+    for n_in, n_out in ((576, 960), (1536, 576)):
+        layer = OneDNNLinear(torch.nn.Linear(n_in, n_out, bias=False))
+        x = torch.randn(256, n_in)
+        with torch.inference_mode():
+            whole = layer(x)
+            for lo, hi in ((0, 2), (3, 19), (100, 164)):
+                assert torch.equal(layer(x[lo:hi].contiguous()), whole[lo:hi])
+
+
+def test_auto_takes_onednn_only_for_float32_on_the_cpu():
+    want = "onednn" if onednn_available() else "torch"
+    assert resolve_cpu_linear("auto", CPU, torch.float32) == want
+    assert resolve_cpu_linear("auto", CPU, torch.bfloat16) == "torch"
+    assert resolve_cpu_linear("auto", torch.device("cuda"), torch.float32) == "torch"
+    assert resolve_cpu_linear("torch", CPU, torch.float32) == "torch"
+
+
+def test_asking_for_onednn_where_it_cannot_run_says_why():
+    with pytest.raises(ValueError, match="float32 models on the CPU, not bfloat16 on cpu"):
+        resolve_cpu_linear("onednn", CPU, torch.bfloat16)
+    with pytest.raises(ValueError, match="cpu_linear must be 'auto', 'onednn' or 'torch'"):
+        resolve_cpu_linear("mkl", CPU, torch.float32)
+    with pytest.raises(ValueError, match="cpu_linear must be one of"):
+        LLM(cpu_linear="fast")
+
+
+@needs_onednn
+def test_the_engine_runs_every_projection_and_the_lm_head_through_onednn(tiny_model):
+    llm = LLM(model=tiny_model("llama"))
+    model = llm.engine.model
+    assert llm.engine.runner.linear == "onednn"
+    for layer in model.model.layers:
+        assert isinstance(layer.self_attn.qkv_proj, OneDNNLinear)
+        assert isinstance(layer.self_attn.o_proj, OneDNNLinear)
+        assert isinstance(layer.mlp.gate_up_proj, OneDNNLinear)
+        assert isinstance(layer.mlp.down_proj, OneDNNLinear)
+    assert isinstance(model.lm_head, OneDNNLinear)
+    # A tied LM head keeps the embedding dense beside the reordered copy.
+    assert model.model.embed_tokens.weight.layout == torch.strided
+    plain = LLM(model=tiny_model("llama"), cpu_linear="torch").engine.model
+    assert isinstance(plain.lm_head, torch.nn.Linear)
+    assert isinstance(plain.model.layers[0].mlp.gate_up_proj, torch.nn.Linear)
