@@ -70,7 +70,7 @@ def engine_options(fn):
         click.option("--cpu-linear", type=click.Choice(CPU_LINEAR_MODES),
                      default=engine_default("cpu_linear"), show_default=True,
                      help="float32 linear layers on the CPU: 'onednn' reorders each weight "
-                     "once for oneDNN (about 1.8x faster decode GEMMs; float32 results "
+                     "once for oneDNN (about 1.6x faster GEMMs at decode rows; float32 results "
                      "differ from F.linear's in the last bits), 'torch' keeps F.linear "
                      "(transformers' bits), 'auto' takes onednn where torch has it."),
         click.option("--max-num-seqs", type=click.IntRange(min=1),

@@ -28,7 +28,7 @@ class EngineConfig:
     # the KV cache's size; 0: off (every decode step gathers the context from the pages)
     decode_window_memory_gb: float | None = None
     # float32 linear layers on the CPU (model/cpu_linear.py): "onednn" (weights reordered
-    # once, ~1.8x faster decode GEMMs), "torch" (F.linear: transformers' bits), "auto":
+    # once: ~1.6x faster GEMMs at decode rows), "torch" (F.linear: transformers' bits), "auto":
     # onednn where torch has it
     cpu_linear: str = "auto"
 

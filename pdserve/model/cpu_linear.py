@@ -5,10 +5,10 @@ on every call. With a decode step's few rows the weights stream from memory for 
 layer of every step, and the repacking makes that pass twice as slow as it need be. oneDNN
 (bundled with torch) takes a weight reordered once into its own blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight``, the format torch.compile's CPU freezing
-uses) and streams it once. Measured on the 2-core AMD EPYC dev machine, 1 thread, the 30
-layers' projections of SmolLM2-135M with weights cold: 80 -> 44 ms at 16 rows, 42 -> 31 ms
-at 1 row, 5.4 -> 4.1 s at 2,048 rows; its LM head at 16 rows 28 -> 13 ms
-(benchmarks/RESULTS.md).
+uses) and streams it once. On the 2-core AMD EPYC dev machine, 1 thread, SmolLM2-135M's
+120 projections as a step runs them take 0.61 of F.linear's time at 16 rows, 0.90 at 1
+row and 0.77 at 2,048; its LM head 0.44 at 16 rows (benchmarks/cpu_linear.py,
+benchmarks/RESULTS.md).
 
 Numerics: still float32 products summed in float32, but in oneDNN's order, so results
 differ from ``F.linear``'s (and transformers') in the last bits: about 1e-6 relative.
