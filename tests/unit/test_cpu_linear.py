@@ -59,8 +59,9 @@ def test_asking_for_onednn_where_it_cannot_run_says_why():
 
 @needs_onednn
 def test_the_engine_runs_every_projection_and_the_lm_head_through_onednn(tiny_model):
-    llm = LLM(model=tiny_model("llama"))
+    llm = LLM(model=tiny_model("qwen2"))  # q/k/v biases, tied embeddings
     model = llm.engine.model
+    assert model.config.tie_word_embeddings
     assert llm.engine.runner.linear == "onednn"
     for layer in model.model.layers:
         assert isinstance(layer.self_attn.qkv_proj, OneDNNLinear)
@@ -68,8 +69,9 @@ def test_the_engine_runs_every_projection_and_the_lm_head_through_onednn(tiny_mo
         assert isinstance(layer.mlp.gate_up_proj, OneDNNLinear)
         assert isinstance(layer.mlp.down_proj, OneDNNLinear)
     assert isinstance(model.lm_head, OneDNNLinear)
+    assert model.model.layers[0].self_attn.qkv_proj.bias is not None
     # A tied LM head keeps the embedding dense beside the reordered copy.
     assert model.model.embed_tokens.weight.layout == torch.strided
-    plain = LLM(model=tiny_model("llama"), cpu_linear="torch").engine.model
+    plain = LLM(model=tiny_model("qwen2"), cpu_linear="torch").engine.model
     assert isinstance(plain.lm_head, torch.nn.Linear)
     assert isinstance(plain.model.layers[0].mlp.gate_up_proj, torch.nn.Linear)
