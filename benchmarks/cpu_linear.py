@@ -1,12 +1,14 @@
-"""The model's linear layers through F.linear (MKL) against oneDNN with reordered weights.
+"""The model's linear layers through F.linear against oneDNN with reordered weights.
 
 Every projection of every layer (fused q/k/v, o, fused gate/up, down) of the loaded
-checkpoint, then the LM head, as one step runs them: one after the other, so the weights
+checkpoint, then the LM head, as one step runs them (F.linear is MKL's SGEMM in float32,
+oneDNN without the reordered weight in bfloat16): one after the other, so the weights
 come from memory as in a real step, not from the cache. Same inputs, same thread count,
 the two paths alternating over rounds; medians and the ratio per row count. Rows 16 are
 a decode step at batch 16, 2,048 a prefill step's token budget.
 
     python benchmarks/cpu_linear.py [--model DIR|FILE.gguf] [--threads 1] [--rounds 5]
+        [--dtype float32|bfloat16]
 """
 from __future__ import annotations
 
@@ -45,20 +47,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rows", default="1,16,64,2048")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     a = ap.parse_args()
     if not onednn_available():
         raise SystemExit("this torch has no oneDNN: nothing to compare")
     torch.set_num_threads(a.threads)
-    model = load_model(a.model or default_model_dir(), "float32", "cpu")
+    model = load_model(a.model or default_model_dir(), a.dtype, "cpu")
     model.fuse_projections()
     mkl = {"layers": projections(model), "lm head": [model.lm_head]}
     dnn = {k: [OneDNNLinear(m) for m in v] for k, v in mkl.items()}
     print(f"{datetime.now():%Y-%m-%d %H:%M}; {machine()}; torch threads {a.threads}; "
-          f"{len(mkl['layers'])} projections + LM head {tuple(model.lm_head.weight.shape)}")
-    print(f"{'part':>8} {'rows':>5} {'F.linear (MKL)':>15} {'oneDNN':>10} {'ratio':>7}")
+          f"{len(mkl['layers'])} projections + LM head {tuple(model.lm_head.weight.shape)}, "
+          f"{a.dtype}")
+    print(f"{'part':>8} {'rows':>5} {'F.linear':>15} {'oneDNN':>10} {'ratio':>7}")
     for rows in [int(r) for r in a.rows.split(",")]:
         sizes = {m.in_features for v in mkl.values() for m in v}
-        inputs = {n: torch.randn(rows, n) for n in sizes}
+        inputs = {n: torch.randn(rows, n, dtype=model.lm_head.weight.dtype) for n in sizes}
         for part in mkl:
             base, ours = [], []
             timed(mkl[part], inputs), timed(dnn[part], inputs)  # warm-up

@@ -69,10 +69,11 @@ def engine_options(fn):
                      "pages in every layer; 0: off [default: half of the KV cache's size]."),
         click.option("--cpu-linear", type=click.Choice(CPU_LINEAR_MODES),
                      default=engine_default("cpu_linear"), show_default=True,
-                     help="float32 linear layers on the CPU: 'onednn' reorders each weight "
-                     "once for oneDNN (about 1.6x faster GEMMs at decode rows; float32 results "
-                     "differ from F.linear's in the last bits), 'torch' keeps F.linear "
-                     "(transformers' bits), 'auto' takes onednn where torch has it."),
+                     help="float32 and bfloat16 linear layers on the CPU: 'onednn' "
+                     "reorders each weight once for oneDNN (about 1.6x faster GEMMs at "
+                     "decode rows; float32 results differ from F.linear's in the last bits, "
+                     "bfloat16 ones do not), 'torch' keeps F.linear (transformers' bits), "
+                     "'auto' takes onednn where torch has it."),
         click.option("--max-num-seqs", type=click.IntRange(min=1),
                      default=engine_default("max_num_seqs"),
                      show_default=True),

@@ -27,9 +27,9 @@ class EngineConfig:
     # CPU decode windows (engine/decode_window.py): at most this much memory; None: half
     # the KV cache's size; 0: off (every decode step gathers the context from the pages)
     decode_window_memory_gb: float | None = None
-    # float32 linear layers on the CPU (model/cpu_linear.py): "onednn" (weights reordered
-    # once: ~1.6x faster GEMMs at decode rows), "torch" (F.linear: transformers' bits), "auto":
-    # onednn where torch has it
+    # float32 and bfloat16 linear layers on the CPU (model/cpu_linear.py): "onednn" (each
+    # weight reordered once: ~1.6x faster GEMMs at decode rows), "torch" (F.linear:
+    # transformers' bits), "auto": onednn where torch has it
     cpu_linear: str = "auto"
 
     def __post_init__(self):

@@ -27,6 +27,17 @@ def test_onednn_linear_is_f_linear_to_float32_rounding(rows, bias):
 
 
 @needs_onednn
+@pytest.mark.parametrize("rows", [1, 2, 16, 64])
+def test_in_bfloat16_onednn_linear_gives_f_linears_bits(rows):
+    # F.linear already runs bfloat16 through oneDNN; the reordered weight changes no bit.
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(576, 1536, bias=True).to(torch.bfloat16)
+    x = torch.randn(rows, 576, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(OneDNNLinear(linear)(x), linear(x))
+
+
+@needs_onednn
 def test_a_row_does_not_depend_on_the_rest_of_the_batch():
     # What a request gets must not depend on what else runs in its step (from 2 rows up;
     # one row takes another kernel, as with MKL's GEMV).
@@ -40,17 +51,18 @@ def test_a_row_does_not_depend_on_the_rest_of_the_batch():
                 assert torch.equal(layer(x[lo:hi].contiguous()), whole[lo:hi])
 
 
-def test_auto_takes_onednn_only_for_float32_on_the_cpu():
+def test_auto_takes_onednn_for_float32_and_bfloat16_on_the_cpu():
     want = "onednn" if onednn_available() else "torch"
     assert resolve_cpu_linear("auto", CPU, torch.float32) == want
-    assert resolve_cpu_linear("auto", CPU, torch.bfloat16) == "torch"
+    assert resolve_cpu_linear("auto", CPU, torch.bfloat16) == want
+    assert resolve_cpu_linear("auto", CPU, torch.float16) == "torch"
     assert resolve_cpu_linear("auto", torch.device("cuda"), torch.float32) == "torch"
     assert resolve_cpu_linear("torch", CPU, torch.float32) == "torch"
 
 
 def test_asking_for_onednn_where_it_cannot_run_says_why():
-    with pytest.raises(ValueError, match="float32 models on the CPU, not bfloat16 on cpu"):
-        resolve_cpu_linear("onednn", CPU, torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16 models on the CPU, not float16 on cpu"):
+        resolve_cpu_linear("onednn", CPU, torch.float16)
     with pytest.raises(ValueError, match="cpu_linear must be 'auto', 'onednn' or 'torch'"):
         resolve_cpu_linear("mkl", CPU, torch.float32)
     with pytest.raises(ValueError, match="cpu_linear must be one of"):
