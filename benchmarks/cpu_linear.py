@@ -60,12 +60,13 @@ def main() -> None:
           f"{len(mkl['layers'])} projections + LM head {tuple(model.lm_head.weight.shape)}, "
           f"{a.dtype}")
     print(f"{'part':>8} {'rows':>5} {'F.linear':>15} {'oneDNN':>10} {'ratio':>7}")
+    sizes = {m.in_features for v in mkl.values() for m in v}
     for rows in [int(r) for r in a.rows.split(",")]:
-        sizes = {m.in_features for v in mkl.values() for m in v}
         inputs = {n: torch.randn(rows, n, dtype=model.lm_head.weight.dtype) for n in sizes}
         for part in mkl:
             base, ours = [], []
-            timed(mkl[part], inputs), timed(dnn[part], inputs)  # warm-up
+            timed(mkl[part], inputs)  # warm-up
+            timed(dnn[part], inputs)
             for _ in range(a.rounds):
                 base.append(timed(mkl[part], inputs))
                 ours.append(timed(dnn[part], inputs))

@@ -82,8 +82,14 @@ def test_the_engine_runs_every_projection_and_the_lm_head_through_onednn(tiny_mo
         assert isinstance(layer.mlp.down_proj, OneDNNLinear)
     assert isinstance(model.lm_head, OneDNNLinear)
     assert model.model.layers[0].self_attn.qkv_proj.bias is not None
-    # A tied LM head keeps the embedding dense beside the reordered copy.
-    assert model.model.embed_tokens.weight.layout == torch.strided
+    # The tied LM head's reordered copy is the embedding's weight, which stays dense for
+    # the token lookup.
+    hidden = torch.randn(5, model.config.hidden_size)
+    with torch.inference_mode():
+        torch.testing.assert_close(
+            model.compute_logits(hidden),
+            torch.nn.functional.linear(hidden, model.model.embed_tokens.weight),
+            rtol=1e-5, atol=1e-5)
     plain = LLM(model=tiny_model("qwen2"), cpu_linear="torch").engine.model
     assert isinstance(plain.lm_head, torch.nn.Linear)
     assert isinstance(plain.model.layers[0].mlp.gate_up_proj, torch.nn.Linear)
