@@ -163,7 +163,7 @@ async def _ready_check(backend, req, timeout_s: float, where: str) -> None:
 
 
 def backends_mod():
-    from pdserve.bench import backends  # httpx and zmq load only when a run starts
+    from pdserve.bench import backends  # aiohttp and zmq load only when a run starts
     return backends
 
 
