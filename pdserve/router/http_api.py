@@ -23,6 +23,7 @@ from starlette.requests import ClientDisconnect
 
 from pdserve.common.errors import REQUEST_TOO_LARGE, UNAUTHORIZED
 from pdserve.common.logprobs import empty, join
+from pdserve.common.metrics import metrics_endpoint
 from pdserve.router.choices import (
     Choice,
     Choices,
@@ -288,8 +289,39 @@ async def serve(core, authorize, request: Request, chat: bool) -> Response:
             watch.close(choices)
 
 
-def build_app(core, api_key: str | None = None) -> FastAPI:
-    """The app over ``core`` (see router/core.py). ``api_key``: require
+class HotRoutes:
+    """The ASGI app uvicorn serves: POST /v1/completions and /v1/chat/completions go
+    straight to ``serve``, every other request to the FastAPI app. FastAPI's layers
+    (middleware, routing, dependencies, telemetry, a wrapper around every ``send``) cost
+    about a sixth of the router's CPU per streamed request (py-spy, control_plane.py's
+    load) and do nothing for these two: ``serve`` reads and checks the body itself and
+    answers every failure with its own OpenAI error. ``fastapi``: the app behind, where
+    other routes are added (these two are there too, so that another method gets its
+    405)."""
+
+    def __init__(self, fastapi: FastAPI, routes: dict):
+        self.fastapi = fastapi
+        self.routes = routes  # path -> async handler(Request) -> Response
+
+    async def __call__(self, scope, receive, send) -> None:
+        handler = self.routes.get(scope["path"]) if scope["type"] == "http" and \
+            scope["method"] == "POST" else None
+        if handler is None:
+            return await self.fastapi(scope, receive, send)
+        try:
+            response = await handler(Request(scope, receive))
+        except Exception:  # serve answers its own failures: this is a bug
+            logger.exception("%s failed", scope["path"])
+            response = error_response(RequestError(INTERNAL, "internal error; see the "
+                                                             "router's log"))
+        try:
+            await response(scope, receive, send)
+        except ClientDisconnect:  # gone mid-stream: on_close has cancelled the request
+            pass
+
+
+def build_app(core, api_key: str | None = None) -> HotRoutes:
+    """The app over ``core`` (see router/core.py), /metrics included. ``api_key``: require
     ``Authorization: Bearer <key>`` on /v1/*."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     started = int(time.time())
@@ -337,4 +369,6 @@ def build_app(core, api_key: str | None = None) -> FastAPI:
         return JSONResponse({"status": "unavailable", "reason": reason, "loops": loops},
                             status_code=503)
 
-    return app
+    app.add_route("/metrics", metrics_endpoint(core.metrics.registry), methods=["GET"])
+    return HotRoutes(app, {"/v1/completions": completions,
+                           "/v1/chat/completions": chat_completions})

@@ -14,7 +14,7 @@ import uvicorn
 import uvloop
 
 from pdserve.common.gc_heap import freeze_startup_objects
-from pdserve.common.metrics import metrics_endpoint, start_metrics_server
+from pdserve.common.metrics import start_metrics_server
 from pdserve.common.security import (
     INGRESS_DOMAIN,
     InsecureWarnings,
@@ -39,7 +39,6 @@ async def serve(config: RouterConfig) -> None:
                                               config.metrics_port)
     await core.start()
     app = build_app(core, api_key=config.api_key)
-    app.add_route("/metrics", metrics_endpoint(core.metrics.registry), methods=["GET"])
     server = uvicorn.Server(uvicorn.Config(app, host=config.host,
                                            port=config.http_port, log_level="warning",
                                            lifespan="off", access_log=False,

@@ -390,6 +390,9 @@ def test_bad_requests_get_clear_errors_and_server_keeps_serving(cluster, client,
     assert info.value.body["code"] == "model_not_found"
     r = httpx.get(cluster.http_url + "/v1/nothing-here")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    for path in ("completions", "chat/completions"):  # POST alone takes the direct route
+        r = httpx.get(f"{cluster.http_url}/v1/{path}")
+        assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
     out = client.completions.create(model=model_name, prompt="Still here", max_tokens=2)
     assert out.usage.completion_tokens >= 1
 
