@@ -34,11 +34,14 @@ def copy_pages(dst: memoryview, src: memoryview, runs, page_bytes: int,
     than the copy. Slice assignment of memoryviews is a plain memcpy with far less
     per-call cost than a torch op: scattered 32 KiB pages copy near memcpy speed."""
     piece = max(1, PIECE_BYTES // page_bytes)
-    for s, d, n in split_runs(runs, piece):
-        a, b = d * page_bytes, (d + n) * page_bytes
-        dst[a:b] = src[s * page_bytes:(s + n) * page_bytes]
-        if hasher is not None:
-            hasher.update(dst[a:b])
+    for s, d, n in runs:
+        while n:  # most runs are a page or two: one pass, no generator per run
+            k = n if n <= piece else piece
+            a, b, c = d * page_bytes, (d + k) * page_bytes, s * page_bytes
+            dst[a:b] = src[c:c + b - a]
+            if hasher is not None:
+                hasher.update(dst[a:b])
+            s, d, n = s + k, d + k, n - k
 
 
 def paired_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
@@ -50,13 +53,6 @@ def paired_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append([s, d, 1])
     return [tuple(r) for r in runs]
-
-
-def split_runs(runs, piece_blocks: int):
-    """Runs cut into pieces of at most piece_blocks blocks."""
-    for s, d, n in runs:
-        for i in range(0, n, piece_blocks):
-            yield s + i, d + i, min(piece_blocks, n - i)
 
 
 def pages_checksum(src: memoryview, runs, page_bytes: int) -> int:
