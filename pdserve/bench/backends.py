@@ -59,7 +59,8 @@ class OpenAIBackend:
             self._session = aiohttp.ClientSession(
                 headers=self._headers,
                 connector=aiohttp.TCPConnector(limit=self._max_connections or 0),
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=60.0))
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=60.0),
+                read_bufsize=READ_BUFSIZE)
         return self._session
 
     async def send(self, req: SampleRequest) -> RequestRecord:
@@ -101,6 +102,9 @@ class OpenAIBackend:
 
 
 _JSON = {"Content-Type": "application/json"}
+# aiohttp refuses an SSE line over twice its read buffer (64 KiB by default): one chunk
+# carrying the tokens of a long stall, or long logprobs, can be longer.
+READ_BUFSIZE = 4 << 20
 
 
 def _finished(rec: RequestRecord, text: list[str]) -> RequestRecord:

@@ -211,3 +211,55 @@ def test_real_run_ingress(cluster, tiny_model):
     out = run_bench("--ingress", cluster.ingress, "--tokenizer", str(tiny_model("llama")),
                     "--max-concurrency", "6", "--percentile-metrics", "ttft,itl,e2el")
     assert "Total generated tokens:                  72" in out
+
+
+def test_http_backend_reads_an_sse_line_far_over_aiohttp_default_buffer():
+    """One SSE chunk of 1 MiB (a long stall's tokens in one event) is read, not failed:
+    aiohttp's default buffer refuses lines over 128 KiB."""
+    import asyncio
+    import threading
+    import time
+
+    import orjson
+    import uvicorn
+
+    from pdserve.bench.backends import OpenAIBackend
+    from pdserve.bench.cluster import free_port
+
+    text = "x" * (1 << 20)
+    body = (b"data: " + orjson.dumps({"choices": [{"index": 0, "text": text}]}) + b"\n\n"
+            + b'data: {"choices": [], "usage": {"completion_tokens": 7}}\n\ndata: [DONE]\n\n')
+
+    async def app(scope, receive, send):  # a stand-in completions endpoint
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline, "stand-in server did not start"
+            time.sleep(0.05)
+
+        async def one():
+            backend = OpenAIBackend(f"http://127.0.0.1:{port}", "/v1/completions", "m", {})
+            try:
+                return await backend.send(datasets.SampleRequest("hi", 1, 7))
+            finally:
+                await backend.aclose()
+
+        rec = asyncio.run(one())
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    assert rec.success, rec.error
+    assert rec.generated_text == text and rec.output_tokens == 7
