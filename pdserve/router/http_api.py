@@ -280,7 +280,7 @@ async def serve(core, authorize, request: Request, chat: bool) -> Response:
         handed_over = True
         return EventStream(sse_events(answer, choices, watch, first),
                            {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                           lambda: watch.close(choices))
+                           lambda: watch.close(choices), SSE_DONE)
     except Exception:
         logger.exception("request %s failed", choices.request_id)
         return error_response(RequestError(INTERNAL, "internal error; see the router's log"))

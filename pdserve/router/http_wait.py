@@ -53,12 +53,13 @@ class EventStream(Response):
     """A text/event-stream response from an async iterator of bytes, each sent as it comes.
     Starlette's StreamingResponse would also run a task group listening for the disconnect
     (ClientWatch already does) and ``background`` in a thread pool; ``on_close`` runs here,
-    on the loop, whether or not the body was ever iterated."""
+    on the loop, whether or not the body was ever iterated. A piece ending with ``last``
+    (the stream's final event) closes the body in the same write."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, body, headers: dict, on_close):
-        self.body_iterator, self.on_close = body, on_close
+    def __init__(self, body, headers: dict, on_close, last: bytes):
+        self.body_iterator, self.on_close, self.last = body, on_close, last
         self.status_code, self.background = 200, None
         self.init_headers(headers)
 
@@ -66,9 +67,12 @@ class EventStream(Response):
         try:
             await send({"type": "http.response.start", "status": 200,
                         "headers": self.raw_headers})
+            more = True
             async for chunk in self.body_iterator:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                more = not chunk.endswith(self.last)
+                await send({"type": "http.response.body", "body": chunk, "more_body": more})
+            if more:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:
             raise ClientDisconnect() from None
         finally:
