@@ -37,6 +37,7 @@ import zmq.asyncio
 from pdserve.bench import datasets, metrics, runner
 from pdserve.bench.backends import IngressBackend, OpenAIBackend
 from pdserve.bench.cluster import free_port, launched, machine, metric_totals
+from pdserve.bench.standin import sse_app
 
 
 def echo_server(address: str) -> None:
@@ -81,18 +82,7 @@ def fake_http(port: int, tokens: int) -> None:
     last = b"data: " + orjson.dumps({"id": "cmpl-0", "object": "text_completion", "choices": [],
                                      "usage": {"prompt_tokens": 32, "completion_tokens": tokens,
                                                "total_tokens": 32 + tokens}}) + b"\n\n"
-
-    async def app(scope, receive, send):
-        if scope["type"] != "http":
-            return
-        while (await receive()).get("more_body"):
-            pass
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})
-        for body in [chunk] * tokens + [last, b"data: [DONE]\n\n"]:
-            await send({"type": "http.response.body", "body": body, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
+    app = sse_app([chunk] * tokens + [last, b"data: [DONE]\n\n"])
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", http="httptools",
                 loop="uvloop", lifespan="off", access_log=False)
 

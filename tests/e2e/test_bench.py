@@ -225,22 +225,14 @@ def test_http_backend_reads_an_sse_line_far_over_aiohttp_default_buffer():
 
     from pdserve.bench.backends import OpenAIBackend
     from pdserve.bench.cluster import free_port
+    from pdserve.bench.standin import sse_app
 
     text = "x" * (1 << 20)
     body = (b"data: " + orjson.dumps({"choices": [{"index": 0, "text": text}]}) + b"\n\n"
             + b'data: {"choices": [], "usage": {"completion_tokens": 7}}\n\ndata: [DONE]\n\n')
 
-    async def app(scope, receive, send):  # a stand-in completions endpoint
-        if scope["type"] != "http":
-            return
-        while (await receive()).get("more_body"):
-            pass
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
-
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+    server = uvicorn.Server(uvicorn.Config(sse_app([body]), host="127.0.0.1", port=port,
                                            log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
