@@ -25,9 +25,10 @@ def _fail(rec: RequestRecord, error: str) -> RequestRecord:
 class OpenAIBackend:
     """Streams /v1/completions or /v1/chat/completions with usage in the last chunk.
 
-    On aiohttp: against a stand-in that answers at once (benchmarks/control_plane.py's
-    fake http) it spends ~0.2 ms of CPU per streamed request here, against ~1.4 ms for
-    httpx, whose ceiling (~700 requests/s) sat below what the router serves."""
+    On aiohttp: against a stand-in that answers at once it spends 0.2-0.26 ms of CPU per
+    streamed request on the 2-core dev machine, against 1.3-2.3 ms for httpx, whose
+    ceiling there (430-790 requests/s) sat below what the router serves
+    (benchmarks/http_client.py)."""
 
     def __init__(self, base_url: str, endpoint: str, model: str, sampling: dict,
                  max_connections: int | None = None, api_key: str | None = None):

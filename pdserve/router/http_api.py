@@ -293,11 +293,11 @@ class HotRoutes:
     """The ASGI app uvicorn serves: POST /v1/completions and /v1/chat/completions go
     straight to ``serve``, every other request to the FastAPI app. FastAPI's layers
     (middleware, routing, dependencies, telemetry, a wrapper around every ``send``) cost
-    about a sixth of the router's CPU per streamed request (py-spy, control_plane.py's
-    load) and do nothing for these two: ``serve`` reads and checks the body itself and
-    answers every failure with its own OpenAI error. ``fastapi``: the app behind, where
-    other routes are added (these two are there too, so that another method gets its
-    405)."""
+    about an eighth of the router's CPU per streamed request (an A/B in
+    benchmarks/RESULTS.md) and do nothing for these two: ``serve`` reads and checks the
+    body itself and answers every failure with its own OpenAI error. ``fastapi``: the app
+    behind, where other routes are added (these two are there too, so that another
+    method gets its 405)."""
 
     def __init__(self, fastapi: FastAPI, routes: dict):
         self.fastapi = fastapi
