@@ -30,7 +30,7 @@ from pdserve.common.request import SamplingParams
 from pdserve.model.make_model import make_model
 from pdserve.model.text import RequestOutputState
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.router.openai_schema import encode_text
+from pdserve.router.http.openai_schema import encode_text
 
 
 def worst_gap(fn) -> tuple[float, float]:

@@ -39,16 +39,16 @@ from pdserve.common.transport import (
 )
 from pdserve.router import streams as S
 from pdserve.router.config import RouterConfig
-from pdserve.router.dispatch import Dispatch
-from pdserve.router.flight import Output
-from pdserve.router.node_messages import (
+from pdserve.router.dispatch.dispatch import Dispatch
+from pdserve.router.dispatch.flight import Output
+from pdserve.router.dispatch.node_messages import (
     CONTROL_IN,
     NODE_BURST,
     NODE_MSGS_PER_S,
     STRANGER_BURST,
     STRANGER_MSGS_PER_S,
 )
-from pdserve.router.registry import Registry
+from pdserve.router.dispatch.registry import Registry
 
 log = logging.getLogger(__name__)
 

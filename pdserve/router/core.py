@@ -28,11 +28,11 @@ from pdserve.model.tokenizer import Tokenizer
 from pdserve.router import streams as S
 from pdserve.router.config import RouterConfig
 from pdserve.router.control import Control
-from pdserve.router.dispatch import Dispatch
+from pdserve.router.dispatch.dispatch import Dispatch
+from pdserve.router.dispatch.node_messages import CONTROL_IN  # noqa: F401 (part of this API)
+from pdserve.router.dispatch.policies import make_policy
+from pdserve.router.dispatch.registry import Registry
 from pdserve.router.limits import check_request
-from pdserve.router.node_messages import CONTROL_IN  # noqa: F401 (part of this API)
-from pdserve.router.policies import make_policy
-from pdserve.router.registry import Registry
 from pdserve.router.tokenizing import TokenizerPool
 
 log = logging.getLogger(__name__)

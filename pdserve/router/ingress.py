@@ -36,8 +36,8 @@ from pdserve.common.errors import DUPLICATE_ID
 from pdserve.common.protocol import queue as Q
 from pdserve.common.request import SamplingParams
 from pdserve.common.transport import CurveConfig, PlainTwin, endpoint_of, make_socket
+from pdserve.router.http.openai_schema import encode_text
 from pdserve.router.limits import check_prompt_bytes
-from pdserve.router.openai_schema import encode_text
 from pdserve.router.streams import (
     BAD_REQUEST,
     INTERNAL,

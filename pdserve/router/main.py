@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 async def serve(config: RouterConfig) -> None:
-    from pdserve.router.http_api import build_app
+    from pdserve.router.http.api import build_app
 
     core = RouterCore(config)
     check_router_security(config)

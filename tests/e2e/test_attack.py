@@ -28,7 +28,7 @@ from pdserve.common import protocol as P
 from pdserve.common.transport import make_socket, recv_message, send_message
 from pdserve.model.config import ModelConfig
 from pdserve.model.loader import model_identity_hash
-from pdserve.router.batching import MAX_BATCH_BYTES, split_by_size
+from pdserve.router.dispatch.batching import MAX_BATCH_BYTES, split_by_size
 from tests.cluster import launched
 
 PROMPT = "After the storm"
@@ -331,7 +331,7 @@ def test_a_flooding_stranger_is_held_to_its_budget(cluster, where):
     answers only as many as the strangers' shared budget allows (each answer is a decode
     and a reply it would otherwise owe), drops the rest unread and counts them."""
     from pdserve.node.io import KV_STRANGER_BURST, KV_STRANGER_MSGS_PER_S
-    from pdserve.router.node_messages import STRANGER_BURST, STRANGER_MSGS_PER_S
+    from pdserve.router.dispatch.node_messages import STRANGER_BURST, STRANGER_MSGS_PER_S
     from tests.e2e.test_metrics import scrape, value
 
     if where == "router control":

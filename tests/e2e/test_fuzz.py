@@ -24,8 +24,8 @@ from pdserve.common.rate_limit import Bucket
 from pdserve.common.security import CONTROL_MAX_MSG_BYTES
 from pdserve.node.io import KV_IN_TYPES, KV_STRANGER_BURST, KV_STRANGER_MSGS_PER_S
 from pdserve.router.core import CONTROL_IN
+from pdserve.router.dispatch.node_messages import STRANGER_BURST, STRANGER_MSGS_PER_S
 from pdserve.router.ingress import MAX_MSG_SIZE as INGRESS_MAX
-from pdserve.router.node_messages import STRANGER_BURST, STRANGER_MSGS_PER_S
 from tests.cluster import launched
 from tests.wire_reference import reference
 

@@ -16,7 +16,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pdserve.common.errors import REQUEST_TOO_LARGE
 from pdserve.common.request import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.router import http_api as api
+from pdserve.router.http import api
 from pdserve.router.streams import BAD_REQUEST, NOT_FOUND, RequestError
 
 N = 12

@@ -13,15 +13,15 @@ from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.common.metrics import RouterMetrics
 from pdserve.common.request import SamplingParams
-from pdserve.router import batching
 from pdserve.router import streams as S
-from pdserve.router.batching import request_bytes
 from pdserve.router.config import RouterConfig
-from pdserve.router.dispatch import MAX_ATTEMPTS, RETRY_RESERVE_S, Dispatch
-from pdserve.router.flight import State
-from pdserve.router.node_messages import MAX_EARLY_TOKENS
-from pdserve.router.policies import make_policy
-from pdserve.router.registry import Registry
+from pdserve.router.dispatch import batching
+from pdserve.router.dispatch.batching import request_bytes
+from pdserve.router.dispatch.dispatch import MAX_ATTEMPTS, RETRY_RESERVE_S, Dispatch
+from pdserve.router.dispatch.flight import State
+from pdserve.router.dispatch.node_messages import MAX_EARLY_TOKENS
+from pdserve.router.dispatch.policies import make_policy
+from pdserve.router.dispatch.registry import Registry
 
 MODEL = P.ModelIdentity(name="m", config_hash="h")
 BLOCK = 4
@@ -725,7 +725,7 @@ def test_a_failure_inside_one_request_is_contained():
 def test_aborts_merge_only_into_a_nodes_latest_message():
     """Aborts for one node and reason join while nothing else for that node lies between
     them; a message between keeps them apart, so the node sees everything in order."""
-    from pdserve.router.dispatch import merge_aborts
+    from pdserve.router.dispatch.dispatch import merge_aborts
 
     def abort(i, reason="x"):
         return P.Abort(req_ids=[i], reason=reason)

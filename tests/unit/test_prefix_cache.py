@@ -177,7 +177,7 @@ def test_cache_hits_keep_greedy_output_equal_to_transformers(tiny_model):
 # -- the router's cache-aware policy (pure: a registry, no process) --------------------------
 def make_registry(*roles_ids):
     from pdserve.common import protocol as P
-    from pdserve.router.registry import Registry
+    from pdserve.router.dispatch.registry import Registry
 
     model = P.ModelIdentity(name="m", config_hash="h")
     reg = Registry(model, 2, 2, 16, heartbeat_interval_s=1.0, liveness=3)
@@ -194,7 +194,7 @@ def make_registry(*roles_ids):
 
 
 def test_cache_aware_follows_the_prefix_until_the_load_gap_is_too_wide():
-    from pdserve.router.policies import CacheAware
+    from pdserve.router.dispatch.policies import CacheAware
 
     reg = make_registry(("prefill", "p0"), ("prefill", "p1"))
     policy = CacheAware(reg)
@@ -217,7 +217,7 @@ def test_cache_aware_follows_the_prefix_until_the_load_gap_is_too_wide():
 
 
 def test_cache_aware_forgets_departed_and_restarted_nodes():
-    from pdserve.router.policies import CacheAware
+    from pdserve.router.dispatch.policies import CacheAware
 
     reg = make_registry(("prefill", "p0"), ("prefill", "p1"))
     policy = CacheAware(reg)

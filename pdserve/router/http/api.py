@@ -24,7 +24,7 @@ from starlette.requests import ClientDisconnect
 from pdserve.common.errors import REQUEST_TOO_LARGE, UNAUTHORIZED
 from pdserve.common.logprobs import empty, join
 from pdserve.common.metrics import metrics_endpoint
-from pdserve.router.choices import (
+from pdserve.router.http.choices import (
     Choice,
     Choices,
     TokenTexts,
@@ -32,9 +32,7 @@ from pdserve.router.choices import (
     prompts,
     submit_choices,
 )
-from pdserve.router.http_tokens import add_token_routes
-from pdserve.router.http_wait import ClientWatch, EventStream
-from pdserve.router.openai_schema import (  # noqa: F401 (re-exported: the app's API)
+from pdserve.router.http.openai_schema import (  # noqa: F401 (re-exported: the app's API)
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_BODY_BYTES,
     SSE_DONE,
@@ -58,6 +56,8 @@ from pdserve.router.openai_schema import (  # noqa: F401 (re-exported: the app's
     stream_options,
     usage,
 )
+from pdserve.router.http.tokens import add_token_routes
+from pdserve.router.http.wait import ClientWatch, EventStream
 from pdserve.router.streams import (
     INTERNAL,
     RequestError,

@@ -7,7 +7,7 @@ import asyncio
 from fastapi import Request, Response
 from starlette.requests import ClientDisconnect
 
-from pdserve.router.choices import Choice, Choices
+from pdserve.router.http.choices import Choice, Choices
 from pdserve.router.streams import StreamEvent
 
 

@@ -6,7 +6,7 @@ import itertools
 from collections import OrderedDict
 
 from pdserve.common.block_hash import block_hashes
-from pdserve.router.registry import NodeInfo, Registry
+from pdserve.router.dispatch.registry import NodeInfo, Registry
 
 MAX_INDEX_BLOCKS = 1 << 20  # per node, whatever its cache claims: bounds the router's memory
 

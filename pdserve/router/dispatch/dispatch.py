@@ -42,11 +42,11 @@ from pdserve.common.metrics import RouterMetrics
 from pdserve.common.request import to_spec
 from pdserve.model.text import RequestOutputState
 from pdserve.router import streams as S
-from pdserve.router.batching import PrefillDispatch
 from pdserve.router.config import RouterConfig
-from pdserve.router.flight import Flight, Output, State
-from pdserve.router.node_messages import NodeMessages
-from pdserve.router.registry import DRAINING, NodeInfo, Registry
+from pdserve.router.dispatch.batching import PrefillDispatch
+from pdserve.router.dispatch.flight import Flight, Output, State
+from pdserve.router.dispatch.node_messages import NodeMessages
+from pdserve.router.dispatch.registry import DRAINING, NodeInfo, Registry
 
 log = logging.getLogger(__name__)
 

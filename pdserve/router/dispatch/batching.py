@@ -11,8 +11,8 @@ import msgspec
 
 from pdserve.common import protocol as P
 from pdserve.router import streams as S
-from pdserve.router.flight import Flight, State
-from pdserve.router.registry import LIVE, NodeInfo
+from pdserve.router.dispatch.flight import Flight, State
+from pdserve.router.dispatch.registry import LIVE, NodeInfo
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.common.logprobs import problem as logprobs_problem
 from pdserve.router import streams as S
-from pdserve.router.flight import Flight, State
+from pdserve.router.dispatch.flight import Flight, State
 
 log = logging.getLogger(__name__)
 

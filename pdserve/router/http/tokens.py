@@ -17,8 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve import __version__
-from pdserve.router.limits import check_prompt_bytes
-from pdserve.router.openai_schema import (
+from pdserve.router.http.openai_schema import (
     bad,
     chat_messages,
     chat_prompt_ids,
@@ -27,6 +26,7 @@ from pdserve.router.openai_schema import (
     encode_text,
     get_field,
 )
+from pdserve.router.limits import check_prompt_bytes
 from pdserve.router.streams import RequestError
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "return_token_strs",

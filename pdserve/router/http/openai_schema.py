@@ -11,8 +11,8 @@ import jinja2
 import orjson
 
 from pdserve.common.request import MAX_LOGPROBS, MAX_SEED, SamplingParams
+from pdserve.router.http.structured import logits_processing
 from pdserve.router.streams import BAD_REQUEST, NOT_FOUND, RequestError
-from pdserve.router.structured import logits_processing
 
 MAX_BODY_BYTES = 4 << 20
 MAX_JSON_DEPTH = 32                      # nesting of arrays and objects in a request body

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 
 from pdserve.common.logprobs import empty, join
 from pdserve.common.protocol import MAX_HEADER_BYTES, Logprobs
-from pdserve.router.limits import check_prompt_bytes
-from pdserve.router.openai_schema import (
+from pdserve.router.http.openai_schema import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_CHOICES,
     ChoiceOptions,
@@ -30,6 +29,7 @@ from pdserve.router.openai_schema import (
     encode_text,
     sampling_params,
 )
+from pdserve.router.limits import check_prompt_bytes
 from pdserve.router.streams import GenerationRequest, RequestStream, StreamEvent
 
 LOWEST = -9999.0

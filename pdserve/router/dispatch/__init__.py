@@ -1,0 +1,1 @@
+"""The dispatch: a pure state machine (events in, messages out), membership, policies."""
