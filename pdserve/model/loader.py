@@ -2,14 +2,17 @@
 sharded) or a GGUF file (see gguf.py)."""
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from pdserve.model.config import ModelConfig, ModelLoadError
+from pdserve.model.identity import (  # noqa: F401 (re-exported: the nodes' names)
+    model_identity_hash,
+    model_name,
+    weight_files,
+)
 from pdserve.model.llama import LlamaForCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -29,47 +32,9 @@ def resolve_dtype(name: str | torch.dtype, cfg: ModelConfig | None = None) -> to
     return DTYPES[name]
 
 
-def weight_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [n for n in names if not (model_dir / n).is_file()]
-        if missing:
-            raise ModelLoadError(f"{index} names shards that are missing: {missing}")
-        return [model_dir / n for n in names]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        others = sorted(p.name for p in model_dir.iterdir()
-                        if p.suffix in (".bin", ".pt", ".pth", ".gguf", ".ckpt"))
-        hint = f"; found {others}, which are not supported" if others else ""
-        raise ModelLoadError(
-            f"no weights in {model_dir}: expected model.safetensors or sharded "
-            f"model-*.safetensors with model.safetensors.index.json{hint}")
-    return files
-
-
 def load_config(model_path: str | Path) -> ModelConfig:
     """The config of a checkpoint folder or of a .gguf file."""
     return ModelConfig.from_dir(model_path)
-
-
-def model_name(model_path: str | Path) -> str:
-    """The name a checkpoint is served under: the folder's name, or the file's without .gguf."""
-    model_path = Path(model_path)
-    return model_path.name.removesuffix(".gguf") if model_path.is_file() else model_path.name
-
-
-def model_identity_hash(model_path: str | Path) -> str:
-    """A short fingerprint of config + weight files, so that nodes serving
-    different weights under the same name are told apart."""
-    model_path = Path(model_path)
-    if model_path.is_file():
-        from pdserve.model import gguf
-        return gguf.identity_hash(model_path)
-    h = hashlib.sha256((model_path / "config.json").read_bytes())
-    for f in weight_files(model_path):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
-    return h.hexdigest()[:16]
 
 
 def _safetensors(model_dir: Path, expected: dict, dtype: torch.dtype, device):

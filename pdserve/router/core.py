@@ -23,7 +23,7 @@ from pathlib import Path
 from pdserve.common import protocol as P
 from pdserve.common.metrics import RouterMetrics
 from pdserve.model.config import ModelConfig
-from pdserve.model.loader import model_identity_hash, model_name
+from pdserve.model.identity import model_identity_hash, model_name
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.router import streams as S
 from pdserve.router.config import RouterConfig
