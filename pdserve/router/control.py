@@ -6,7 +6,9 @@ owns the socket (the receive loop and every send), the registry's membership (He
 Bye, Drain, heartbeats, expiry), the clock (every TICK_S: a stall of the router itself,
 dead nodes, heartbeats, then ``dispatch.tick``) and the flush of prefill batches once
 per event-loop turn. Node messages about requests go to the Dispatch; what it returns is
-sent here (``apply``), and its client events go to ``on_events``.
+applied here (``apply``): its messages sent, its client events pushed into the request
+streams (``streams``, the table the core registers each request's stream in). The way is
+one way: core -> control -> dispatch, and back only as return values.
 
 Membership rules: a node speaks only for its own socket identity. The same node id with
 the same ``incarnation`` again (the router stalled, the node said Hello once more) is a
@@ -20,7 +22,6 @@ import asyncio
 import logging
 import os
 import time
-from typing import Callable
 
 import zmq
 import zmq.asyncio
@@ -57,10 +58,9 @@ TICK_S = 0.05              # deadlines, heartbeats and dead nodes are checked th
 
 class Control:
     def __init__(self, config: RouterConfig, registry: Registry, dispatch: Dispatch,
-                 metrics: RouterMetrics,
-                 on_events: Callable[[list[tuple[str, S.StreamEvent]]], None]):
+                 metrics: RouterMetrics, streams: dict[str, S.RequestStream]):
         self.config, self.registry, self.dispatch = config, registry, dispatch
-        self.metrics, self.on_events = metrics, on_events
+        self.metrics, self.streams = metrics, streams
         self.incarnation = os.urandom(8).hex()
         self.loop_ticks = {"receive": 0, "tick": 0}   # turns of each loop (/health reads them)
         self.last_tick = time.monotonic()
@@ -113,13 +113,32 @@ class Control:
                 for node_id, what, req_id, why in out.dropped:
                     self._refuse(node_id, what, req_id, why)
                 if out.events:
-                    self.on_events(out.events)
+                    todo.extend(self._deliver(out.events))
         finally:
             if sent:
                 self._twin.rearm()
         if self.dispatch.has_batches() and not self._flush_scheduled:
             self._flush_scheduled = True  # what comes in this loop turn leaves together
             asyncio.get_running_loop().call_soon(self._flush)
+
+    def _deliver(self, events: list[tuple[str, S.StreamEvent]]) -> list[Output]:
+        """Pushes each event into its request's stream (a stream whose request ended is
+        forgotten); what dispatch decided for requests whose sink failed."""
+        failed = []
+        for req_id, event in events:
+            stream = self.streams.get(req_id)
+            if stream is None:
+                continue
+            if event.is_last:
+                del self.streams[req_id]
+            try:
+                stream.push(event)
+            except Exception:  # a front end's sink failed: that request ends, no other
+                self.metrics.internal_error("router.deliver", log)
+                if not event.is_last:
+                    failed.append(self.dispatch.fail(
+                        req_id, S.INTERNAL, "internal error while delivering; see the log"))
+        return failed
 
     def _send(self, node_id: str | bytes, msg: P.Message) -> str | None:
         """None when sent, else why not ("unreachable", "full", "unencodable")."""
@@ -158,18 +177,18 @@ class Control:
                            rate=NODE_MSGS_PER_S, burst=NODE_BURST,
                            stranger_rate=STRANGER_MSGS_PER_S, stranger_burst=STRANGER_BURST)
 
-    async def receive_loop(self, handle: Callable[[str, P.Message], None]) -> None:
-        """Feeds each message to ``handle`` (node id, message), usually ``self.handle``."""
+    async def receive_loop(self) -> None:
+        """Feeds each message to ``self.handle`` (node id, message), looked up per message
+        (a wrapper set later is used: tests inject faults that way)."""
         budgets = self._message_budgets()
         while True:
             try:
                 async for frames in self._twin.received(copy=False):
-                    self._receive(frames, handle, budgets)
+                    self._receive(frames, budgets)
             except Exception:  # a socket failure: count it, keep the loop
                 self.metrics.internal_error("router.receive", log)
 
-    def _receive(self, frames: list, handle: Callable[[str, P.Message], None],
-                 budgets: PeerBudgets) -> None:
+    def _receive(self, frames: list, budgets: PeerBudgets) -> None:
         try:
             peer, msg = split_routed(frames, CONTROL_IN, budgets.admit)
         except Throttled as err:
@@ -185,7 +204,7 @@ class Control:
             return
         self.loop_ticks["receive"] += 1
         try:
-            handle(peer.decode(errors="replace"), msg)
+            self.handle(peer.decode(errors="replace"), msg)
         except Exception:  # one bad message must not stop the router
             where = f"router.receive.{type(msg).__name__}"
             self.metrics.internal_error(where, log)
@@ -205,7 +224,7 @@ class Control:
             if not isinstance(msg, (P.Heartbeat, P.Bye)):
                 self._refuse(node_id, type(msg).__name__, "-", "the node is not registered")
         elif isinstance(msg, P.Drain):
-            self.dispatch.node_draining(node_id)
+            self.registry.drain(node_id)
             log.info("node %s is draining: %s", node_id, msg.reason)
         elif isinstance(msg, P.Bye):
             self.apply(self.dispatch.node_gone(self.registry.remove(node_id),
@@ -235,7 +254,8 @@ class Control:
         ok, reason = self.registry.admit(msg, now=now, keep=resync)
         if resync and ok:
             log.info("%s node %s said hello again (same incarnation): resynced, its %d "
-                     "requests stay", msg.role, node_id, len(known.requests))
+                     "requests stay", msg.role, node_id,
+                     self.dispatch.placement.num_requests(node_id))
         else:
             (log.info if ok else log.warning)("%s node %s %s%s", msg.role, node_id,
                                               "joined" if ok else "refused: ", reason)

@@ -1,5 +1,5 @@
 """The router's core as the front ends see it: a thin asyncio shell over the dispatch
-state machine (dispatch.py) and the control socket (control.py).
+state machine (dispatch/) and the control socket (control.py).
 
     core = RouterCore(config)            # reads config.json + tokenizer of config.model
     await core.start()                   # binds the control socket, starts its loops
@@ -10,8 +10,10 @@ state machine (dispatch.py) and the control socket (control.py).
     core.health()                        # (ok, reason): loops alive, nodes enough
 
 Everything runs on one asyncio loop (the core is not thread-safe). A request's states,
-failover and the rules for node messages are dispatch's; this shell owns the streams:
-each client event dispatch returns goes to its request's ``RequestStream``.
+failover and the rules for node messages are dispatch's. The way is one way: the core
+registers each request's ``RequestStream`` in ``streams`` and hands what dispatch returns
+to control; control sends the messages and pushes the client events into the streams;
+the front ends read the streams. Nothing calls back into the core.
 """
 from __future__ import annotations
 
@@ -30,7 +32,6 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.control import Control
 from pdserve.router.dispatch.dispatch import Dispatch
 from pdserve.router.dispatch.node_messages import CONTROL_IN  # noqa: F401 (part of this API)
-from pdserve.router.dispatch.policies import make_policy
 from pdserve.router.dispatch.registry import Registry
 from pdserve.router.limits import check_request
 from pdserve.router.tokenizing import TokenizerPool
@@ -52,16 +53,16 @@ class RouterCore:
                                    config_hash=model_identity_hash(model_dir))
         self.registry = Registry(identity, cfg.num_hidden_layers, cfg.num_key_value_heads,
                                  cfg.head_dim, config.heartbeat_interval_s, config.liveness)
-        self.policy = make_policy(config.policy, self.registry)
         self.metrics = RouterMetrics(self.model_name, error_codes=S.HTTP_STATUS)
-        self.dispatch = Dispatch(self.registry, self.policy, self.metrics, config,
+        self.dispatch = Dispatch(self.registry, config.policy, self.metrics, config,
                                  cfg.vocab_size, cfg.eos_token_ids, cfg.max_model_len,
                                  self.tokenizer)
+        self.policy = self.dispatch.policy
+        self.streams: dict[str, S.RequestStream] = {}   # by the client's request id
         self.control = Control(config, self.registry, self.dispatch, self.metrics,
-                               self._events)
+                               self.streams)
         self.metrics.watch(lambda: len(self.dispatch.requests), lambda: [
             (n.role, n.state) for n in list(self.registry.nodes.values())])
-        self.streams: dict[str, S.RequestStream] = {}   # by the client's request id
         self.tokenizing = TokenizerPool(config.tokenizer_threads, config.max_tokenizing)
         self._tasks: list[asyncio.Task] = []
 
@@ -121,10 +122,7 @@ class RouterCore:
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
         self.control.open()
-        # The handler is looked up per message, so a wrapper set on the core later is used
-        # (tests inject faults that way).
-        receive = self.control.receive_loop(lambda node_id, msg: self._handle(node_id, msg))
-        self._tasks = [asyncio.create_task(receive, name="receive"),
+        self._tasks = [asyncio.create_task(self.control.receive_loop(), name="receive"),
                        asyncio.create_task(self.control.tick_loop(), name="tick")]
         log.info("router control socket on %s, model %s", self.config.control, self.model_name)
 
@@ -135,22 +133,3 @@ class RouterCore:
         self.tokenizing.close()
         self.control.apply(self.dispatch.fail_all(S.NO_NODES, "the router is shutting down"))
         self.control.close()
-
-    # -- from control --------------------------------------------------------------------------
-    def _handle(self, node_id: str, msg: P.Message) -> None:
-        self.control.handle(node_id, msg)
-
-    def _events(self, events: list[tuple[str, S.StreamEvent]]) -> None:
-        for req_id, event in events:
-            stream = self.streams.get(req_id)
-            if stream is None:
-                continue
-            if event.is_last:
-                del self.streams[req_id]
-            try:
-                stream.push(event)
-            except Exception:  # a front end's sink failed: that request ends, no other
-                self.metrics.internal_error("router.deliver", log)
-                if not event.is_last:
-                    self.control.apply(self.dispatch.fail(
-                        req_id, S.INTERNAL, "internal error while delivering; see the log"))

@@ -120,7 +120,7 @@ def test_a_raising_handler_stops_no_router_loop(model, tmp_path):
     h = Harness(model, tmp_path)
     try:
         h.start_nodes([("prefill", "rp"), ("decode", "rd")])
-        core, handle, expire = h.core, h.core._handle, h.core.registry.expire
+        core, handle, expire = h.core, h.core.control.handle, h.core.registry.expire
         failures = {"handle": 3, "expire": 3}
 
         def bad_handle(node_id, msg):
@@ -134,7 +134,7 @@ def test_a_raising_handler_stops_no_router_loop(model, tmp_path):
                 failures["expire"] -= 1
                 raise RuntimeError("injected clock failure")
             return expire(now)
-        core._handle, core.registry.expire = bad_handle, bad_expire
+        core.control.handle, core.registry.expire = bad_handle, bad_expire
         before = dict(core.loop_ticks)
         h.wait(lambda: not any(failures.values()), 10)
         h.wait(lambda: core.loop_ticks["tick"] > before["tick"] + 10

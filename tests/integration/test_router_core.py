@@ -265,7 +265,7 @@ def test_decode_node_killed_mid_stream_loses_no_token(model, offline, tmp_path):
             # Wait until tokens flow, then kill one decode node.
             while min(len(f.out.token_ids) for f in h.core.requests.values()) < 3:
                 await asyncio.sleep(0.005)
-            victims = h.core.registry.nodes["fd0"].requests
+            victims = h.core.dispatch.placement.requests("fd0")
             assert victims, "nothing was running on the node about to die"
             _kill(h.procs["fd0"])
             return await asyncio.gather(*tasks)
@@ -287,7 +287,7 @@ def test_prefill_node_killed_with_a_batch_in_flight(model, offline, tmp_path):
         async def go():
             streams = [h.core.submit(S.GenerationRequest(p, greedy(4))) for p in ps]
             tasks = [asyncio.create_task(collect(s)) for s in streams]
-            while not h.core.registry.nodes["kp0"].requests:
+            while not h.core.dispatch.placement.requests("kp0"):
                 await asyncio.sleep(0.005)
             _kill(h.procs["kp0"])
             return await asyncio.gather(*tasks)
@@ -335,7 +335,7 @@ def test_sigterm_drains_a_node_then_it_exits_cleanly(model, offline, tmp_path):
             tasks = [asyncio.create_task(collect(s)) for s in first]
             while min(len(f.out.token_ids) for f in h.core.requests.values()) < 2:
                 await asyncio.sleep(0.005)
-            assert h.core.registry.nodes["dd0"].requests
+            assert h.core.dispatch.placement.requests("dd0")
             h.procs["dd0"].terminate()  # SIGTERM
             while h.core.registry.nodes["dd0"].state != "draining":
                 await asyncio.sleep(0.005)

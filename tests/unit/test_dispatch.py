@@ -20,7 +20,6 @@ from pdserve.router.dispatch.batching import request_bytes
 from pdserve.router.dispatch.dispatch import MAX_ATTEMPTS, RETRY_RESERVE_S, Dispatch
 from pdserve.router.dispatch.flight import State
 from pdserve.router.dispatch.node_messages import MAX_EARLY_TOKENS
-from pdserve.router.dispatch.policies import make_policy
 from pdserve.router.dispatch.registry import Registry
 
 MODEL = P.ModelIdentity(name="m", config_hash="h")
@@ -55,8 +54,8 @@ class Rig:
         for role, node_id in nodes:
             self.join(role, node_id)
         self.metrics = RouterMetrics("m", error_codes=S.HTTP_STATUS)
-        self.d = Dispatch(self.registry, make_policy(policy, self.registry), self.metrics,
-                          RouterConfig(**config), VOCAB, (EOS,), max_model_len=1 << 22)
+        self.d = Dispatch(self.registry, policy, self.metrics, RouterConfig(**config), VOCAB,
+                          (EOS,), max_model_len=1 << 22)
         self.inbox: list[tuple[str, P.Message]] = []    # sent, not yet read by a test
         self.tokens: dict[str, list[int]] = {}          # what each client has seen
         self.end: dict[str, S.StreamEvent] = {}         # each client's terminal event
@@ -192,8 +191,8 @@ def test_reserve_before_prefill_then_tokens_reach_the_client_once_in_order():
     assert (end.prompt_tokens, end.completion_tokens) == (5, 4)
     assert not rig.aborted(), "the nodes finished it themselves: nothing to abort"
     assert not rig.d.flights and not rig.d.requests
-    assert not rig.registry.nodes["d0"].requests and not rig.registry.nodes["p0"].requests
-    assert rig.registry.nodes["p0"].queued_prompt_tokens == 0
+    assert not rig.d.placement.requests("d0") and not rig.d.placement.requests("p0")
+    assert rig.d.placement.queued_tokens("p0") == 0
     assert counted(rig.metrics, "pdserve_requests_total", finish_reason="length") == 1
     assert counted(rig.metrics, "pdserve_generation_tokens_total") == 4
 
@@ -271,7 +270,7 @@ def test_prefill_load_counts_from_the_pick_and_returns_to_zero():
     rids = [rig.submit(prompt=[7] * 8) for _ in range(8)]
 
     def loads():
-        return [rig.registry.nodes[p].queued_prompt_tokens for p in ("p0", "p1")]
+        return [rig.d.placement.queued_tokens(p) for p in ("p0", "p1")]
     assert loads() == [32, 32]
     reserves = rig.reserves()
     for r in reserves[:2]:                  # refused: picked again, counted once
@@ -329,7 +328,7 @@ def test_colocated_node_needs_no_reservation():
     rig.first("c0", rid, 11)
     rig.stream("c0", rid, [13], finish="length")
     assert rig.tokens[rid] == [11, 12, 13] and rig.end[rid].finish_reason == "length"
-    assert not rig.registry.nodes["c0"].requests
+    assert not rig.d.placement.requests("c0")
 
 
 # -- failover at every stage ----------------------------------------------------------------
@@ -358,7 +357,7 @@ def test_decode_node_gone_while_prefilling_aborts_the_prefill_and_goes_again():
     rig.gone("d0")
     assert rig.aborted() == {"p0": {rid}}
     # the new attempt's prompt alone counts as p0's load (the old one's was taken off)
-    assert rig.registry.nodes["p0"].queued_prompt_tokens == 5
+    assert rig.d.placement.queued_tokens("p0") == 5
     rig.to_prefill("d1", "p0", f"{rid}~1")
     rig.first("p0", rid, 99)                 # the old attempt's first token: ignored
     assert rig.tokens[rid] == []
@@ -471,7 +470,7 @@ def test_without_a_prefill_node_the_request_waits_then_times_out_saying_so():
     err = rig.end[rid].error
     assert err.code == S.TIMEOUT and "deadline (5 s)" in err.message
     assert f"looked {looks} times for a live prefill node" in err.message
-    assert not rig.d.flights and not rig.registry.nodes["d0"].requests
+    assert not rig.d.flights and not rig.d.placement.requests("d0")
     assert counted(rig.metrics, "pdserve_request_errors_total", code=S.TIMEOUT) == 1
 
 
@@ -640,8 +639,8 @@ def test_cancel_aborts_on_the_nodes_holding_the_request(stage):
     rig.first("p0", rid, 12)
     rig.stream("d0", rid, [13])
     assert rig.tokens[rid] == ([11] if stage == "decoding" else [])
-    assert rig.registry.nodes["p0"].queued_prompt_tokens == 0
-    assert not rig.registry.nodes["d0"].requests and not rig.registry.nodes["p0"].requests
+    assert rig.d.placement.queued_tokens("p0") == 0
+    assert not rig.d.placement.requests("d0") and not rig.d.placement.requests("p0")
     assert counted(rig.metrics, "pdserve_requests_total", finish_reason="abort") == 1
 
 
@@ -675,7 +674,7 @@ def test_a_draining_node_keeps_its_requests_and_gets_no_new_ones():
     other = {"d0": "d1", "d1": "d0"}[serving]
     rig.to_prefill(serving, "p0", rid)
     rig.first("p0", rid, 11)
-    rig.d.node_draining(serving)
+    rig.registry.drain(serving)
     late = [rig.submit() for _ in range(3)]
     assert {rig.d.requests[r].decode_node for r in late} == {other}
     rig.stream(serving, rid, [12, 13], finish="length")

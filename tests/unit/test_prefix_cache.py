@@ -194,21 +194,23 @@ def make_registry(*roles_ids):
 
 
 def test_cache_aware_follows_the_prefix_until_the_load_gap_is_too_wide():
+    from pdserve.router.dispatch.placement import Placement
     from pdserve.router.dispatch.policies import CacheAware
 
     reg = make_registry(("prefill", "p0"), ("prefill", "p1"))
-    policy = CacheAware(reg)
+    placement = Placement()
+    policy = CacheAware(reg, placement)
     p0, p1 = reg.nodes["p0"], reg.nodes["p1"]
     shared = list(range(100, 164))                      # 4 blocks
     first = policy.pick("prefill", [p0, p1], shared + [1, 2])
-    first.queued_prompt_tokens += 66
+    placement.queue(first.node_id, 66)
     other = p1 if first is p0 else p0
     # Same prefix: the node that has it, although it is busier.
     assert policy.pick("prefill", [p0, p1], shared + [3, 4, 5]) is first
     # A new prefix goes to the least loaded.
     assert policy.pick("prefill", [p0, p1], list(range(500, 540))) is other
     # Too busy: past the slack, the least loaded wins even with the prefix elsewhere.
-    first.queued_prompt_tokens += CacheAware.PREFILL_SLACK_TOKENS + 1
+    placement.queue(first.node_id, CacheAware.PREFILL_SLACK_TOKENS + 1)
     assert policy.pick("prefill", [p0, p1], shared + [6]) is other
     # Bounded by the node's cache size.
     for i in range(20):

@@ -1,23 +1,15 @@
-"""What leaves per node per turn: which prefill node an attempt goes to, and how the
-reservations one decode node got since the last flush leave as Reserve messages, and
-the requests one prefill node got as PrefillBatch messages, each under the protocol's
-header limit. Pure (no sockets, no clock): ``PrefillDispatch`` is part of
-dispatch.Dispatch, and control.py calls ``flush`` once per event-loop turn."""
+"""What leaves per node per turn: the reservations one decode node got since the last
+flush leave as Reserve messages, and the requests one prefill node got as PrefillBatch
+messages, each under the protocol's header limit. Pure (no sockets, no clock; it reads
+the flights, never changes them): the dispatch holds a ``Batcher``, queues into it as
+attempts are placed, and empties it in its ``flush``, which control.py calls once per
+event-loop turn."""
 from __future__ import annotations
-
-import logging
 
 import msgspec
 
 from pdserve.common import protocol as P
-from pdserve.router import streams as S
 from pdserve.router.dispatch.flight import Flight, State
-from pdserve.router.dispatch.registry import LIVE, NodeInfo
-
-log = logging.getLogger(__name__)
-
-RETRY_WAIT_S = 0.05        # the first pause before looking for a prefill node again
-MAX_WAIT_RETRY_S = 1.0     # the longest pause between looks for a prefill node
 
 # A PrefillBatch header stays under this (MAX_HEADER_BYTES is the hard limit): bigger
 # batches leave as several messages.
@@ -59,85 +51,62 @@ def prefill_timeout(deadline: float, now: float, lease_s: float, colocated: bool
     return left if colocated else min(left, lease_s)
 
 
-class PrefillDispatch:
-    """Needs Dispatch's registry, policy, flights, metrics, config, _batches, _reservations,
-    _send, _retry and _fail."""
+class Batcher:
+    """What waits for the next flush, per node: reservations by decode node, prefill
+    requests by prefill node, in the order they were queued."""
+
+    def __init__(self) -> None:
+        self._reservations: dict[str, list[P.ReserveRequest]] = {}
+        self._batches: dict[str, list[P.PrefillRequest]] = {}
 
     def has_batches(self) -> bool:
-        """Whether reservations or requests wait for ``flush``."""
+        """Whether reservations or requests wait for ``take``."""
         return bool(self._batches or self._reservations)
 
-    def _pick_prefill(self, flight: Flight, now: float) -> NodeInfo | None:
-        """The prefill node for this attempt; None: there is none, and the flight waits
-        (one may join) until the deadline, looking less often the longer it takes."""
-        nodes = self.registry.live("prefill")
-        if nodes:
-            return self.policy.pick("prefill", nodes, flight.wire_prompt)
-        flight.waits += 1
-        self._retry(flight, "no live prefill node", now, count=False,
-                    delay=min(MAX_WAIT_RETRY_S, RETRY_WAIT_S * 2 ** flight.waits))
-        return None
+    def reserve(self, node_id: str, item: P.ReserveRequest) -> None:
+        self._reservations.setdefault(node_id, []).append(item)
 
-    def _to_prefill(self, flight: Flight, now: float, node: NodeInfo | None = None) -> None:
-        decode = self.registry.nodes.get(flight.decode_node)
-        node = node or self.registry.nodes.get(flight.prefill_node)
-        if node is None or decode is None or node.state != LIVE:
-            # The decode node takes KV only from the node its reservation names.
-            self._retry(flight, "its prefill node left during the reservation", now,
-                        count=False)
-            return
-        if flight.prefill_node is None:  # colocated: no reservation counted it yet
-            node.queued_prompt_tokens += len(flight.wire_prompt)
-        flight.prefill_node, flight.state = node.node_id, State.PREFILLING
-        node.requests.add(flight.wire_id)
-        self._batches.setdefault(node.node_id, []).append(P.PrefillRequest(
-            req_id=flight.wire_id, prompt_token_ids=flight.wire_prompt, sampling=flight.spec,
-            decode_node_id=decode.node_id, kv_address=decode.hello.kv_address or "",
-            timeout_s=prefill_timeout(flight.deadline, now, self.config.reserve_lease_s,
-                                      colocated=node is decode),
-            skip_blocks=flight.skip_blocks, decode_host_id=decode.hello.host_id))
+    def prefill(self, node_id: str, item: P.PrefillRequest) -> None:
+        self._batches.setdefault(node_id, []).append(item)
 
-    def flush(self, now: float):
-        """Everything queued for one node since the last flush leaves as one message
-        (several when that would pass MAX_BATCH_BYTES): reservations first, then prefill
-        batches. Requests that ended or moved meanwhile (cancelled, failed over) are left
-        out."""
+    def take(self, flights: dict[str, Flight]
+             ) -> tuple[list[tuple[str, P.Reserve | P.PrefillBatch]], list[tuple[str, str]]]:
+        """Everything queued since the last take: ``(messages, too_big)``. ``messages``:
+        (node id, message), one per node (several when one would pass MAX_BATCH_BYTES),
+        reservations first, then prefill batches; items no longer meant for their node
+        (by ``flights``, wire id -> Flight: the request ended or moved) are left out.
+        ``too_big``: (wire id, why) of items over the limit on their own."""
+        def reserving_on(wire_id: str, node_id: str) -> bool:
+            flight = flights.get(wire_id)
+            return flight is not None and flight.state is State.RESERVING \
+                and flight.decode_node == node_id
+
+        def queued_on(wire_id: str, node_id: str) -> bool:
+            flight = flights.get(wire_id)
+            return flight is not None and flight.state is State.PREFILLING \
+                and flight.prefill_node == node_id
+
         reservations, self._reservations = self._reservations, {}
-        for node_id, items in reservations.items():
-            for part in self._parts(items, node_id, self._reserving_on, "decode"):
-                self._send(node_id, P.Reserve(items=part))
         batches, self._batches = self._batches, {}
+        messages: list = []
+        too_big: list[tuple[str, str]] = []
+        for node_id, items in reservations.items():
+            for part in _parts(items, node_id, reserving_on, "decode", too_big):
+                messages.append((node_id, P.Reserve(items=part)))
         for node_id, requests in batches.items():
-            for part in self._parts(requests, node_id, self._queued_on, "prefill"):
-                try:
-                    self.metrics.dispatched(self.flights[r.req_id].req_id for r in part)
-                    self._send(node_id, P.PrefillBatch(requests=part))
-                except Exception:  # these requests fail; the other batches still leave
-                    self.metrics.internal_error("router.flush", log)
-                    for r in part:
-                        if r.req_id in self.flights:
-                            self._fail(self.flights[r.req_id], S.INTERNAL,
-                                       "internal error while dispatching; see the router's log")
-        return self.take()
+            for part in _parts(requests, node_id, queued_on, "prefill", too_big):
+                messages.append((node_id, P.PrefillBatch(requests=part)))
+        return messages, too_big
 
-    def _parts(self, items: list, node_id: str, still_on, role: str):
-        """The items still meant for ``node_id`` (``still_on``), in messages under
-        MAX_BATCH_BYTES; an item too big alone fails its request."""
-        items = [r for r in items if still_on(r.req_id, node_id)]
-        for part in split_by_size(items, MAX_BATCH_BYTES):
-            if request_bytes(part[0]) > MAX_BATCH_BYTES:  # alone, and still too big
-                self._fail(self.flights[part[0].req_id], S.BAD_REQUEST, (
-                    f"the request needs a {request_bytes(part[0])}-byte message to its "
-                    f"{role} node, over the {MAX_BATCH_BYTES}-byte limit"))
-                continue
-            yield part
 
-    def _reserving_on(self, wire_id: str, node_id: str) -> bool:
-        flight = self.flights.get(wire_id)
-        return flight is not None and flight.state is State.RESERVING \
-            and flight.decode_node == node_id
-
-    def _queued_on(self, wire_id: str, node_id: str) -> bool:
-        flight = self.flights.get(wire_id)
-        return flight is not None and flight.state is State.PREFILLING \
-            and flight.prefill_node == node_id
+def _parts(items: list, node_id: str, still_on, role: str, too_big: list):
+    """The items still meant for ``node_id``, in messages under MAX_BATCH_BYTES; an item
+    too big alone goes to ``too_big``."""
+    items = [r for r in items if still_on(r.req_id, node_id)]
+    for part in split_by_size(items, MAX_BATCH_BYTES):
+        if request_bytes(part[0]) > MAX_BATCH_BYTES:  # alone, and still too big
+            too_big.append((part[0].req_id, (
+                f"the request needs a {request_bytes(part[0])}-byte message to its "
+                f"{role} node, over the {MAX_BATCH_BYTES}-byte limit")))
+            continue
+        yield part

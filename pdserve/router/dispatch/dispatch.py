@@ -5,7 +5,7 @@ as ``now`` and returns an ``Output`` (flight.py): the messages to send to nodes 
 events for clients. router/control.py feeds it from the control socket and the clock and
 sends what it returns; router/core.py is the asyncio shell the front ends call.
 
-    d = Dispatch(registry, policy, metrics, config, vocab_size, eos_token_ids, max_len)
+    d = Dispatch(registry, "round_robin", metrics, config, vocab_size, eos_ids, max_len)
     req_id, out = d.submit(GenerationRequest, now)     # RequestError if refused
     out = d.node_message(node_id, msg, now)     # ReserveReply, FirstTokens, TokenBatch, Error
     out = d.flush(now)       # one PrefillBatch per prefill node for what was queued since
@@ -43,56 +43,47 @@ from pdserve.common.request import to_spec
 from pdserve.model.text import RequestOutputState
 from pdserve.router import streams as S
 from pdserve.router.config import RouterConfig
-from pdserve.router.dispatch.batching import PrefillDispatch
-from pdserve.router.dispatch.flight import Flight, Output, State
+from pdserve.router.dispatch.batching import Batcher, prefill_timeout
+from pdserve.router.dispatch.flight import (  # noqa: F401 (merge_aborts: dispatch's API)
+    Flight,
+    Output,
+    State,
+    merge_aborts,
+)
 from pdserve.router.dispatch.node_messages import NodeMessages
-from pdserve.router.dispatch.registry import DRAINING, NodeInfo, Registry
+from pdserve.router.dispatch.placement import Placement
+from pdserve.router.dispatch.policies import make_policy
+from pdserve.router.dispatch.registry import LIVE, NodeInfo, Registry
 
 log = logging.getLogger(__name__)
 
 RETRY_RESERVE_S = 0.05     # how soon a request no decode node had room for tries again
 MAX_ATTEMPTS = 4           # dispatches of one request before its failure is final
+RETRY_WAIT_S = 0.05        # the first pause before looking for a prefill node again
+MAX_WAIT_RETRY_S = 1.0     # the longest pause between looks for a prefill node
 
 
-def merge_aborts(sends: list) -> list:
-    """One Abort per node and reason per event: an Abort joins the node's latest message
-    when that is an Abort for the same reason, so what each node sees keeps its order.
-    One pass over the sends (a node's death can end thousands of requests at once)."""
-    merged: list = []
-    latest: dict = {}                    # node id -> index in merged of its last message
-    ids: dict[int, list[str]] = {}       # index of an Abort in merged -> its request ids
-    for node_id, msg in sends:
-        j = latest.get(node_id)
-        if isinstance(msg, P.Abort) and j in ids and merged[j][1].reason == msg.reason:
-            ids[j].extend(msg.req_ids)
-            continue
-        latest[node_id] = len(merged)
-        if isinstance(msg, P.Abort):
-            ids[len(merged)] = list(msg.req_ids)
-        merged.append((node_id, msg))
-    for j, req_ids in ids.items():
-        node_id, msg = merged[j]
-        if len(req_ids) != len(msg.req_ids):
-            merged[j] = (node_id, P.Abort(req_ids=req_ids, reason=msg.reason))
-    return merged
+class Dispatch:
+    """The state machine. It holds its parts: the ``placement`` (what it put on which
+    node), the ``policy`` named (ranking nodes by the placement), the ``batcher`` (what
+    leaves at the next flush) and the ``node_messages`` rules (who may say what; they act
+    on requests through this object's verbs, listed in node_messages.Attempts). The
+    ``registry`` is read for members only: who is one is control's business.
+    ``tokenizer`` None: no text, token ids only."""
 
-
-class Dispatch(NodeMessages, PrefillDispatch):
-    """The state machine. ``registry`` is read for live nodes and holds the router's own
-    per-node counts (requests placed, prompt tokens queued), which dispatch keeps; who is
-    a member is control's business. ``tokenizer`` None: no text, token ids only."""
-
-    def __init__(self, registry: Registry, policy, metrics: RouterMetrics,
+    def __init__(self, registry: Registry, policy: str, metrics: RouterMetrics,
                  config: RouterConfig, vocab_size: int, eos_token_ids: tuple[int, ...],
                  max_model_len: int, tokenizer=None):
-        self.registry, self.policy, self.metrics, self.config = registry, policy, metrics, config
-        self.vocab_size, self.eos_token_ids = vocab_size, tuple(eos_token_ids)
+        self.registry, self.metrics, self.config = registry, metrics, config
+        self.eos_token_ids = tuple(eos_token_ids)
         self.max_model_len, self.tokenizer = max_model_len, tokenizer
         self.flights: dict[str, Flight] = {}    # by wire id (the current attempt's)
         self.requests: dict[str, Flight] = {}   # by the client's request id
+        self.placement = Placement()
+        self.policy = make_policy(policy, registry, self.placement)
+        self.batcher = Batcher()
+        self.node_messages = NodeMessages(registry, self.placement, vocab_size, self)
         self._ids = itertools.count()
-        self._batches: dict[str, list[P.PrefillRequest]] = {}  # by prefill node, until flush
-        self._reservations: dict[str, list[P.ReserveRequest]] = {}  # by decode node, ditto
         self._out = Output()
 
     def take(self) -> Output:
@@ -102,11 +93,48 @@ class Dispatch(NodeMessages, PrefillDispatch):
         out.sends = merge_aborts(out.sends)
         return out
 
-    def _send(self, node_id: str | bytes, msg: P.Message) -> None:
+    # -- the verbs of the parts (node_messages.Attempts) -------------------------------------
+    def send(self, node_id: str | bytes, msg: P.Message) -> None:
         self._out.sends.append((node_id, msg))
+
+    def drop(self, node_id: str, what: str, req_id: str, why: str) -> None:
+        self._out.dropped.append((node_id, what, req_id, why))
 
     def _emit(self, flight: Flight, event: S.StreamEvent) -> None:
         self._out.events.append((flight.req_id, event))
+
+    # -- events from nodes and the event loop ------------------------------------------------
+    def node_message(self, node_id: str, msg: P.Message, now: float) -> Output:
+        """A ReserveReply, FirstTokens, TokenBatch or Error from ``node_id``."""
+        self.node_messages.handle(node_id, msg, now)
+        return self.take()
+
+    def has_batches(self) -> bool:
+        """Whether reservations or requests wait for ``flush``."""
+        return self.batcher.has_batches()
+
+    def flush(self, now: float) -> Output:
+        """Everything queued for one node since the last flush leaves as one message
+        (several when that would pass the batch limit): reservations first, then prefill
+        batches. Requests that ended or moved meanwhile (cancelled, failed over) are left
+        out; one too big for any message fails."""
+        messages, too_big = self.batcher.take(self.flights)
+        for wire_id, why in too_big:
+            self.fail_flight(self.flights[wire_id], S.BAD_REQUEST, why)
+        for node_id, msg in messages:
+            if isinstance(msg, P.Reserve):
+                self.send(node_id, msg)
+                continue
+            try:
+                self.metrics.dispatched(self.flights[r.req_id].req_id for r in msg.requests)
+                self.send(node_id, msg)
+            except Exception:  # these requests fail; the other batches still leave
+                self.metrics.internal_error("router.flush", log)
+                for r in msg.requests:
+                    if r.req_id in self.flights:
+                        self.fail_flight(self.flights[r.req_id], S.INTERNAL,
+                                         "internal error while dispatching; see the router's log")
+        return self.take()
 
     # -- events from clients --------------------------------------------------------------
     def submit(self, req: S.GenerationRequest, now: float) -> tuple[str, Output]:
@@ -132,7 +160,7 @@ class Dispatch(NodeMessages, PrefillDispatch):
             self._reserve(flight, now)
         except Exception as exc:  # registered: it must end with an event, not vanish
             self.metrics.internal_error("router.submit", log)
-            self._fail(flight, S.INTERNAL, f"internal error while dispatching: {exc}")
+            self.fail_flight(flight, S.INTERNAL, f"internal error while dispatching: {exc}")
         return req_id, self.take()
 
     def cancel(self, req_id: str, now: float) -> Output:
@@ -147,12 +175,12 @@ class Dispatch(NodeMessages, PrefillDispatch):
     def fail(self, req_id: str, code: str, message: str) -> Output:
         flight = self.requests.get(req_id)
         if flight is not None:
-            self._fail(flight, code, message)
+            self.fail_flight(flight, code, message)
         return self.take()
 
     def fail_all(self, code: str, message: str) -> Output:
         for flight in list(self.requests.values()):
-            self._fail(flight, code, message)
+            self.fail_flight(flight, code, message)
         return self.take()
 
     # -- events from the clock and the membership -----------------------------------------
@@ -163,7 +191,7 @@ class Dispatch(NodeMessages, PrefillDispatch):
                 self._tick_flight(flight, now)
             except Exception:  # this request fails; the others are still looked at
                 self.metrics.internal_error("router.tick.request", log)
-                self._fail(flight, S.INTERNAL, "internal error; see the router's log")
+                self.fail_flight(flight, S.INTERNAL, "internal error; see the router's log")
         return self.take()
 
     def _tick_flight(self, flight: Flight, now: float) -> None:
@@ -172,7 +200,7 @@ class Dispatch(NodeMessages, PrefillDispatch):
                 else flight.state.value
             if flight.waits:
                 waiting += f" (looked {flight.waits} times for a live prefill node)"
-            self._fail(flight, S.TIMEOUT, f"the request passed its deadline "
+            self.fail_flight(flight, S.TIMEOUT, f"the request passed its deadline "
                        f"({flight.deadline - flight.created:.0f} s) while {waiting}")
         elif flight.state is State.WAITING and now >= flight.retry_at:
             self._reserve(flight, now)
@@ -181,17 +209,11 @@ class Dispatch(NodeMessages, PrefillDispatch):
         """A node left or died (already out of the registry): its requests move."""
         if node is not None:
             log.warning("%s", why)
-            for wire_id in list(node.requests):
+            for wire_id in self.placement.drop(node.node_id):
                 flight = self.flights.get(wire_id)
                 if flight is not None:
-                    self._retry(flight, why, now)
+                    self.retry(flight, why, now)
         return self.take()
-
-    def node_draining(self, node_id: str) -> None:
-        """The node finishes what it has and takes nothing new: no policy picks it."""
-        node = self.registry.nodes.get(node_id)
-        if node is not None:
-            node.state = DRAINING
 
     def send_failed(self, node_id: str | bytes, msg: P.Message, now: float) -> Output:
         """A message this dispatch returned could not be sent (the node is gone, its queue
@@ -201,13 +223,13 @@ class Dispatch(NodeMessages, PrefillDispatch):
                 flight = self.flights.get(r.req_id)
                 if flight is not None and flight.state is State.RESERVING \
                         and flight.decode_node == node_id:
-                    self._refused(flight, node_id, "unreachable", now)
+                    self.refused(flight, node_id, "unreachable", now)
         elif isinstance(msg, P.PrefillBatch):
             for r in msg.requests:
                 flight = self.flights.get(r.req_id)
                 if flight is not None and flight.state is State.PREFILLING \
                         and flight.prefill_node == node_id:
-                    self._retry(flight, f"prefill node {node_id} could not be reached", now)
+                    self.retry(flight, f"prefill node {node_id} could not be reached", now)
         return self.take()
 
     # -- an attempt -----------------------------------------------------------------------
@@ -217,8 +239,8 @@ class Dispatch(NodeMessages, PrefillDispatch):
         if colocated:  # one engine does both: no reservation, no KV transfer
             node = self.policy.pick("prefill", colocated, flight.wire_prompt)
             flight.decode_node = node.node_id
-            node.requests.add(flight.wire_id)
-            self._to_prefill(flight, now, node)
+            self.placement.place(node.node_id, flight.wire_id)
+            self.to_prefill(flight, now, node)
             return
         prefill = self._pick_prefill(flight, now)  # first: the reservation names it
         if prefill is None:
@@ -233,31 +255,61 @@ class Dispatch(NodeMessages, PrefillDispatch):
         flight.decode_node, flight.prefill_node = node.node_id, prefill.node_id
         # Its prompt counts as the prefill node's load from now: requests picked in the
         # same turn (before any reply) must not all go to one node.
-        prefill.queued_prompt_tokens += len(flight.wire_prompt)
+        self.placement.queue(prefill.node_id, len(flight.wire_prompt))
         flight.state = State.RESERVING
-        node.requests.add(flight.wire_id)
-        self._reservations.setdefault(node.node_id, []).append(P.ReserveRequest(
+        self.placement.place(node.node_id, flight.wire_id)
+        self.batcher.reserve(node.node_id, P.ReserveRequest(
             req_id=flight.wire_id, prompt_token_ids=flight.wire_prompt, sampling=flight.spec,
             prefill_node_id=prefill.node_id, lease_s=self.config.reserve_lease_s,
             timeout_s=max(1.0, flight.deadline - now)))
 
-    def _refused(self, flight: Flight, node_id: str, reason: str, now: float) -> None:
-        node = self.registry.nodes.get(node_id)
-        if node is not None:
-            node.requests.discard(flight.wire_id)
+    def _pick_prefill(self, flight: Flight, now: float) -> NodeInfo | None:
+        """The prefill node for this attempt; None: there is none, and the flight waits
+        (one may join) until the deadline, looking less often the longer it takes."""
+        nodes = self.registry.live("prefill")
+        if nodes:
+            return self.policy.pick("prefill", nodes, flight.wire_prompt)
+        flight.waits += 1
+        self.retry(flight, "no live prefill node", now, count=False,
+                   delay=min(MAX_WAIT_RETRY_S, RETRY_WAIT_S * 2 ** flight.waits))
+        return None
+
+    def to_prefill(self, flight: Flight, now: float, node: NodeInfo | None = None) -> None:
+        """The reservation was granted (or none is needed): the request joins its prefill
+        node's batch."""
+        decode = self.registry.nodes.get(flight.decode_node)
+        node = node or self.registry.nodes.get(flight.prefill_node)
+        if node is None or decode is None or node.state != LIVE:
+            # The decode node takes KV only from the node its reservation names.
+            self.retry(flight, "its prefill node left during the reservation", now,
+                       count=False)
+            return
+        if flight.prefill_node is None:  # colocated: no reservation counted it yet
+            self.placement.queue(node.node_id, len(flight.wire_prompt))
+        flight.prefill_node, flight.state = node.node_id, State.PREFILLING
+        self.placement.place(node.node_id, flight.wire_id)
+        self.batcher.prefill(node.node_id, P.PrefillRequest(
+            req_id=flight.wire_id, prompt_token_ids=flight.wire_prompt, sampling=flight.spec,
+            decode_node_id=decode.node_id, kv_address=decode.hello.kv_address or "",
+            timeout_s=prefill_timeout(flight.deadline, now, self.config.reserve_lease_s,
+                                      colocated=node is decode),
+            skip_blocks=flight.skip_blocks, decode_host_id=decode.hello.host_id))
+
+    def refused(self, flight: Flight, node_id: str, reason: str, now: float) -> None:
+        self.placement.unplace(node_id, flight.wire_id)
         flight.refused_by.add(node_id)
         self._unqueue(flight)
         flight.decode_node = flight.prefill_node = None
         log.debug("decode node %s refused %s: %s", node_id, flight.req_id, reason)
         self._reserve(flight, now)
 
-    def _retry(self, flight: Flight, why: str, now: float, delay: float = 0.0,
+    def retry(self, flight: Flight, why: str, now: float, delay: float = 0.0,
                count: bool = True) -> None:
         """Dispatches the request again: its prompt plus every token already streamed.
         ``count``: whether this is a failure that uses up one of MAX_ATTEMPTS."""
         flight.failures += count
         if flight.failures >= MAX_ATTEMPTS:
-            self._fail(flight, S.NODE_ERROR, f"{why}; gave up after {MAX_ATTEMPTS} attempts")
+            self.fail_flight(flight, S.NODE_ERROR, f"{why}; gave up after {MAX_ATTEMPTS} attempts")
             return
         if count:
             log.warning("request %s moves to other nodes (attempt %d): %s", flight.req_id,
@@ -283,7 +335,7 @@ class Dispatch(NodeMessages, PrefillDispatch):
             self._reserve(flight, now)
 
     # -- the end of an attempt, and of a request --------------------------------------------
-    def _deliver(self, flight: Flight, token_ids: list[int], node_reason: str | None,
+    def deliver(self, flight: Flight, token_ids: list[int], node_reason: str | None,
                  nodes_done: bool = True, logprobs: P.Logprobs | None = None,
                  prompt_logprobs: P.Logprobs | None = None) -> None:
         """Hands tokens (and their logprobs, when asked) to the client's stream.
@@ -300,7 +352,7 @@ class Dispatch(NodeMessages, PrefillDispatch):
                                   prompt_logprobs=prompt_logprobs)
         except Exception as exc:  # this request fails; the rest of the batch goes on
             log.exception("serving request %s failed", flight.req_id)
-            self._fail(flight, S.INTERNAL, f"internal error while serving the request: "
+            self.fail_flight(flight, S.INTERNAL, f"internal error while serving the request: "
                        f"{type(exc).__name__}: {exc}")
             return
         if delta.finish_reason is None:
@@ -323,25 +375,24 @@ class Dispatch(NodeMessages, PrefillDispatch):
         """Forgets the flight's current attempt, telling its nodes to drop it if asked."""
         self.flights.pop(flight.wire_id, None)
         for node_id in {flight.prefill_node, flight.decode_node} - {None}:
-            node = self.registry.nodes.get(node_id)
-            if node is None:
-                continue
+            if node_id not in self.registry.nodes:
+                continue  # gone: nothing to tell it, nothing placed there any more
             if node_id == flight.prefill_node:
                 self._unqueue(flight)
-            node.requests.discard(flight.wire_id)
+            self.placement.unplace(node_id, flight.wire_id)
             # A prefill node hears of a request only once it is queued for its batch.
             told = node_id == flight.decode_node or flight.state in (State.PREFILLING,
                                                                      State.DECODING)
             if abort and told:
-                self._send(node_id, P.Abort(req_ids=[flight.wire_id], reason=reason))
+                self.send(node_id, P.Abort(req_ids=[flight.wire_id], reason=reason))
 
     def _unqueue(self, flight: Flight) -> None:
         """Its prompt no longer counts as its prefill node's load (no first token came)."""
-        node = self.registry.nodes.get(flight.prefill_node)
-        if node is not None and flight.state in (State.RESERVING, State.PREFILLING):
-            node.queued_prompt_tokens -= len(flight.wire_prompt)
+        if flight.prefill_node in self.registry.nodes \
+                and flight.state in (State.RESERVING, State.PREFILLING):
+            self.placement.queue(flight.prefill_node, -len(flight.wire_prompt))
 
-    def _fail(self, flight: Flight, code: str, message: str) -> None:
+    def fail_flight(self, flight: Flight, code: str, message: str) -> None:
         log.warning("request %s failed (%s): %s", flight.req_id, code, message)
         self._finish(flight, S.StreamEvent([], "", error=S.RequestError(code, message),
                                            prompt_tokens=len(flight.prompt),

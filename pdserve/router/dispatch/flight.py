@@ -55,3 +55,26 @@ class Output:
 
     def __bool__(self) -> bool:
         return bool(self.sends or self.events or self.dropped)
+
+
+def merge_aborts(sends: list) -> list:
+    """One Abort per node and reason per event: an Abort joins the node's latest message
+    when that is an Abort for the same reason, so what each node sees keeps its order.
+    One pass over the sends (a node's death can end thousands of requests at once)."""
+    merged: list = []
+    latest: dict = {}                    # node id -> index in merged of its last message
+    ids: dict[int, list[str]] = {}       # index of an Abort in merged -> its request ids
+    for node_id, msg in sends:
+        j = latest.get(node_id)
+        if isinstance(msg, P.Abort) and j in ids and merged[j][1].reason == msg.reason:
+            ids[j].extend(msg.req_ids)
+            continue
+        latest[node_id] = len(merged)
+        if isinstance(msg, P.Abort):
+            ids[len(merged)] = list(msg.req_ids)
+        merged.append((node_id, msg))
+    for j, req_ids in ids.items():
+        node_id, msg = merged[j]
+        if len(req_ids) != len(msg.req_ids):
+            merged[j] = (node_id, P.Abort(req_ids=req_ids, reason=msg.reason))
+    return merged

@@ -1,18 +1,21 @@
-"""Which node gets a request. Pure functions of the registry's view (and, for
-``cache_aware``, of what the router itself sent where)."""
+"""Which node gets a request. Pure functions of the live nodes and the dispatch's
+placement (placement.py: its own counts per node); ``cache_aware`` also keeps an index of
+what the router itself sent where, its own state, dropped when the registry says a node
+was removed."""
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
 
 from pdserve.common.block_hash import block_hashes
-from pdserve.router.dispatch.registry import NodeInfo, Registry
+from pdserve.router.dispatch.placement import Placement
+from pdserve.router.dispatch.registry import REMOVED, NodeInfo, Registry
 
 MAX_INDEX_BLOCKS = 1 << 20  # per node, whatever its cache claims: bounds the router's memory
 
 
 class RoundRobin:
-    def __init__(self, registry: Registry | None = None):
+    def __init__(self, registry: Registry | None = None, placement: Placement | None = None):
         self._counters = {"prefill": itertools.count(), "decode": itertools.count()}
 
     def pick(self, role: str, nodes: list[NodeInfo], tokens: list[int]) -> NodeInfo:
@@ -20,20 +23,12 @@ class RoundRobin:
         return nodes[next(self._counters[role]) % len(nodes)]
 
 
-def load(role: str, node: NodeInfo) -> tuple:
-    """Prefill: fewest queued prompt tokens. Decode: fewest sequences placed there, then
-    most free KV blocks. The router's own counts go first: heartbeat stats lag."""
-    if role == "prefill":
-        return node.queued_prompt_tokens, node.stats.queued_prompt_tokens, node.node_id
-    return len(node.requests), -node.stats.num_free_blocks, node.node_id
-
-
 class LeastLoaded:
-    def __init__(self, registry: Registry | None = None):
-        pass
+    def __init__(self, registry: Registry | None = None, placement: Placement | None = None):
+        self.load = (placement or Placement()).load
 
     def pick(self, role: str, nodes: list[NodeInfo], tokens: list[int]) -> NodeInfo:
-        return min(nodes, key=lambda n: load(role, n))
+        return min(nodes, key=lambda n: self.load(role, n))
 
 
 class CacheAware:
@@ -49,12 +44,17 @@ class CacheAware:
     PREFILL_SLACK_TOKENS = 2048   # one step's default token budget
     DECODE_SLACK_REQUESTS = 16
 
-    def __init__(self, registry: Registry):
-        self.registry = registry
+    def __init__(self, registry: Registry, placement: Placement | None = None):
+        self.load = (placement or Placement()).load
         self._index: dict[str, tuple[object, OrderedDict]] = {}
+        registry.subscribe(self._membership)
+
+    def _membership(self, event: str, node: NodeInfo) -> None:
+        if event == REMOVED:
+            self._index.pop(node.node_id, None)
 
     def pick(self, role: str, nodes: list[NodeInfo], tokens: list[int]) -> NodeInfo:
-        self._forget_departed()
+        load = self.load
         hashes = block_hashes(tokens, nodes[0].hello.kv_layout.block_size)
         hits = {n.node_id: self._match(n, hashes) for n in nodes}
         least = min(nodes, key=lambda n: load(role, n))
@@ -95,13 +95,10 @@ class CacheAware:
         while len(blocks) > cap:
             blocks.popitem(last=False)
 
-    def _forget_departed(self) -> None:
-        for node_id in [n for n in self._index if n not in self.registry.nodes]:
-            del self._index[node_id]
-
 
 POLICIES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "cache_aware": CacheAware}
 
 
-def make_policy(name: str, registry: Registry):
-    return POLICIES[name](registry)
+def make_policy(name: str, registry: Registry, placement: Placement):
+    """The policy ``name``, ranking nodes by ``placement``'s counts."""
+    return POLICIES[name](registry, placement)

@@ -1,18 +1,25 @@
 """Which nodes are in the cluster, whether they fit together, and whether they are alive.
 
 Pure Python (no sockets): the router's control loop feeds it hellos, heartbeats
-and the clock, and acts on what it answers.
+and the clock, and acts on what it answers. Members only, as smg's worker registry: what
+the router placed on a node is the dispatch's (placement.py), and whoever keeps state per
+node (a policy's prefix index) subscribes to the registry's events and drops it on
+``removed``::
+
+    registry.subscribe(lambda event, node: ...)   # REGISTERED, REMOVED, DRAINING
 """
 from __future__ import annotations
 
 import ipaddress
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Callable
 
 from pdserve.common import protocol as P
 
 LIVE, DRAINING = "live", "draining"
+REGISTERED, REMOVED = "registered", "removed"   # events (and DRAINING: a status change)
 MAX_NODES = 1024   # registered at once: a peer cycling through identities cannot grow it
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9-]{1,63})*$")
 
@@ -44,8 +51,6 @@ class NodeInfo:
     stats: P.NodeStats
     last_seen: float
     state: str = LIVE
-    requests: set[str] = field(default_factory=set)   # requests the router has placed here
-    queued_prompt_tokens: int = 0                      # router's own count, ahead of stats
 
 
 class Registry:
@@ -58,11 +63,20 @@ class Registry:
         # dtype and block size are the nodes' choice, but every node must make the same one
         # (KV moves between them page for page): the first node admitted sets them.
         self.cluster_kv: tuple[str, int] | None = None
+        self._listeners: list[Callable[[str, NodeInfo], None]] = []
+
+    def subscribe(self, listener: Callable[[str, NodeInfo], None]) -> None:
+        """``listener(event, node)`` after each change of membership or status."""
+        self._listeners.append(listener)
+
+    def _emit(self, event: str, node: NodeInfo) -> None:
+        for listener in self._listeners:
+            listener(event, node)
 
     def admit(self, hello: P.Hello, now: float | None = None,
               keep: bool = False) -> tuple[bool, str]:
         """Checks a node's Hello; on success the node is registered (or re-registered).
-        ``keep``: a resync of a node already here: it keeps its requests."""
+        ``keep``: a resync of a node already here: it keeps its state (draining)."""
         if hello.node_id not in self.nodes and len(self.nodes) >= MAX_NODES:
             return False, f"the cluster has {len(self.nodes)} nodes, the most this router takes"
         if hello.protocol_version != P.PROTOCOL_VERSION:
@@ -93,9 +107,10 @@ class Registry:
         old = self.nodes.get(hello.node_id)
         node = NodeInfo(hello.node_id, hello.role, hello, hello.capacity, now)
         if keep and old is not None and old.role == hello.role:
-            node.state, node.requests = old.state, old.requests
-            node.queued_prompt_tokens = old.queued_prompt_tokens
+            node.state = old.state
         self.nodes[hello.node_id] = node
+        if old is None or not keep:
+            self._emit(REGISTERED, node)
         return True, ""
 
     def seen(self, node_id: str, stats: P.NodeStats | None = None,
@@ -108,7 +123,17 @@ class Registry:
         return node
 
     def remove(self, node_id: str) -> NodeInfo | None:
-        return self.nodes.pop(node_id, None)
+        node = self.nodes.pop(node_id, None)
+        if node is not None:
+            self._emit(REMOVED, node)
+        return node
+
+    def drain(self, node_id: str) -> None:
+        """The node finishes what it has and takes nothing new: no policy picks it."""
+        node = self.nodes.get(node_id)
+        if node is not None and node.state != DRAINING:
+            node.state = DRAINING
+            self._emit(DRAINING, node)
 
     def expire(self, now: float | None = None) -> list[NodeInfo]:
         """Removes and returns the nodes silent for longer than liveness intervals."""
@@ -116,6 +141,7 @@ class Registry:
         dead = [n for n in self.nodes.values() if now - n.last_seen > self.timeout_s]
         for n in dead:
             del self.nodes[n.node_id]
+            self._emit(REMOVED, n)
         return dead
 
     def live(self, role: str) -> list[NodeInfo]:

@@ -1,5 +1,5 @@
 """Waiting on a request's choices while the HTTP client may go away, and sending an SSE
-body: the two pieces of http_api.py that touch the ASGI connection itself."""
+body: the two pieces of api.py that touch the ASGI connection itself."""
 from __future__ import annotations
 
 import asyncio
