@@ -75,6 +75,13 @@ def reader(path: str | Path):
     return _reader(str(path.resolve()), path.stat().st_mtime_ns)
 
 
+def release_readers() -> None:
+    """Forgets the parsed readers. The router, which reads a file's config and tokenizer
+    once and never its tensors, calls it after start-up: the parsed metadata of the
+    bundled 135M model holds about 140 MiB."""
+    _reader.cache_clear()
+
+
 def metadata(r) -> dict:
     """The file's key/value metadata as Python values (the token arrays are left out)."""
     out = {}

@@ -47,6 +47,9 @@ class RouterCore:
         model_dir = Path(config.model) if config.model else default_model_dir()
         self.model_config = cfg = ModelConfig.from_dir(model_dir)
         self.tokenizer = Tokenizer(model_dir)
+        if model_dir.is_file():  # a GGUF file, read: its parsed metadata can go
+            from pdserve.model import gguf
+            gguf.release_readers()
         self.model_name = config.served_model_name or model_name(model_dir)
         self.max_model_len = cfg.max_model_len
         identity = P.ModelIdentity(name=model_name(model_dir),
