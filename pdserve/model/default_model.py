@@ -76,6 +76,14 @@ def _say_once(line: str) -> None:
     log.warning("%s", line)
 
 
+def make_model(*args, **kwargs) -> Path:
+    """make_model.make_model, imported when first called: it needs torch, and the router
+    (which finds the default model here) must not load it."""
+    from pdserve.model.make_model import make_model as build
+
+    return build(*args, **kwargs)
+
+
 def random_model_dir() -> Path:
     """The random-weight checkpoint's folder, built on first use (once, even under races)."""
     model_dir = pdserve_home() / "models" / RANDOM_MODEL_NAME
@@ -85,8 +93,6 @@ def random_model_dir() -> Path:
     with open(model_dir.parent / f".{RANDOM_MODEL_NAME}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
         if not _is_complete(model_dir):
-            from pdserve.model.make_model import make_model  # torch: only to build it
-
             try:
                 make_model(model_dir, DEFAULT_ARCH, DEFAULT_PRESET, DEFAULT_SEED)
             except FileExistsError:
