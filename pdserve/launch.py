@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field, replace
 
+from pdserve.common.config_fields import check_fields, flag
 from pdserve.common.config_io import child_env
 from pdserve.common.kv_events import KVEventsConfig
 from pdserve.common.logs import DEFAULT_LEVEL
@@ -31,15 +32,20 @@ STOP_TIMEOUT_S = 10.0
 @dataclass(frozen=True)
 class LaunchConfig:
     router: RouterConfig
-    num_prefill: int = 1
-    num_decode: int = 1
-    colocated: bool = False               # one colocated node instead of prefill + decode
+    num_prefill: int = flag(1, "Prefill nodes to start.", name="--prefill", min=1)
+    num_decode: int = flag(1, "Decode nodes to start.", name="--decode", min=1)
+    colocated: bool = flag(False, "Start one colocated node (prefill + decode in one "
+                           "engine) instead of separate prefill and decode nodes.")
     compute: str = EngineConfig.compute   # "none": benchmark mode (fixed tokens)
     # Each role's node config from the --node-arg flags: (config, log level, the flags given)
     node_configs: dict[str, tuple[NodeConfig, str, set[str]]] = field(default_factory=dict)
     log_level: str = DEFAULT_LEVEL
     ready_timeout_s: float = 600.0
-    kv_events: KVEventsConfig | None = None  # each node gets its own free port(s)
+    # The nodes' --kv-events-config; each node gets its own free port(s)
+    kv_events: KVEventsConfig | None = None
+
+    def __post_init__(self):
+        check_fields(self)
 
 
 def connect_address(bind: str) -> str:
@@ -60,7 +66,7 @@ def _node_config(cfg: LaunchConfig, role: str, index: int) -> tuple[NodeConfig, 
     decides unless they say it (model, threads, metrics port, CURVE keys, KV events)."""
     base, log_level, given = cfg.node_configs[role]
     engine = {}
-    if cfg.router.model and "model_dir" not in given:
+    if cfg.router.model and "model" not in given:
         engine["model"] = cfg.router.model
     if "threads" not in given:
         engine["threads"] = max(1, (os.cpu_count() or 1) // len(_roles(cfg)))
