@@ -174,9 +174,18 @@ def distinct(launches: list[Launch], dtype: torch.dtype) -> list[tuple[str, Laun
 
     backend = make_backend(GPUTarget("cuda", 90, 32))
     seen: dict[str, tuple[str, Launch]] = {}
+    keys: set[tuple[str, str]] = set()
     for launch in launches:
         options, signature, constexprs, attrs = _specialize(launch, backend)
         ident = repr((launch.kernel.__name__, signature, sorted(constexprs.items()),
                       sorted(attrs.items()), sorted(launch.kwargs.items())))
-        seen.setdefault(ident, (launch_key(launch, dtype), launch))
+        if ident in seen:
+            continue
+        # Alike in constexprs but not in argument types or alignment: number the key.
+        key, n = launch_key(launch, dtype), 1
+        while (launch.kernel.__name__, key if n == 1 else f"{key}#{n}") in keys:
+            n += 1
+        key = key if n == 1 else f"{key}#{n}"
+        keys.add((launch.kernel.__name__, key))
+        seen[ident] = (key, launch)
     return list(seen.values())
