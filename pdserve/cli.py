@@ -228,12 +228,14 @@ def _launch_node_config(role: str, node_args, engine: dict):
 def _register_plugins() -> None:
     """Commands that live beside the code they drive."""
     from pdserve.bench.cli import bench_cmd
+    from pdserve.cli_kernels import kernels_group
     from pdserve.client import submit_cmd
     from pdserve.common.security import keys_group
 
     main.add_command(submit_cmd, "submit")
     main.add_command(keys_group, "keys")
     main.add_command(bench_cmd, "bench")
+    main.add_command(kernels_group, "kernels")
 
 
 _register_plugins()
