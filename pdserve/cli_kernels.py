@@ -2,7 +2,7 @@
 
 Beside cli.py rather than inside pdserve/kernels/, because importing anything under
 that package imports torch, and ``pdserve`` (the router among its commands) starts
-without torch; the work is in pdserve/kernels/aot.py, imported when the command runs.
+without torch; the work is in pdserve/aot.py, imported when the command runs.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ DTYPE_CHOICES = ("all", "auto", "float32", "bfloat16", "float16")
 
 
 def _parse_archs(value: str) -> list[int]:
-    from pdserve.kernels.aot import MAX_SHARED_BYTES
+    from pdserve.aot import MAX_SHARED_BYTES
 
     try:
         archs = [int(a.strip().removeprefix("sm_")) for a in value.split(",") if a.strip()]
@@ -64,7 +64,7 @@ def compile_cmd(arch_list: str, model_path: str | None, dtype: str, block_size: 
         raise click.BadParameter(str(exc), param_hint="--block-size") from exc
     import torch
 
-    from pdserve.kernels import aot
+    from pdserve import aot
     from pdserve.kernels._dispatch import triton
     from pdserve.model.config import ModelConfig, ModelLoadError
     from pdserve.model.loader import DTYPES, resolve_dtype

@@ -75,7 +75,7 @@ def test_a_kernel_the_compiler_refuses_is_a_failed_line(tmp_path):
     # tl.dot refuses K = 4 (it needs 8, or 16 for bf16/fp16); the interpreter would run it.
     script = textwrap.dedent("""
         import torch, triton, triton.language as tl
-        from pdserve.kernels import aot
+        from pdserve import aot
         from pdserve.kernels._dispatch import Launch
 
         @triton.jit

@@ -11,6 +11,9 @@ tensors (no memory, no compute) inside ``record_launches()``, one batch of each 
 the engine builds, so the host wrappers pick grids, block sizes, warps and argument
 layouts exactly as they would on CUDA. Triton's own binder then turns each recorded
 launch into the signature, constants and alignment attributes its JIT would compile.
+
+It lives above kernels/ (which are leaves) because it drives the model and the engine's
+input building; `pdserve kernels compile` (cli_kernels.py) is its command.
 """
 from __future__ import annotations
 
