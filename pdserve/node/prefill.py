@@ -74,7 +74,10 @@ class PrefillNode(Node):
     def _sender_for(self, req: P.PrefillRequest) -> KVSender:
         """The first sender that reaches the request's decode node; the way chosen is
         logged once per decode node (not per request)."""
-        sender = next(s for s in self.kv_senders if s.reaches(req))
+        sender = next((s for s in self.kv_senders if s.reaches(req)), None)
+        if sender is None:  # a node built without TCP (which reaches every node)
+            raise RuntimeError(f"no KV sender of {[s.path for s in self.kv_senders]} "
+                               f"reaches decode node {req.decode_node_id}")
         if (req.kv_address, sender.path) not in self._paths_logged:
             if len(self._paths_logged) >= MAX_PATHS_LOGGED:
                 self._paths_logged.clear()
