@@ -15,7 +15,7 @@ from pdserve.common import codec
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.common.request import to_spec
-from pdserve.common.shm import SWEEP_INTERVAL_S
+from pdserve.node.kv.segment import SWEEP_INTERVAL_S
 from tests.node_driver import RouterDriver, start_node, stop_nodes
 
 PROMPT_LENGTHS = [1, 7, 16, 17, 40, 90]
@@ -131,10 +131,11 @@ def test_corrupt_shm_region_is_caught_by_checksum(cluster):
     refused by the decode node (a real process mapping the segment), with the reason."""
     import zmq
 
-    from pdserve.common.shm import Segment
     from pdserve.common.transport import make_socket, recv_message, send_message
     from pdserve.engine.model_runner import kv_tensor_bytes, kv_views
-    from pdserve.node.kv_transfer import Outgoing, kv_chunk
+    from pdserve.node.kv import Outgoing
+    from pdserve.node.kv.segment import Segment
+    from pdserve.node.kv.shm import shm_chunk
 
     driver, _, _ = cluster
     hello = driver.hellos["d0"]
@@ -149,9 +150,9 @@ def test_corrupt_shm_region_is_caught_by_checksum(cluster):
         for k, v in pages:
             k.normal_()
             v.normal_()
-        chunk = kv_chunk(hello.model, lay, pages, [Outgoing("bad-shm", [5, 1, 2], len(prompt),
-                                                           first_token=5)],
-                         0, lay.num_layers, checksums=True, last=True, segment=seg)
+        chunk = shm_chunk(hello.model, lay, pages, [Outgoing("bad-shm", [5, 1, 2], len(prompt),
+                                                            first_token=5)],
+                          0, lay.num_layers, checksums=True, last=True, segment=seg)
         pages[1][0][2, 0, 0, 0] += 1.0  # k1, block 2: changed after the checksum
         send_message(sock, chunk)
         assert sock.poll(10_000)
