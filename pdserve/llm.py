@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from pdserve.common.logprobs import empty, join
 from pdserve.common.protocol import Logprobs
-from pdserve.common.request import SamplingParams
+from pdserve.common.sampling import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 

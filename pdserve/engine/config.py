@@ -4,7 +4,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-DTYPES = ("float32", "bfloat16", "float16", "auto")   # auto: the checkpoint's own
+from pdserve.common.config import MODEL_DTYPES
+
+DTYPES = (*MODEL_DTYPES, "auto")   # auto: the checkpoint's own
 COMPUTE_MODES = ("model", "none")
 CPU_LINEAR_MODES = ("auto", "onednn", "torch")
 

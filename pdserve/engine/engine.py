@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from pdserve.common.protocol import Logprobs
-from pdserve.common.request import SamplingParams
+from pdserve.common.sampling import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.logprobs import prompt_of
 from pdserve.engine.scheduler import ScheduledBatch

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-POLICIES = ("round_robin", "least_loaded", "cache_aware")
+from pdserve.router import policies
+
+POLICIES = tuple(policies.POLICIES)  # the names --policy takes (policies.py defines them)
 
 
 @dataclass(frozen=True)

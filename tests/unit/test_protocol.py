@@ -17,8 +17,8 @@ from pdserve.common import protocol as P
 MODEL = P.ModelIdentity(name="tiny-llama", config_hash="abc123")
 STATS = P.NodeStats(num_free_blocks=90, num_total_blocks=100, num_running=3, num_waiting=1,
                     queued_prompt_tokens=512)
-SAMPLING = P.SamplingSpec(max_tokens=16, temperature=0.7, top_p=0.9, top_k=40, seed=7,
-                          stop_token_ids=[2], ignore_eos=False)
+SAMPLING = P.SamplingParams(max_tokens=16, temperature=0.7, top_p=0.9, top_k=40, seed=7,
+                            stop_token_ids=[2], ignore_eos=False)
 
 
 def layout(dtype="bfloat16", num_layers=2):
@@ -268,7 +268,7 @@ def test_wrong_typed_field_inside_a_list():
     expect_error(edit(frames, P.PrefillBatch, "requests", requests), E.BAD_MESSAGE,
                  "PrefillBatch.requests[1].prompt_token_ids[4]: expected `int`, got `float`")
     requests = header_of(frames)[1][1]
-    requests[0][sampling][at(P.SamplingSpec, "seed")] = "7"
+    requests[0][sampling][at(P.SamplingParams, "seed")] = "7"
     expect_error(edit(frames, P.PrefillBatch, "requests", requests), E.BAD_MESSAGE,
                  "PrefillBatch.requests[0].sampling.seed: expected `int | null`, got `str`")
 
@@ -281,13 +281,25 @@ def test_limits_in_the_schema():
                             expected=expected)
 
     def reserve(**sampling):
-        return P.Reserve(items=[P.ReserveRequest(
+        """A Reserve whose sampling fields are set on the wire (SamplingParams itself refuses
+        such values as it is built)."""
+        frames = codec.encode(P.Reserve(items=[P.ReserveRequest(
             req_id="r", prompt_token_ids=[1], prefill_node_id="p", lease_s=1.0,
-            sampling=msgspec.structs.replace(SAMPLING, **sampling))])
+            sampling=SAMPLING)]))
+        items = header_of(frames)[1][1]
+        for name, value in sampling.items():
+            items[0][at(P.ReserveRequest, "sampling")][at(P.SamplingParams, name)] = value
+        return edit(frames, P.Reserve, "items", items)
 
-    refused(reserve(seed=P.MAX_SEED),
-            "Reserve.items[0].sampling.seed: expected `int` <= 9223372036854775807")
-    refused(reserve(seed=-1), "Reserve.items[0].sampling.seed: expected `int` >= 0")
+    expect_error(reserve(seed=P.MAX_SEED), E.BAD_MESSAGE,
+                 "Reserve.items[0].sampling.seed: expected `int` <= 9223372036854775807")
+    expect_error(reserve(seed=-1), E.BAD_MESSAGE,
+                 "Reserve.items[0].sampling.seed: expected `int` >= 0")
+    expect_error(reserve(logprobs=P.MAX_LOGPROBS + 1), E.BAD_MESSAGE,
+                 f"Reserve.items[0].sampling.logprobs: expected `int` <= {P.MAX_LOGPROBS}")
+    expect_error(reserve(min_tokens=17), E.BAD_MESSAGE,  # the cross-field rule, on decode
+                 "Reserve.items[0].sampling: min_tokens=17 is invalid: must be an integer in "
+                 "[0, max_tokens=16]")
     refused(P.ReserveReply(items=[P.ReserveResult(req_id="r", ok=True, reason="",
                                                   num_blocks=2**64 - 1)]),
             "ReserveReply.items[0].num_blocks: expected `int` <= 9223372036854775807")
