@@ -135,6 +135,10 @@ def sampling_params(body: dict, default_max_tokens: int,
             if value < 1:
                 raise bad(f"{name} must be >= 1, got {value}", name)
             max_tokens = value
+    stop = body.get("stop")  # the one field whose HTTP form is not the type's: a string too
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise bad(f"stop must be a string or an array of strings, got {_show(stop)}", "stop")
     given = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
     try:
         return SamplingParams(max_tokens=max_tokens, **given, **logits_processing(body))
