@@ -173,6 +173,25 @@ def test_non_contiguous_tensor_is_made_contiguous():
     assert torch.equal(got.tensors["k0"], t)
 
 
+def test_sampling_params_travel_as_they_are():
+    """Every sampling field round-trips inside a PrefillRequest; the router's for_nodes()
+    leaves the stop strings (its own concern) out and nothing else."""
+    params = P.SamplingParams(max_tokens=9, temperature=0.5, top_p=0.8, top_k=-1, seed=3,
+                              stop=["END"], stop_token_ids=[2, 7], seed_offset=4, logprobs=2,
+                              prompt_logprobs=1, min_tokens=3, repetition_penalty=1.2,
+                              presence_penalty=-0.5, frequency_penalty=0.25,
+                              logit_bias={5: 250, 6: -1.5}, guide=["regex", "[ab]+"])
+    assert (params.top_k, params.logit_bias, params.guide) == (0, {5: 100.0, 6: -1.5},
+                                                              ("regex", "[ab]+"))
+    sent = params.for_nodes()
+    assert sent.stop == [] and params.stop == ["END"]
+    assert msgspec.structs.replace(sent, stop=["END"]) == params
+    msg = P.PrefillBatch(requests=[P.PrefillRequest(
+        req_id="r", prompt_token_ids=[1, 2], sampling=sent, decode_node_id="d",
+        kv_address="tcp://h:1", timeout_s=1.0)])
+    assert codec.decode(codec.encode(msg)).requests[0].sampling == sent
+
+
 def test_int_accepted_for_float_and_converted():
     got = codec.decode(codec.encode(P.Welcome(accepted=True, reason="", heartbeat_interval_s=2,
                                       liveness=3)))
