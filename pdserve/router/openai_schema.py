@@ -140,6 +140,8 @@ def sampling_params(body: dict, default_max_tokens: int,
             isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise bad(f"stop must be a string or an array of strings, got {_show(stop)}", "stop")
     given = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    if stop == "":
+        del given["stop"]  # no stop string, as it always read here (and in OpenAI's API)
     try:
         return SamplingParams(max_tokens=max_tokens, **given, **logits_processing(body))
     except ValueError as e:  # SamplingParams says "name=value is invalid: allowed"
