@@ -89,7 +89,7 @@ def model_launches(cfg, dtype: torch.dtype, block_size: int) -> list[Launch]:
             model(inputs.input_ids, inputs.positions, inputs.meta, caches)
             if inputs.meta.kind == PREFILL:  # attention straight from the new tokens
                 model(inputs.input_ids, inputs.positions, inputs.meta, None)
-        ids = torch.empty(3, dtype=torch.int64, device="meta")  # node/kv_transfer.py's ids
+        ids = torch.empty(3, dtype=torch.int64, device="meta")  # node/kv/'s ids
         k, v = kernels.gather_kv(*caches[0], ids)
         kernels.scatter_kv(*caches[0], ids, k, v)
     return launches

@@ -59,7 +59,7 @@ def make_model_cmd(out_dir: str, arch: str, preset: str, seed: int) -> None:
 @engine_options
 def generate_cmd(prompts, max_tokens, temperature, top_p, top_k, seed, **kw) -> None:
     """Generate completions offline with the engine (no servers)."""
-    from pdserve.common.request import SamplingParams
+    from pdserve.common.sampling import SamplingParams
     from pdserve.engine.engine import Engine
     from pdserve.llm import LLM
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from pdserve.common.config_fields import check_fields, flag
 from pdserve.common.config_io import child_env
 from pdserve.common.kv_events import KVEventsConfig
 from pdserve.common.logs import DEFAULT_LEVEL
+from pdserve.common.sockets import free_port
 from pdserve.engine.config import EngineConfig
 from pdserve.node.config import NodeConfig
 from pdserve.router.config import RouterConfig
@@ -75,7 +75,7 @@ def _node_config(cfg: LaunchConfig, role: str, index: int) -> tuple[NodeConfig, 
     if cfg.router.curve_dir and "curve_dir" not in given:
         node["curve_dir"] = cfg.router.curve_dir
     if "metrics_port" not in given:
-        node["metrics_port"] = _free_port()
+        node["metrics_port"] = free_port()
         if _open(cfg):
             node["metrics_host"] = "0.0.0.0"
     if cfg.kv_events is not None:
@@ -92,8 +92,8 @@ def _node_kv_events(cfg: LaunchConfig) -> KVEventsConfig:
     """vLLM's one endpoint would collide between nodes (and its default port is the
     ingress's here): every node publishes on free ports of its own."""
     host = "0.0.0.0" if _open(cfg) else "127.0.0.1"
-    replay = f"tcp://{host}:{_free_port()}" if cfg.kv_events.replay_endpoint else None
-    return cfg.kv_events.with_endpoints(f"tcp://{host}:{_free_port()}", replay)
+    replay = f"tcp://{host}:{free_port()}" if cfg.kv_events.replay_endpoint else None
+    return cfg.kv_events.with_endpoints(f"tcp://{host}:{free_port()}", replay)
 
 
 def _kv_events_line(node: NodeConfig, name: str) -> str:
@@ -102,12 +102,6 @@ def _kv_events_line(node: NodeConfig, name: str) -> str:
         return ""
     replay = f", replay {connect_address(ev.replay_endpoint)}" if ev.replay_endpoint else ""
     return f"  {'kv events':<14} {connect_address(ev.endpoint)}{replay}   ({name})\n"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _metrics_url(port: int | None, host: str) -> str:

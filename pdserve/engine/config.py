@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.common.config import MODEL_DTYPES
 from pdserve.common.config_fields import check_fields, flag
 
-DTYPES = ("float32", "bfloat16", "float16", "auto")   # auto: the checkpoint's own
+DTYPES = (*MODEL_DTYPES, "auto")   # auto: the checkpoint's own
 COMPUTE_MODES = ("model", "none")
 CPU_LINEAR_MODES = ("auto", "onednn", "torch")
 

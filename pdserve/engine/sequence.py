@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import time
 
-from pdserve.common.request import SamplingParams
+from pdserve.common.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

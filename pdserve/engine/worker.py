@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.common.request import SamplingParams
+from pdserve.common.sampling import SamplingParams
 from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.host_memory import tune_malloc

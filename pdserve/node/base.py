@@ -22,7 +22,7 @@ from pdserve.common import protocol as P
 from pdserve.common.gc_heap import freeze_startup_objects
 from pdserve.common.kv_events import KVEventPublisher
 from pdserve.common.metrics import node_metrics, start_metrics_server
-from pdserve.common.request import SamplingParams, from_spec
+from pdserve.common.sampling import SamplingParams
 from pdserve.common.security import InsecureWarnings, node_curves, node_exposures
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import Sequence
@@ -122,9 +122,9 @@ class Node:
         return wire_stats(self.engine.stats())
 
     def request_params(self, req_id: str, prompt: list[int],
-                       spec: P.SamplingSpec) -> SamplingParams:
-        """The request's sampling parameters; ValueError saying why it cannot be served."""
-        params = from_spec(spec)
+                       params: SamplingParams) -> SamplingParams:
+        """The request's sampling parameters (checked against their limits as they were
+        decoded); ValueError saying why this model cannot serve them."""
         self.engine.check_request(prompt, params, what=f"prompt of {req_id}")
         return params
 

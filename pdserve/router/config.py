@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 from pdserve.common.config_fields import check_fields, flag
 
-POLICIES = ("round_robin", "least_loaded", "cache_aware")
+from pdserve.router import policies
+
+POLICIES = tuple(policies.POLICIES)  # the names --policy takes (policies.py defines them)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.common import protocol as P
+from pdserve.common.config import ROLES
 
 LIVE, DRAINING = "live", "draining"
 MAX_NODES = 1024   # registered at once: a peer cycling through identities cannot grow it
@@ -68,9 +69,9 @@ class Registry:
         if hello.protocol_version != P.PROTOCOL_VERSION:
             return False, (f"protocol version {hello.protocol_version} is not this router's "
                            f"{P.PROTOCOL_VERSION}")
-        if hello.role not in ("prefill", "decode", "colocated"):
-            return False, (f"role {hello.role!r} is not served by this router (prefill, decode, "
-                           "colocated)")
+        if hello.role not in ROLES:
+            return False, (f"role {hello.role!r} is not served by this router "
+                           f"({', '.join(ROLES)})")
         if hello.model.config_hash != self.model.config_hash:
             return False, (f"model {hello.model.name!r} ({hello.model.config_hash}) differs from "
                            f"the router's {self.model.name!r} ({self.model.config_hash})")

@@ -10,7 +10,6 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
-from pdserve.common.request import to_spec
 from pdserve.engine.config import EngineConfig
 from pdserve.node.config import NodeConfig
 from pdserve.node.decode import DecodeNode
@@ -147,7 +146,7 @@ def test_kv_over_the_fake_link_gives_the_offline_output_and_frees_every_block(mo
     token the offline LLM's, and afterwards no block is held on either side."""
     c = Cluster(model)
     prompts = prompts_for(model, [1, 7, 16, 17, 40, 90])
-    spec = to_spec(greedy(12))
+    spec = greedy(12)
     assert c.reserve("early", prompts[4], spec).ok
     c.decode.drop("early", "abort")  # a reservation given back: its blocks are free again
     results = c.submit({f"r{i}": (p, spec) for i, p in enumerate(prompts)})
@@ -173,7 +172,7 @@ def test_a_cached_prefix_stays_home_and_the_rest_lands_after_it(model, want):
     c = Cluster(model)
     (first,) = prompts_for(model, [60], seed=3)
     second = first[:48] + prompts_for(model, [20], seed=4)[0]
-    spec = to_spec(greedy(8))
+    spec = greedy(8)
     got = c.run({"a": (first, spec)})
     got |= c.run({"b": (second, spec)})
     assert got["a"]["cached"] == 0 and got["b"]["cached"] == 3
@@ -192,7 +191,7 @@ def test_a_frame_changed_on_the_wire_fails_that_request_on_both_sides(model):
 
     c = Cluster(model, tamper)
     prompt = prompts_for(model, [30], seed=7)[0]
-    got = c.run({"bad": (prompt, to_spec(greedy(8)))})
+    got = c.run({"bad": (prompt, greedy(8))})
     err = got["bad"]["error"]
     assert err is not None and err.code == E.CHECKSUM_MISMATCH
     assert "KV frame k0 of 1 request(s) ('bad')" in err.message
@@ -205,7 +204,7 @@ def test_kv_from_a_prefill_node_the_reservation_does_not_name_is_refused(model, 
     blocks; the reservation stands, and the same request prefilled on p0 decodes exactly."""
     c = Cluster(model)
     prompt = prompts_for(model, [20], seed=9)[0]
-    spec = to_spec(greedy(6))
+    spec = greedy(6)
     got = c.run({"x": (prompt, spec)}, prefill="p1", named="p0")
     assert got["x"]["finish"] is None and got["x"]["error"] is None
     assert c.decode.jobs["x"].transfer.state is TransferState.BOOTSTRAPPING

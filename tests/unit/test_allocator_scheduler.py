@@ -1,7 +1,7 @@
 """Pure-Python units: block allocator and scheduler (no model, no torch)."""
 import pytest
 
-from pdserve.common.request import SamplingParams
+from pdserve.common.sampling import SamplingParams
 from pdserve.engine.block_allocator import BlockAllocator, BlockAllocatorError
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus

@@ -5,7 +5,7 @@ import msgspec
 import pytest
 
 from pdserve.common.block_hash import BlockRemoved, BlockStored, block_hashes
-from pdserve.common.request import SamplingParams
+from pdserve.common.sampling import SamplingParams
 from pdserve.engine.block_allocator import BlockAllocator, BlockAllocatorError
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence

@@ -32,12 +32,9 @@ def torch_dtype(name: str):
 class TensorMeta(Nested, kw_only=True):
     """How one tensor travels: its raw bytes are frame ``frame`` after the header (1 is
     the first frame after it), C-contiguous, ``dtype`` x ``shape`` bytes long."""
-    dtype: Literal["float32", "bfloat16", "float16", "int32", "int64", "uint8"]
+    dtype: Literal[DTYPES]
     shape: list_of(Count, MAX_TENSOR_DIMS)
     frame: Count
-
-
-assert set(TensorMeta.__annotations__["dtype"].__args__) == set(DTYPES)
 
 
 class ShmKV(Nested, kw_only=True):
