@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.common.config_fields import check_fields, flag
-
 from pdserve.router import policies
 
 POLICIES = tuple(policies.POLICIES)  # the names --policy takes (policies.py defines them)
