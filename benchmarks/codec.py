@@ -36,8 +36,9 @@ def load_old(root: str):
 
 def messages(P) -> dict:
     """The hot messages, built with protocol module P (old or new: same names)."""
-    spec = P.SamplingSpec(max_tokens=128, temperature=0.7, top_p=0.95, top_k=50, seed=1234,
-                          stop_token_ids=[2], ignore_eos=False)
+    spec = getattr(P, "SamplingSpec", None) or P.SamplingParams  # (its name up to version 6)
+    spec = spec(max_tokens=128, temperature=0.7, top_p=0.95, top_k=50, seed=1234,
+                stop_token_ids=[2], ignore_eos=False)
     stats = P.NodeStats(num_free_blocks=900, num_total_blocks=1024, num_running=64,
                         num_waiting=3, queued_prompt_tokens=4096)
     return {

@@ -23,7 +23,7 @@ import time
 import torch
 
 from pdserve.bench.reference import DecodeStepper, transformers_model
-from pdserve.common.request import SamplingParams
+from pdserve.common.sampling import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 

@@ -26,7 +26,11 @@ def main() -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--new-tokens", type=int, default=32)
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+    # Run from a checkout: its root instead of benchmarks/, where kernels.py would shadow
+    # the `kernels` package that transformers imports when it is installed.
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
+    sys.path.insert(0, str(here.parent))
     import transformers
 
     from pdserve import LLM, SamplingParams

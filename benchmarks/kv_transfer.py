@@ -4,7 +4,7 @@ A Llama-3-8B-shaped cache (32 layers, 8 KV heads, head dim 128, bfloat16:
 128 KiB per token) at 2,048 tokens (256 MiB), over TCP on loopback. In the
 same run, on the same transport: a bare pyzmq PUSH/PULL of the same bytes in
 8 MiB frames, and an in-process memcpy. Ours uses the nodes' own code:
-``kv_chunk`` (gather blocks + checksum) on the sender, ``KVReceiver.place``
+the tcp and shm backends' chunks (gather blocks + checksum) on the sender, ``KVReceiver.place``
 (checks + checksum + scatter into pages) on the receiver, acknowledged at the end.
 The same-host rows keep the sender's pages in a /dev/shm segment, as a prefill
 node does: the messages carry offsets and the receiver copies the pages from
@@ -30,18 +30,15 @@ import zmq
 
 from pdserve.common import codec
 from pdserve.common import protocol as P
-from pdserve.common.shm import Segment
 from pdserve.common.transport import make_socket, recv_message, recv_routed, send_message
 from pdserve.engine.engine import layer_groups
 from pdserve.engine.host_memory import tune_malloc
-from pdserve.engine.kv_pages import pool_bytes
 from pdserve.engine.model_runner import kv_tensor_bytes, kv_views
-from pdserve.node.kv_transfer import (
-    InboundTransfer,
-    KVReceiver,
-    Outgoing,
-    kv_chunk,
-)
+from pdserve.node.kv import InboundTransfer, KVReceiver, Outgoing
+from pdserve.node.kv.pages import pool_bytes
+from pdserve.node.kv.segment import Segment
+from pdserve.node.kv.shm import shm_chunk
+from pdserve.node.kv.tcp import frames_chunk
 
 LAYOUT = P.KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16",
                     block_size=16)
@@ -102,7 +99,7 @@ def ours_receiver(address_q, args, scattered: bool):
         ack = P.KVAck(results=[P.KVResult(req_id="r", ok=True)])
         sock.send_multipart([peer, *codec.encode(ack)])
     address_q.put(time.process_time() - cpu0)
-    receiver.segments.close()
+    receiver.close()
     sock.close()
     ctx.term()
 
@@ -150,8 +147,12 @@ def run_ours(args, checksums: bool, scattered: bool, shm: bool = False) -> list[
             for start, end in groups:
                 last = end == LAYOUT.num_layers
                 part = Outgoing("r", ids.tolist(), args.tokens, first_token=1 if last else None)
-                msg = kv_chunk(MODEL, LAYOUT, caches, [part], start, end, checksums=checksums,
-                               last=last, segment=segment, views=views)
+                if segment is None:
+                    msg = frames_chunk(MODEL, LAYOUT, caches, [part], start, end,
+                                       checksums=checksums, last=last, views=views)
+                else:
+                    msg = shm_chunk(MODEL, LAYOUT, caches, [part], start, end,
+                                    checksums=checksums, last=last, segment=segment, views=views)
                 send_message(sock, msg)
             ack = recv_message(sock, (P.KVAck,))
             assert ack.results[0].ok

@@ -32,7 +32,7 @@ import torch
 
 from pdserve.bench.cluster import launched, machine, metric_totals
 from pdserve.client import AsyncQueueClient, Done
-from pdserve.common.request import SamplingParams
+from pdserve.common.sampling import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 

@@ -26,7 +26,7 @@ import msgpack
 
 from pdserve.common.codec import check_expansion
 from pdserve.common.protocol import ProtocolError
-from pdserve.common.request import SamplingParams
+from pdserve.common.sampling import SamplingParams
 from pdserve.model.make_model import make_model
 from pdserve.model.text import RequestOutputState
 from pdserve.model.tokenizer import Tokenizer

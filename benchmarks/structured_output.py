@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from pdserve.common.request import SamplingParams
+from pdserve.common.sampling import SamplingParams
 from pdserve.engine.grammar import GrammarBackend, GuideState
 from pdserve.engine.logits_processors import LogitsProcessors
 from pdserve.engine.sampler import sample

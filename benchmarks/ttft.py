@@ -24,7 +24,7 @@ import torch
 
 from pdserve.bench.cluster import launched, machine
 from pdserve.client import AsyncQueueClient
-from pdserve.common.request import SamplingParams
+from pdserve.common.sampling import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import Sequence

@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     if name == "SamplingParams":
-        from pdserve.common.request import SamplingParams
+        from pdserve.common.sampling import SamplingParams
         return SamplingParams
     if name in ("LLM", "RequestOutput"):
         from pdserve import llm

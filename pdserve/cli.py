@@ -3,33 +3,33 @@ config and hands it to the entry function of its role."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import click
 
 from pdserve.cli_config import (
-    COMPUTE_MODES,
-    DTYPES,
     EngineConfig,
     NodeConfig,
     RouterConfig,
     config_env_option,
-    default_of,
     engine_config,
-    engine_default,
     engine_options,
-    kv_events_option,
+    flag_value,
+    from_flags,
     node_config,
-    node_default,
     node_options,
-    parse_kv_events,
-    prefix_caching_option,
+    options,
     router_config,
     router_options,
 )
 from pdserve.common.cli_options import sampling_options
+from pdserve.common.config_fields import flags_of
 from pdserve.launch import LaunchConfig
 
 ARCHES = ("llama", "qwen2", "mistral")
+# Engine fields that launch does not take as engine flags: --model is the router's, handed
+# to the nodes.
+LAUNCH_NOT_ENGINE = ("model",)
 PRESETS = ("tiny", "small")
 
 
@@ -59,7 +59,7 @@ def make_model_cmd(out_dir: str, arch: str, preset: str, seed: int) -> None:
 @engine_options
 def generate_cmd(prompts, max_tokens, temperature, top_p, top_k, seed, **kw) -> None:
     """Generate completions offline with the engine (no servers)."""
-    from pdserve.common.request import SamplingParams
+    from pdserve.common.sampling import SamplingParams
     from pdserve.engine.engine import Engine
     from pdserve.llm import LLM
 
@@ -121,35 +121,21 @@ def _run_node(role: str, kw: dict) -> None:
 
 
 @main.command("prefill")
-@node_options
-@click.option("--kv-checksums/--no-kv-checksums", "kv_checksums",
-              default=node_default("kv_checksums"),
-              show_default=True, help="A 64-bit checksum on every KV frame sent.")
-@click.option("--kv-shm/--no-kv-shm", "kv_shm", default=node_default("kv_shm"), show_default=True,
-              help="Keep the KV cache (CPU) in a /dev/shm segment, so that decode nodes on "
-                   "this host copy KV from it instead of receiving it over TCP.")
-@click.option("--kv-layers-per-chunk", type=click.IntRange(min=1),
-              default=node_default("kv_layers_per_chunk"), show_default=True,
-              help="Layers per KV message: smaller overlaps transfer with compute more.")
+@node_options("prefill")
 def prefill_cmd(**kw) -> None:
     """Run a prefill node: batch prefill, first token, KV straight to decode nodes."""
     _run_node("prefill", kw)
 
 
 @main.command("decode")
-@node_options
-@click.option("--kv-bind", default=node_default("kv_bind"), show_default=True,
-              help="Where prefill nodes send KV (tcp://*:PORT to accept other machines).")
-@click.option("--advertise-host", default=None,
-              help="Host prefill nodes should connect to [default: the bound host, or this "
-                   "machine's name when bound to *].")
+@node_options("decode")
 def decode_cmd(**kw) -> None:
     """Run a decode node: receive KV into paged cache, decode in continuous batches."""
     _run_node("decode", kw)
 
 
 @main.command("colocated")
-@node_options
+@node_options("colocated")
 def colocated_cmd(**kw) -> None:
     """Run a colocated node: prefill and decode with one engine (the baseline to disaggregation,
     and the single-GPU setup)."""
@@ -182,67 +168,74 @@ def router_cmd(config_env, **kw) -> None:
 
 @main.command("launch")
 @router_options
-@click.option("--prefill", "num_prefill", type=click.IntRange(min=1),
-              default=default_of(LaunchConfig, "num_prefill"),
-              show_default=True, help="Prefill nodes to start.")
-@click.option("--decode", "num_decode", type=click.IntRange(min=1),
-              default=default_of(LaunchConfig, "num_decode"),
-              show_default=True, help="Decode nodes to start.")
+@options(LaunchConfig)
 @click.option("--node-arg", "node_args", multiple=True,
-              help="An extra flag for every node, e.g. --node-arg=--num-kv-blocks=512.")
-@click.option("--colocated", is_flag=True,
-              help="Start one colocated node (prefill + decode in one engine) instead of "
-                   "separate prefill and decode nodes.")
-@click.option("--dtype", type=click.Choice(DTYPES), default=None, help="Nodes' dtype.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="torch threads per node [default: cores / nodes].")
-@click.option("--compute", type=click.Choice(COMPUTE_MODES), default=engine_default("compute"),
-              show_default=True, help="'none': BENCHMARK mode, nodes skip the forward and "
-              "emit a fixed token.")
-@prefix_caching_option
-@kv_events_option
-def launch_cmd(num_prefill, num_decode, node_args, colocated, dtype, threads, compute,
-               enable_prefix_caching, kv_events_config, **kw) -> None:
-    """Start a router and its prefill and decode nodes on this machine."""
+              help="An extra flag for every node, e.g. --node-arg=--kv-layers-per-chunk=2.")
+@options(EngineConfig, skip=LAUNCH_NOT_ENGINE)
+@options(NodeConfig, only=("kv_events",))
+@click.pass_context
+def launch_cmd(ctx, **kw) -> None:
+    """Start a router and its prefill and decode nodes on this machine. The engine flags
+    go to every node; --node-arg passes any other node flag."""
     from pdserve.launch import run_launch
 
+    sys.exit(run_launch(launch_config(ctx, kw)))
+
+
+def launch_config(ctx: click.Context, kw: dict) -> LaunchConfig:
+    """The LaunchConfig of a parsed ``pdserve launch`` command line (its flags popped from
+    ``kw``): each role's node config is its --node-arg flags, then launch's engine flags."""
     log_level = kw.pop("log_level")
-    if kw["model_dir"] is None:  # resolved once here (and built, if it is the random one),
+    if kw["model"] is None:  # resolved once here (and built, if it is the random one),
         from pdserve.common.logs import setup_logging  # before the children race for it
         from pdserve.model.default_model import default_model_dir
 
         setup_logging(log_level, "launch")
-        kw["model_dir"] = str(default_model_dir())
-    router = router_config(kw)
+        kw["model"] = str(default_model_dir())
+    node_args = kw.pop("node_args")
+    engine_given = _given(ctx, kw, EngineConfig, skip=LAUNCH_NOT_ENGINE)
+    (_, kv_spec, kv_type), = [f for f in flags_of(NodeConfig) if f[0].name == "kv_events"]
+    kv_events = flag_value(kv_spec, kv_type, kw.pop("kv_events"))
+    launch = from_flags(LaunchConfig, kw, router=router_config(kw), log_level=log_level,
+                        compute=engine_given.get("compute", EngineConfig.compute),
+                        kv_events=kv_events)
+    roles = ("colocated",) if launch.colocated else ("prefill", "decode")
+    return replace(launch, node_configs={
+        role: _launch_node_config(role, node_args, engine_given) for role in roles})
+
+
+def _given(ctx: click.Context, kw: dict, config_class, skip=()) -> dict:
+    """The flags of ``config_class`` set on the command line, popped from ``kw``."""
+    from click.core import ParameterSource
+
+    names = [f.name for f, _, _ in flags_of(config_class) if f.name in kw and f.name not in skip]
+    values = {name: kw.pop(name) for name in names}
+    return {name: value for name, value in values.items()
+            if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT}
+
+
+def _launch_node_config(role: str, node_args, engine: dict):
+    """One role's (config, log level, flags given): its --node-arg flags, then the engine
+    flags given to launch itself."""
+    config, log_level, given = parse_node_args(role, node_args)
     try:
-        kv_events = parse_kv_events(kv_events_config)
+        config = replace(config, engine=replace(config.engine, **engine))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    args = list(node_args)
-    if dtype:
-        args += ["--dtype", dtype]
-    if threads:
-        args += ["--threads", str(threads)]
-    if compute != "model":
-        args += ["--compute", compute]
-    if not enable_prefix_caching:
-        args += ["--no-enable-prefix-caching"]
-    roles = ("colocated",) if colocated else ("prefill", "decode")
-    sys.exit(run_launch(LaunchConfig(
-        router=router, num_prefill=num_prefill, num_decode=num_decode, colocated=colocated,
-        compute=compute, log_level=log_level, kv_events=kv_events,
-        node_configs={role: parse_node_args(role, args) for role in roles})))
+    return config, log_level, given | set(engine)
 
 
 def _register_plugins() -> None:
     """Commands that live beside the code they drive."""
     from pdserve.bench.cli import bench_cmd
+    from pdserve.cli_kernels import kernels_group
     from pdserve.client import submit_cmd
     from pdserve.common.security import keys_group
 
     main.add_command(submit_cmd, "submit")
     main.add_command(keys_group, "keys")
     main.add_command(bench_cmd, "bench")
+    main.add_command(kernels_group, "kernels")
 
 
 _register_plugins()

@@ -1,15 +1,20 @@
-"""The flag groups of pdserve's commands, each flag's default taken from the config
-dataclass it fills (written once, there), and the functions that turn parsed flags into
-those configs. cli.py puts them on its commands."""
+"""Click options generated from the config dataclasses' fields, and the configs built back
+from parsed flags. A flag is written once, as its field (common/config_fields.py): name,
+help, default, range and choices; cli.py puts the generated groups on its commands."""
 from __future__ import annotations
+
+import dataclasses
 
 import click
 
+from pdserve.common.config_fields import Flag, flags_of
 from pdserve.common.logs import DEFAULT_LEVEL
 from pdserve.common.logs import LEVELS as LOG_LEVELS
-from pdserve.engine.config import COMPUTE_MODES, CPU_LINEAR_MODES, DTYPES, EngineConfig
+from pdserve.engine.config import COMPUTE_MODES, DTYPES, EngineConfig
 from pdserve.node.config import NodeConfig
-from pdserve.router.config import POLICIES, RouterConfig
+from pdserve.router.config import RouterConfig
+
+__all__ = ["COMPUTE_MODES", "DTYPES", "EngineConfig", "NodeConfig", "RouterConfig"]
 
 
 def default_of(config_class, name: str):
@@ -17,232 +22,123 @@ def default_of(config_class, name: str):
     return config_class.__dataclass_fields__[name].default
 
 
-def engine_default(name: str):
-    return default_of(EngineConfig, name)
+def _click_type(spec: Flag, tp: type):
+    if spec.choices is not None:
+        return click.Choice(spec.choices)
+    if spec.kind == "path":
+        return click.Path(exists=True)
+    if spec.kind == "dir":
+        return click.Path(exists=True, file_okay=False)
+    if tp is int and (spec.min is not None or spec.max is not None):
+        return click.IntRange(spec.min, spec.max, min_open=spec.min_open)
+    if tp is float and (spec.min is not None or spec.max is not None):
+        return click.FloatRange(spec.min, spec.max, min_open=spec.min_open)
+    return tp if tp in (int, float) else None
 
 
-def node_default(name: str):
-    return default_of(NodeConfig, name)
+def option_of(field: dataclasses.Field, spec: Flag, tp: type):
+    """The click option of one config field; its parameter is the field's name."""
+    name = spec.name or "--" + field.name.replace("_", "-")
+    if tp is bool and field.default is True:
+        decls = [f"{name}/--no-{name[2:]}", field.name]
+    else:
+        decls = [name, field.name]
+    kw = dict(help=f"{spec.help} [default: {spec.default_text}]" if spec.default_text
+              else spec.help)
+    if tp is bool:
+        kw.update(default=field.default, show_default=field.default is True,
+                  is_flag=True)
+    else:
+        kw.update(type=_click_type(spec, tp), envvar=spec.envvar, metavar=spec.metavar or (
+            "JSON" if spec.kind == "json" else None))
+        # A default_text stands for a value the config (or the CLI) derives: the flag's
+        # own default is then None, "not given".
+        kw.update(default=None if spec.default_text else field.default,
+                  show_default=not spec.default_text)
+    return click.option(*decls, **kw)
 
 
-def router_default(name: str):
-    return default_of(RouterConfig, name)
+def options(config_class, *, role: str | None = None, skip=(), only=None):
+    """A decorator adding the options of ``config_class``'s flag fields, in field order;
+    ``role``: only the fields that node role takes; ``skip`` / ``only``: field names."""
+    opts = [option_of(f, spec, tp) for f, spec, tp in flags_of(config_class)
+            if f.name not in skip and (only is None or f.name in only)
+            and (role is None or spec.roles is None or role in spec.roles)]
+
+    def decorate(fn):
+        for opt in reversed(opts):
+            fn = opt(fn)
+        return fn
+    return decorate
 
 
-prefix_caching_option = click.option(
-    "--enable-prefix-caching/--no-enable-prefix-caching",
-    default=engine_default("enable_prefix_caching"), show_default=True,
-    help="Reuse the KV cache of full blocks that earlier prompts computed.")
+def from_flags(config_class, kw: dict, **fixed):
+    """A config from its flags, popped from ``kw``: a flag left at None means the field's
+    own default; a ``kind="json"`` flag is parsed by its type's ``from_json``. A bad value
+    is a UsageError naming the field."""
+    values = dict(fixed)
+    for f, spec, tp in flags_of(config_class):
+        value = kw.pop(f.name, None)
+        if value is not None and f.name not in fixed:
+            values[f.name] = flag_value(spec, tp, value)
+    try:
+        return config_class(**values)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
 
+
+def flag_value(spec: Flag, tp: type, value):
+    """A parsed flag's value as its field takes it (a UsageError if its JSON is bad)."""
+    if spec.kind != "json" or value is None:
+        return value
+    try:
+        return tp.from_json(value)
+    except ValueError as exc:
+        raise click.UsageError(f"{spec.name}: {exc}") from exc
+
+
+log_level_option = click.option("--log-level", type=click.Choice(LOG_LEVELS),
+                                default=DEFAULT_LEVEL, show_default=True)
 
 config_env_option = click.option(
     "--config-env", is_flag=True, hidden=True,
     help="Take the whole config from $PDSERVE_CONFIG (JSON), as pdserve launch hands it to "
          "its children; the other flags are not read.")
 
-
-kv_events_option = click.option(
-    "--kv-events-config", default=None, metavar="JSON",
-    help="Publish KV-cache events in vLLM's format, with vLLM's keys, e.g. "
-         "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5560\"}' "
-         "(docs/protocol.md) [default: off].")
+engine_options = options(EngineConfig)
 
 
-def engine_options(fn):
-    """Flags every engine owner takes; they build one EngineConfig."""
-    opts = [
-        click.option("--model", "model_dir", type=click.Path(exists=True), default=None,
-                     help="Checkpoint folder or .gguf file [default: the bundled model]."),
-        click.option("--dtype", type=click.Choice(DTYPES), default=engine_default("dtype"),
-                     show_default=True),
-        click.option("--device", default=engine_default("device"), show_default=True),
-        click.option("--block-size", type=click.IntRange(min=1),
-                     default=engine_default("block_size"),
-                     show_default=True),
-        click.option("--num-kv-blocks", type=click.IntRange(min=1), default=None,
-                     help="KV cache size in blocks [default: from --kv-cache-memory-gb]."),
-        click.option("--kv-cache-memory-gb", type=click.FloatRange(min=0, min_open=True),
-                     default=engine_default("kv_cache_memory_gb"), show_default=True),
-        click.option("--decode-window-memory-gb", type=click.FloatRange(min=0), default=None,
-                     help="CPU decode steps keep the batch's context contiguous across "
-                     "steps in at most this much memory, instead of gathering it from the KV "
-                     "pages in every layer; 0: off [default: half of the KV cache's size]."),
-        click.option("--cpu-linear", type=click.Choice(CPU_LINEAR_MODES),
-                     default=engine_default("cpu_linear"), show_default=True,
-                     help="float32 and bfloat16 linear layers on the CPU: 'onednn' "
-                     "reorders each weight once for oneDNN (about 1.6x faster GEMMs at "
-                     "decode rows; float32 results differ from F.linear's in the last bits, "
-                     "bfloat16 ones do not), 'torch' keeps F.linear (transformers' bits), "
-                     "'auto' takes onednn where torch has it."),
-        click.option("--max-num-seqs", type=click.IntRange(min=1),
-                     default=engine_default("max_num_seqs"),
-                     show_default=True),
-        click.option("--max-num-batched-tokens", type=click.IntRange(min=1),
-                     default=engine_default("max_num_batched_tokens"),
-                     show_default=True, help="Token budget of one step; longer prompts are "
-                     "prefilled in chunks."),
-        click.option("--threads", type=click.IntRange(min=1), default=None,
-                     help="torch CPU threads [default: torch's choice]."),
-        click.option("--compute", type=click.Choice(COMPUTE_MODES),
-                     default=engine_default("compute"),
-                     show_default=True, help="'none' is a BENCHMARK mode: skip the forward "
-                     "and emit a fixed token, to measure everything around the model."),
-        prefix_caching_option,
-    ]
-    for opt in reversed(opts):
-        fn = opt(fn)
-    return fn
-
-
-def node_options(fn):
-    opts = [
-        click.option("--router", default=node_default("router"), show_default=True,
-                     help="The router's control socket."),
-        click.option("--node-id", default=None, help="[default: ROLE-HOST-PID]"),
-        click.option("--heartbeat-interval", type=click.FloatRange(min=0, min_open=True),
-                     default=node_default("heartbeat_interval_s"), show_default=True,
-                     help="Seconds, until the router says."),
-        click.option("--metrics-port", type=click.IntRange(0, 65535),
-                     default=node_default("metrics_port"),
-                     show_default=True, help="Serve Prometheus /metrics on this port; 0: off."),
-        click.option("--metrics-host", default=node_default("metrics_host"), show_default=True,
-                     help="Bind host of /metrics; 0.0.0.0 lets other machines scrape it."),
-        click.option("--curve-dir", type=click.Path(exists=True, file_okay=False), default=None,
-                     help="CurveZMQ key folder (pdserve keys generate): encrypt and "
-                          "authenticate the control and KV sockets [default: off]."),
-        click.option("--curve-key", default=node_default("curve_key"), show_default=True,
-                     help="This node's keypair in --curve-dir (NAME.key_secret)."),
-        click.option("--log-level", type=click.Choice(LOG_LEVELS), default=DEFAULT_LEVEL,
-                     show_default=True),
-        kv_events_option,
-        click.option("--insecure", is_flag=True, help="Start even though the KV socket is "
-                     "open to other machines without CURVE (warned every minute)."),
-        config_env_option,
-    ]
-    for opt in reversed(opts):
-        fn = opt(fn)
-    return engine_options(fn)
-
-
-def parse_kv_events(text: str | None):
-    from pdserve.common.kv_events import KVEventsConfig
-
-    return None if text is None else KVEventsConfig.from_json(text)
-
-
-def engine_config(kw):
-    """An EngineConfig from the engine flags (popped from kw)."""
-
-    return EngineConfig(model=kw.pop("model_dir"), dtype=kw.pop("dtype"),
-                        device=kw.pop("device"), block_size=kw.pop("block_size"),
-                        num_kv_blocks=kw.pop("num_kv_blocks"),
-                        kv_cache_memory_gb=kw.pop("kv_cache_memory_gb"),
-                        decode_window_memory_gb=kw.pop("decode_window_memory_gb"),
-                        cpu_linear=kw.pop("cpu_linear"),
-                        max_num_seqs=kw.pop("max_num_seqs"),
-                        max_num_batched_tokens=kw.pop("max_num_batched_tokens"),
-                        threads=kw.pop("threads"), compute=kw.pop("compute"),
-                        enable_prefix_caching=kw.pop("enable_prefix_caching"))
+def node_options(role: str):
+    """The flags of ``pdserve ROLE``: the engine's, then the node's for that role."""
+    def decorate(fn):
+        fn = config_env_option(log_level_option(options(NodeConfig, role=role)(fn)))
+        return engine_options(fn)
+    return decorate
 
 
 def router_options(fn):
     """Flags of the router; `launch` takes them too."""
-    opts = [
-        click.option("--model", "model_dir", type=click.Path(exists=True), default=None,
-                     help="Checkpoint folder or .gguf file [default: the bundled model]."),
-        click.option("--served-model-name", default=None,
-                     help="The model name clients send [default: the folder's name, or the "
-                          "file's without .gguf]."),
-        click.option("--host", default=router_default("host"), show_default=True,
-                     help="HTTP bind host; 0.0.0.0 opens it (and --control/--ingress defaults) "
-                          "to other machines."),
-        click.option("--http-port", type=click.IntRange(0, 65535),
-                     default=router_default("http_port"),
-                     show_default=True),
-        click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
-                     help="Also serve Prometheus /metrics on this port [default: only on "
-                          "the HTTP port, at /metrics]."),
-        click.option("--control", default=None,
-                     help="Control socket nodes connect to [default: tcp://HOST:5556]."),
-        click.option("--ingress", default=None,
-                     help="Queue-producer socket, or 'none' [default: tcp://HOST:5557]."),
-        click.option("--policy", type=click.Choice(POLICIES), default=router_default("policy"),
-                     show_default=True),
-        click.option("--heartbeat-interval", type=click.FloatRange(min=0, min_open=True),
-                     default=router_default("heartbeat_interval_s"), show_default=True,
-                     help="Seconds between heartbeats."),
-        click.option("--liveness", type=click.IntRange(min=1), default=router_default("liveness"),
-                     show_default=True,
-                     help="Missed heartbeats before a node is dead."),
-        click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True),
-                     default=router_default("request_timeout_s"), show_default=True,
-                     help="Default deadline of a request (s)."),
-        click.option("--max-pending-requests", type=click.IntRange(min=1),
-                     default=router_default("max_pending_requests"),
-                     show_default=True, help="Past this, new requests are refused (429)."),
-        click.option("--reserve-lease", type=click.FloatRange(min=0, min_open=True),
-                     default=router_default("reserve_lease_s"), show_default=True,
-                     help="Seconds a decode node holds KV "
-                     "blocks for a request's transfer; a prefill node waits as long for the "
-                     "decode node's acknowledgement."),
-        click.option("--max-stop-strings", type=click.IntRange(min=0),
-                     default=router_default("max_stop_strings"),
-                     show_default=True, help="Stop strings per request."),
-        click.option("--max-stop-bytes", type=click.IntRange(min=1),
-                     default=router_default("max_stop_bytes"),
-                     show_default=True, help="UTF-8 bytes of one stop string."),
-        click.option("--max-prompt-bytes", type=click.IntRange(min=1),
-                     default=router_default("max_prompt_bytes"),
-                     show_default=True, help="UTF-8 bytes of a prompt's text, checked "
-                     "before tokenizing."),
-        click.option("--curve-dir", type=click.Path(exists=True, file_okay=False), default=None,
-                     help="CurveZMQ key folder (pdserve keys generate): encrypt and "
-                          "authenticate the control, ingress and KV sockets [default: off]."),
-        click.option("--api-key", envvar="PDSERVE_API_KEY", default=None,
-                     help="Require 'Authorization: Bearer KEY' on /v1/* [env: "
-                          "PDSERVE_API_KEY; prefer it: flags show in ps]."),
-        click.option("--log-level", type=click.Choice(LOG_LEVELS), default=DEFAULT_LEVEL,
-                     show_default=True),
-        click.option("--insecure", is_flag=True, help="Start even though sockets or HTTP "
-                     "are open to other machines without CURVE or an API key (warned every "
-                     "minute)."),
-    ]
-    for opt in reversed(opts):
-        fn = opt(fn)
-    return fn
+    return options(RouterConfig)(log_level_option(fn))
 
 
-def router_config(kw):
-    """A RouterConfig from the router flags (popped from kw)."""
+def engine_config(kw: dict) -> EngineConfig:
+    """An EngineConfig from the engine flags (popped from kw)."""
+    return from_flags(EngineConfig, kw)
 
-    host = kw.pop("host")
+
+def router_config(kw: dict) -> RouterConfig:
+    """A RouterConfig from the router flags (popped from kw). --control and --ingress
+    default to the HTTP host's interface; --ingress none turns the ingress off."""
+    host = kw.get("host") or default_of(RouterConfig, "host")
     bind_host = "*" if host in ("0.0.0.0", "*") else host
-    ingress = kw.pop("ingress") or f"tcp://{bind_host}:5557"
-    try:
-        return RouterConfig(
-            model=kw.pop("model_dir"), served_model_name=kw.pop("served_model_name"),
-            host=host, http_port=kw.pop("http_port"), metrics_port=kw.pop("metrics_port"),
-            control=kw.pop("control") or f"tcp://{bind_host}:5556",
-            ingress=None if ingress == "none" else ingress, policy=kw.pop("policy"),
-            heartbeat_interval_s=kw.pop("heartbeat_interval"), liveness=kw.pop("liveness"),
-            request_timeout_s=kw.pop("request_timeout"),
-            max_pending_requests=kw.pop("max_pending_requests"),
-            reserve_lease_s=kw.pop("reserve_lease"), max_stop_strings=kw.pop("max_stop_strings"),
-            max_stop_bytes=kw.pop("max_stop_bytes"), max_prompt_bytes=kw.pop("max_prompt_bytes"),
-            curve_dir=kw.pop("curve_dir"), api_key=kw.pop("api_key") or None,
-            insecure=kw.pop("insecure"))
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from exc
+    kw["control"] = kw.get("control") or f"tcp://{bind_host}:5556"
+    ingress = kw.get("ingress") or f"tcp://{bind_host}:5557"
+    kw["api_key"] = kw.get("api_key") or None
+    return from_flags(RouterConfig, kw, ingress=None if ingress == "none" else ingress)
 
 
 def node_config(role: str, kw: dict) -> tuple[NodeConfig, str]:
     """(NodeConfig, log level) from a node command's flags."""
     log_level = kw.pop("log_level")
     kw.pop("config_env", None)
-    try:
-        return NodeConfig(role=role, engine=engine_config(kw), router=kw.pop("router"),
-                          node_id=kw.pop("node_id"),
-                          kv_events=parse_kv_events(kw.pop("kv_events_config")),
-                          heartbeat_interval_s=kw.pop("heartbeat_interval"), **kw), log_level
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from exc
+    return from_flags(NodeConfig, kw, role=role, engine=engine_config(kw)), log_level

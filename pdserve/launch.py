@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,9 +17,11 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field, replace
 
+from pdserve.common.config_fields import check_fields, flag
 from pdserve.common.config_io import child_env
 from pdserve.common.kv_events import KVEventsConfig
 from pdserve.common.logs import DEFAULT_LEVEL
+from pdserve.common.sockets import free_port
 from pdserve.engine.config import EngineConfig
 from pdserve.node.config import NodeConfig
 from pdserve.router.config import RouterConfig
@@ -31,15 +32,20 @@ STOP_TIMEOUT_S = 10.0
 @dataclass(frozen=True)
 class LaunchConfig:
     router: RouterConfig
-    num_prefill: int = 1
-    num_decode: int = 1
-    colocated: bool = False               # one colocated node instead of prefill + decode
+    num_prefill: int = flag(1, "Prefill nodes to start.", name="--prefill", min=1)
+    num_decode: int = flag(1, "Decode nodes to start.", name="--decode", min=1)
+    colocated: bool = flag(False, "Start one colocated node (prefill + decode in one "
+                           "engine) instead of separate prefill and decode nodes.")
     compute: str = EngineConfig.compute   # "none": benchmark mode (fixed tokens)
     # Each role's node config from the --node-arg flags: (config, log level, the flags given)
     node_configs: dict[str, tuple[NodeConfig, str, set[str]]] = field(default_factory=dict)
     log_level: str = DEFAULT_LEVEL
     ready_timeout_s: float = 600.0
-    kv_events: KVEventsConfig | None = None  # each node gets its own free port(s)
+    # The nodes' --kv-events-config; each node gets its own free port(s)
+    kv_events: KVEventsConfig | None = None
+
+    def __post_init__(self):
+        check_fields(self)
 
 
 def connect_address(bind: str) -> str:
@@ -60,7 +66,7 @@ def _node_config(cfg: LaunchConfig, role: str, index: int) -> tuple[NodeConfig, 
     decides unless they say it (model, threads, metrics port, CURVE keys, KV events)."""
     base, log_level, given = cfg.node_configs[role]
     engine = {}
-    if cfg.router.model and "model_dir" not in given:
+    if cfg.router.model and "model" not in given:
         engine["model"] = cfg.router.model
     if "threads" not in given:
         engine["threads"] = max(1, (os.cpu_count() or 1) // len(_roles(cfg)))
@@ -69,7 +75,7 @@ def _node_config(cfg: LaunchConfig, role: str, index: int) -> tuple[NodeConfig, 
     if cfg.router.curve_dir and "curve_dir" not in given:
         node["curve_dir"] = cfg.router.curve_dir
     if "metrics_port" not in given:
-        node["metrics_port"] = _free_port()
+        node["metrics_port"] = free_port()
         if _open(cfg):
             node["metrics_host"] = "0.0.0.0"
     if cfg.kv_events is not None:
@@ -86,8 +92,8 @@ def _node_kv_events(cfg: LaunchConfig) -> KVEventsConfig:
     """vLLM's one endpoint would collide between nodes (and its default port is the
     ingress's here): every node publishes on free ports of its own."""
     host = "0.0.0.0" if _open(cfg) else "127.0.0.1"
-    replay = f"tcp://{host}:{_free_port()}" if cfg.kv_events.replay_endpoint else None
-    return cfg.kv_events.with_endpoints(f"tcp://{host}:{_free_port()}", replay)
+    replay = f"tcp://{host}:{free_port()}" if cfg.kv_events.replay_endpoint else None
+    return cfg.kv_events.with_endpoints(f"tcp://{host}:{free_port()}", replay)
 
 
 def _kv_events_line(node: NodeConfig, name: str) -> str:
@@ -96,12 +102,6 @@ def _kv_events_line(node: NodeConfig, name: str) -> str:
         return ""
     replay = f", replay {connect_address(ev.replay_endpoint)}" if ev.replay_endpoint else ""
     return f"  {'kv events':<14} {connect_address(ev.endpoint)}{replay}   ({name})\n"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _metrics_url(port: int | None, host: str) -> str:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from pdserve.common.logprobs import empty, join
-from pdserve.common.protocol import Logprobs
-from pdserve.common.request import SamplingParams
+from pdserve.common.sampling import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
+from pdserve.engine.logprobs import empty, join
+from pdserve.engine.types import Logprobs
 
 Prompt = str | list[int]
 
@@ -27,7 +27,7 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finish_reason: str | None
-    # protocol.Logprobs, with SamplingParams(logprobs=k) / (prompt_logprobs=k): of each
+    # engine.types.Logprobs, with SamplingParams(logprobs=k) / (prompt_logprobs=k): of each
     # output token, and of prompt tokens 1.. (the first has none)
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None

@@ -115,7 +115,7 @@ class RouterDriver:
                     return self.inbox.pop(i)
         return self.wait(find, timeout_s, kind.__name__)
 
-    def reserve(self, decode: str, req_id: str, prompt: list[int], spec: P.SamplingSpec,
+    def reserve(self, decode: str, req_id: str, prompt: list[int], spec: P.SamplingParams,
                 lease_s: float = 30.0) -> P.ReserveResult:
         self.send(decode, P.Reserve(items=[P.ReserveRequest(
             req_id=req_id, prompt_token_ids=prompt, sampling=spec, prefill_node_id="",
@@ -123,7 +123,7 @@ class RouterDriver:
         (result,) = self.take(P.ReserveReply, lambda m: m.items[0].req_id == req_id)[1].items
         return result
 
-    def run(self, requests: dict[str, tuple[list[int], P.SamplingSpec]],
+    def run(self, requests: dict[str, tuple[list[int], P.SamplingParams]],
             prefill_of: dict[str, str], decode_of: dict[str, str],
             timeout_s: float = 120.0, same_host: bool = False) -> dict[str, dict]:
         """Reserve, prefill in one batch per prefill node, collect every token. same_host:

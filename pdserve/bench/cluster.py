@@ -9,7 +9,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,11 +16,8 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pdserve.common.config import ROLES
+from pdserve.common.sockets import free_port
 
 
 @dataclass
@@ -58,8 +54,7 @@ class Cluster:
         for line in out.splitlines():
             pid, _, cmd = line.strip().partition(" ")
             words = cmd.split()
-            role = next((w for w in words if w in ("router", "prefill", "decode", "colocated",
-                                                    "launch")), None)
+            role = next((w for w in words if w in ("router", *ROLES, "launch")), None)
             with contextlib.suppress(OSError, IndexError):
                 fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
                 cpu[role or pid] = cpu.get(role or pid, 0.0) + \

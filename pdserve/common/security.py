@@ -32,6 +32,7 @@ import click
 import zmq
 import zmq.auth
 
+from pdserve.common.config import DTYPE_BYTES
 from pdserve.common.curve_guard import CONTROL_DOMAIN, INGRESS_DOMAIN, KV_DOMAIN  # noqa: F401
 from pdserve.common.exposure import (  # noqa: F401 (re-exported: one place to import from)
     InsecureWarnings,
@@ -50,7 +51,6 @@ ALLOW_NODES, ALLOW_CLIENTS = Path("allow", "nodes"), Path("allow", "clients")
 # Size limits (ZMQ_MAXMSGSIZE, per frame): a bigger frame disconnects the sender.
 CONTROL_MAX_MSG_BYTES = 64 * 2**20   # control messages carry token ids, never tensors
 KV_ACK_MAX_MSG_BYTES = 2**20          # what a prefill node's KV DEALER receives: acks, errors
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4, "int64": 8, "uint8": 1}
 
 
 def kv_max_msg_size(layout, num_blocks: int) -> int:
@@ -59,7 +59,7 @@ def kv_max_msg_size(layout, num_blocks: int) -> int:
     from pdserve.common.protocol import MAX_HEADER_BYTES
 
     frame = (num_blocks * layout.block_size * layout.num_kv_heads * layout.head_dim
-             * _DTYPE_BYTES.get(layout.dtype, 8))
+             * DTYPE_BYTES.get(layout.dtype, 8))
     return max(frame, MAX_HEADER_BYTES) + 4096
 
 

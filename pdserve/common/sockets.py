@@ -7,6 +7,7 @@ torch): the queue-ingress client starts fast. Sending and receiving protocol mes
 ``transport.py``'s.
 """
 import dataclasses
+import socket
 from typing import Iterable, Optional, Union
 
 import zmq
@@ -157,3 +158,11 @@ def _apply_curve(sock: zmq.Socket, curve: CurveConfig) -> None:
 def endpoint_of(sock: zmq.Socket) -> str:
     """The endpoint the socket last bound or connected (the real port after ``:*``)."""
     return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now, for endpoints picked at start (launch, benchmarks,
+    tests): another process may take it before it is bound, which those callers accept."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -78,6 +78,16 @@ class BlockAllocator:
                      block_size: int) -> list[int]:
         """Takes a reference on each cached block of the longest cached prefix of
         ``hashes`` (checked against ``token_ids``) and returns those blocks."""
+        blocks = self.cached_prefix(hashes, token_ids, block_size)
+        for block in blocks:
+            if self._refs[block] == 0:
+                del self._free[block]
+            self._refs[block] += 1
+        return blocks
+
+    def cached_prefix(self, hashes: list[int], token_ids: list[int],
+                      block_size: int) -> list[int]:
+        """The blocks ``match_prefix`` would take, without taking them."""
         if not self.enable_caching:
             return []
         blocks = []
@@ -85,12 +95,13 @@ class BlockAllocator:
             entry = self._cached.get(h)
             if entry is None or entry[1] != tuple(token_ids[i * block_size:(i + 1) * block_size]):
                 break
-            block = entry[0]
-            if self._refs[block] == 0:
-                del self._free[block]
-            self._refs[block] += 1
-            blocks.append(block)
+            blocks.append(entry[0])
         return blocks
+
+    def num_unreferenced(self, blocks: list[int]) -> int:
+        """How many of ``blocks`` no one holds (cached in the free list: taking them
+        leaves fewer free blocks)."""
+        return sum(1 for b in blocks if self._refs[b] == 0)
 
     def register(self, block: int, block_hash: int, parent_hash: int | None,
                  token_ids: list[int]) -> None:

@@ -1,61 +1,57 @@
-"""The engine's frozen configuration, checked where a user sets it."""
+"""The engine's frozen configuration, checked where a user sets it. Each field that is a
+command-line flag says so once, here (common/config_fields.py)."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-DTYPES = ("float32", "bfloat16", "float16", "auto")   # auto: the checkpoint's own
+from pdserve.common.config import MODEL_DTYPES
+from pdserve.common.config_fields import check_fields, flag
+
+DTYPES = (*MODEL_DTYPES, "auto")   # auto: the checkpoint's own
 COMPUTE_MODES = ("model", "none")
 CPU_LINEAR_MODES = ("auto", "onednn", "torch")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None             # checkpoint folder or .gguf; None = the default model
-    dtype: str = "float32"               # float32 | bfloat16 | float16 | auto
-    device: str = "cpu"
-    block_size: int = 16
-    num_kv_blocks: int | None = None     # None: sized from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 0.5
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048   # token budget of one step; longer prompts are chunked
+    model: str | None = flag(None, "Checkpoint folder or .gguf file.", kind="path",
+                             default_text="the bundled model, SmolLM2-135M-Instruct")
+    dtype: str = flag("float32", "The weights' and the KV cache's dtype; auto: the "
+                      "checkpoint's own.", choices=DTYPES)
+    device: str = flag("cpu", "torch device.")
+    block_size: int = flag(16, "Tokens per KV block (a power of two).", min=1)
+    num_kv_blocks: int | None = flag(None, "KV cache size in blocks.", min=1,
+                                     default_text="from --kv-cache-memory-gb")
+    kv_cache_memory_gb: float = flag(0.5, "KV cache size.", min=0, min_open=True)
+    max_num_seqs: int = flag(64, "Sequences in one step's batch.", min=1)
+    max_num_batched_tokens: int = flag(2048, "Token budget of one step; longer prompts are "
+                                       "prefilled in chunks.", min=1)
     max_model_len: int | None = None     # None: the model's own limit
-    threads: int | None = None           # torch CPU threads; None: torch's default
-    compute: str = "model"               # "none": skip the forward, emit a fixed token
-                                         # (benchmarks of everything around the model)
-    enable_prefix_caching: bool = True   # reuse the KV of full blocks of earlier prompts
-    # CPU decode windows (engine/decode_window.py): at most this much memory; None: half
-    # the KV cache's size; 0: off (every decode step gathers the context from the pages)
-    decode_window_memory_gb: float | None = None
-    # float32 and bfloat16 linear layers on the CPU (model/cpu_linear.py): "onednn" (each
-    # weight reordered once: ~1.6x faster GEMMs at decode rows), "torch" (F.linear:
-    # transformers' bits), "auto": onednn where torch has it
-    cpu_linear: str = "auto"
+    threads: int | None = flag(None, "torch CPU threads.", min=1,
+                               default_text="torch's choice; launch: cores / nodes")
+    compute: str = flag("model", "'none' is a BENCHMARK mode: skip the forward and emit a "
+                        "fixed token, to measure everything around the model.",
+                        choices=COMPUTE_MODES)
+    enable_prefix_caching: bool = flag(True, "Reuse the KV cache of full blocks that "
+                                       "earlier prompts computed.")
+    # engine/decode_window.py
+    decode_window_memory_gb: float | None = flag(
+        None, "CPU decode steps keep the batch's context contiguous across steps in at "
+        "most this much memory, instead of gathering it from the KV pages in every layer; "
+        "0: off.", min=0, default_text="half of the KV cache's size")
+    # model/cpu_linear.py
+    cpu_linear: str = flag(
+        "auto", "float32 and bfloat16 linear layers on the CPU: 'onednn' reorders each "
+        "weight once for oneDNN (about 1.6x faster GEMMs at decode rows; float32 results "
+        "differ from F.linear's in the last bits, bfloat16 ones do not), 'torch' keeps "
+        "F.linear (transformers' bits), 'auto' takes onednn where torch has it.",
+        choices=CPU_LINEAR_MODES)
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_fields(self)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if not 0 < self.kv_cache_memory_gb < math.inf:
-            raise ValueError(f"kv_cache_memory_gb must be > 0 and finite, got "
-                             f"{self.kv_cache_memory_gb}")
-        if self.decode_window_memory_gb is not None and not (
-                0 <= self.decode_window_memory_gb < math.inf):
-            raise ValueError(f"decode_window_memory_gb must be >= 0 and finite, got "
-                             f"{self.decode_window_memory_gb}")
-        if self.cpu_linear not in CPU_LINEAR_MODES:
-            raise ValueError(f"cpu_linear must be one of {CPU_LINEAR_MODES}, got "
-                             f"{self.cpu_linear!r}")
-        if self.compute not in COMPUTE_MODES:
-            raise ValueError(f"compute must be one of {COMPUTE_MODES}, got {self.compute!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_model_len is not None and (
+                not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got "
+                             f"{self.max_model_len!r}")

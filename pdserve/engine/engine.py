@@ -11,19 +11,21 @@ outputs, and never runs the scheduler or the model itself. A request's way::
     add_prefilled: the prompt's KV arrived from a prefill node, with its first token
       --> scheduler.running --> one token per step --> ...
     detach: out of scheduling, the blocks handed to the owner (a prefill node keeps
-      them until the decode node has the KV)
+      them until the decode node has the KV), who gives them back with free_detached
+    can_reserve / reserve: blocks for a prompt whose KV will arrive (a decode node), its
+      cached prefix linked; then add_prefilled once it has, or release
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
-from pdserve.common.protocol import Logprobs
-from pdserve.common.request import SamplingParams
+from pdserve.common.sampling import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.logprobs import prompt_of
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.types import Logprobs
 from pdserve.engine.worker import Worker
 from pdserve.model.text import RequestOutputState
 from pdserve.model.tokenizer import Tokenizer
@@ -103,9 +105,32 @@ class Engine(Worker):
 
     def detach(self, req_id: str) -> list[int]:
         """Takes a running request out of the engine but keeps its blocks, which the
-        caller now owns and frees (``allocator.free``)."""
+        caller now owns and gives back with ``free_detached``."""
         seq, _ = self._requests.pop(req_id)
         return self.scheduler.detach(seq)
+
+    def free_detached(self, blocks: list[int]) -> None:
+        self.allocator.free(blocks)
+
+    # -- reservations: prompts whose KV is computed elsewhere ---------------------------
+    def can_reserve(self, seq: Sequence) -> bool:
+        """Whether the blocks of seq's whole prompt can be reserved now (its cached prefix
+        linked, the rest allocated); changes nothing."""
+        return self.scheduler.can_reserve(seq)
+
+    def num_blocks_to_reserve(self, seq: Sequence) -> int:
+        """The new blocks reserving seq takes: those of its prompt not cached here."""
+        return self.scheduler.num_blocks_to_reserve(seq)
+
+    def reserve(self, seq: Sequence) -> int:
+        """Reserves seq's prompt blocks (``can_reserve`` first; ValueError if they cannot
+        be had) and returns how many are its cached prefix, whose KV need not travel.
+        The sequence is the caller's until ``add_prefilled`` or ``release``."""
+        return self.scheduler.reserve(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """Frees the blocks of a reserved sequence that never joined the engine."""
+        self.scheduler.release(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

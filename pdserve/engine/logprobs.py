@@ -1,7 +1,7 @@
 """Logprobs of the model's raw distribution, as vLLM reports them by default: log_softmax of
 the unprocessed float32 logits, whatever temperature, filters or logits processors do to
-sampling. Computed where the logits are (the node that samples); travel as
-``protocol.Logprobs``.
+sampling. Computed where the logits are (the node that samples), as ``types.Logprobs``;
+a node sends them as ``protocol.Logprobs`` (the same fields).
 
 - sampled tokens: each sampled row's token logprob and its k most likely alternatives;
 - prompt tokens: the prefill forward already computes every position's hidden state;
@@ -12,8 +12,21 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.common.logprobs import empty, join
-from pdserve.common.protocol import Logprobs
+from pdserve.engine.types import Logprobs
+
+
+def empty() -> Logprobs:
+    return Logprobs(token_logprobs=[], top_ids=[], top_logprobs=[])
+
+
+def join(parts: list[Logprobs]) -> Logprobs:
+    """The entries of ``parts`` one after another."""
+    out = empty()
+    for p in parts:
+        out.token_logprobs.extend(p.token_logprobs)
+        out.top_ids.extend(p.top_ids)
+        out.top_logprobs.extend(p.top_logprobs)
+    return out
 
 
 def raw_rows(logits: torch.Tensor, ks: list[int | None]

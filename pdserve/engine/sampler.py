@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.common.request import SamplingParams
+from pdserve.common.sampling import SamplingParams
 
 _MASK64 = 2**64 - 1
 

@@ -172,16 +172,21 @@ class Scheduler:
             return None
         return block_hashes(seq.token_ids, self.block_size, i + 1)[i]
 
+    def _prefix_hashes(self, seq: Sequence) -> list[int]:
+        """The keys of the full blocks of seq a cached prefix may cover: all but its last
+        token (the next token is sampled from its logits); none when nothing may be taken."""
+        if seq.num_computed_tokens or seq.block_table or not self.allocator.enable_caching:
+            return []
+        if seq.wants_prompt_logprobs:  # cached positions have no logits to score them
+            return []
+        return block_hashes(seq.token_ids, self.block_size, (seq.num_tokens - 1) // self.block_size)
+
     def take_cached_prefix(self, seq: Sequence) -> int:
         """Links the cached blocks of seq's longest cached prefix into its block table and
-        counts them as computed; returns how many. At least one token is left to compute:
-        the next token is sampled from its logits."""
-        if seq.num_computed_tokens or seq.block_table or not self.allocator.enable_caching:
+        counts them as computed; returns how many. At least one token is left to compute."""
+        hashes = self._prefix_hashes(seq)
+        if not hashes:
             return 0
-        if seq.wants_prompt_logprobs:  # cached positions have no logits to score them
-            return 0
-        limit = (seq.num_tokens - 1) // self.block_size
-        hashes = block_hashes(seq.token_ids, self.block_size, limit)
         blocks = self.allocator.match_prefix(hashes, seq.token_ids, self.block_size)
         seq.block_table = blocks
         seq.block_hashes = hashes[:len(blocks)]
@@ -199,6 +204,40 @@ class Scheduler:
         if self.allocator.enable_caching:
             self.num_prefix_queried_tokens += seq.num_tokens
             self.num_prefix_hit_tokens += seq.num_computed_tokens
+
+    # -- reservations: a prompt whose KV is computed elsewhere (a decode node's) --------
+    def _reserve_cost(self, seq: Sequence) -> tuple[int, int]:
+        """(new blocks reserving seq's prompt allocates, free blocks it uses up): its
+        cached prefix is linked, not allocated, but cached blocks no one holds leave the
+        free list too."""
+        cached = self.allocator.cached_prefix(self._prefix_hashes(seq), seq.token_ids,
+                                              self.block_size)
+        need = self.blocks_for(seq.num_prompt_tokens) - len(cached)
+        return need, need + self.allocator.num_unreferenced(cached)
+
+    def can_reserve(self, seq: Sequence) -> bool:
+        return self._reserve_cost(seq)[1] <= self.allocator.num_free_blocks
+
+    def num_blocks_to_reserve(self, seq: Sequence) -> int:
+        return self._reserve_cost(seq)[0]
+
+    def reserve(self, seq: Sequence) -> int:
+        """Links seq's cached prefix and allocates the rest of its prompt's blocks; returns
+        how many were cached. ValueError (nothing changed) when they cannot be had."""
+        cached = self.take_cached_prefix(seq)
+        need = self.blocks_for(seq.num_prompt_tokens) - cached
+        if not self.allocator.can_allocate(need):
+            self.put_back_cached_prefix(seq, cached)
+            raise ValueError(f"needs {need} KV blocks, {self.allocator.num_free_blocks} of "
+                             f"{self.allocator.num_blocks} free")
+        self.count_prefix_lookup(seq)
+        seq.block_table.extend(self.allocator.allocate(need))
+        return cached
+
+    def release(self, seq: Sequence) -> None:
+        """Frees a reserved sequence's blocks (it never joined the batch)."""
+        self.allocator.free(seq.block_table)
+        seq.block_table, seq.block_hashes = [], []
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         """Offers each block that has just filled with computed tokens to the cache."""

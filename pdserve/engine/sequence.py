@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import time
 
-from pdserve.common.request import SamplingParams
+from pdserve.common.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -30,7 +30,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.generator = None          # torch.Generator for seeded sampling, set by the runner
-        # Logprobs (protocol.Logprobs), set by the runner when params ask: the last sampled
+        # Logprobs (types.Logprobs), set by the runner when params ask: the last sampled
         # token's, and the prompt's, gathered while prefilling (so only where it is).
         self.logprobs = None
         self.prompt_logprobs = None

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import torch
 
-from pdserve.common.protocol import KVLayout, ModelIdentity, NodeStats
-from pdserve.common.request import SamplingParams
+from pdserve.common.sampling import SamplingParams
 from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.host_memory import tune_malloc
 from pdserve.engine.logits_processors import LogitsProcessors
 from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.types import EngineStats, KVCacheLayout, ModelId
 from pdserve.model.loader import load_model, model_identity_hash, model_name, resolve_dtype
 
 
@@ -55,22 +55,23 @@ class Worker:
     def block_size(self) -> int:
         return self.config.block_size
 
-    def identity(self) -> ModelIdentity:
-        return ModelIdentity(name=model_name(self.model_dir),
+    def identity(self) -> ModelId:
+        return ModelId(name=model_name(self.model_dir),
                              config_hash=model_identity_hash(self.model_dir))
 
-    def kv_layout(self) -> KVLayout:
+    def kv_layout(self) -> KVCacheLayout:
         cfg = self.model_config
-        return KVLayout(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
-                        head_dim=cfg.head_dim, dtype=str(self.dtype).removeprefix("torch."),
-                        block_size=self.block_size)
+        return KVCacheLayout(num_layers=cfg.num_hidden_layers,
+                             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                             dtype=str(self.dtype).removeprefix("torch."),
+                             block_size=self.block_size)
 
-    def stats(self, queued_prompt_tokens: int = 0) -> NodeStats:
-        return NodeStats(num_free_blocks=self.allocator.num_free_blocks,
-                         num_total_blocks=self.allocator.num_blocks,
-                         num_running=self.scheduler.num_running,
-                         num_waiting=self.scheduler.num_waiting,
-                         queued_prompt_tokens=queued_prompt_tokens)
+    def stats(self, queued_prompt_tokens: int = 0) -> EngineStats:
+        return EngineStats(num_free_blocks=self.allocator.num_free_blocks,
+                           num_total_blocks=self.allocator.num_blocks,
+                           num_running=self.scheduler.num_running,
+                           num_waiting=self.scheduler.num_waiting,
+                           queued_prompt_tokens=queued_prompt_tokens)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
                       what: str = "prompt") -> None:

@@ -4,11 +4,22 @@ Triton is optional: on a machine without it (macOS, CPU-only installs) the
 torch references still serve, and asking for Triton says why it can't run.
 Triton reads TRITON_INTERPRET when a kernel is *defined*, so whether the
 interpreter is usable is decided at import time and checked again at launch.
+
+Every Triton launch goes through ``launch``. Inside ``record_launches()`` the
+host wrappers take the Triton path for tensors on the meta device and their
+launches are recorded instead of run: a model's forward on meta tensors then
+yields exactly the kernels, block sizes and argument layouts it would launch
+on CUDA, which ``pdserve kernels compile`` compiles ahead of time.
 """
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,13 +44,53 @@ def _interpret_env() -> bool:
 INTERPRET_AT_IMPORT = triton is not None and _interpret_env()
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch as its host wrapper chose it."""
+    kernel: Any                # the @triton.jit function
+    grid: tuple[int, ...]
+    args: tuple                # positional arguments: tensors, ints, floats
+    kwargs: dict[str, Any]     # constexprs (the kernel's parameters) and compiler options
+
+
+# A context variable, not a module global: recording is scoped to one `with` block (and
+# one thread), like torch.no_grad, and never leaks into serving.
+_RECORDED: ContextVar[list[Launch] | None] = ContextVar("pdserve_recorded_launches",
+                                                        default=None)
+
+
+@contextmanager
+def record_launches() -> Iterator[list[Launch]]:
+    """Within: Triton for meta tensors, and each launch appended to the list, not run."""
+    if triton is None:
+        raise RuntimeError("recording kernel launches needs the triton package")
+    recorded: list[Launch] = []
+    token = _RECORDED.set(recorded)
+    try:
+        yield recorded
+    finally:
+        _RECORDED.reset(token)
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """``kernel[grid](*args, **kwargs)``, or its record inside ``record_launches()``."""
+    recorded = _RECORDED.get()
+    if recorded is None:
+        kernel[grid](*args, **kwargs)
+    else:
+        recorded.append(Launch(kernel, tuple(grid), args, kwargs))
+
+
 def pick_backend(backend: str | None, device: torch.device) -> str:
     """Return "torch" or "triton" for tensors on ``device``; raise if it can't run.
 
     None means Triton on CUDA, torch elsewhere, and torch also when the kernels
     were defined under TRITON_INTERPRET (the test suite sets it): interpreting
-    every layer of a model on a GPU would be slow beyond use.
+    every layer of a model on a GPU would be slow beyond use. Meta tensors take
+    Triton while launches are being recorded (``record_launches``).
     """
+    if device.type == "meta" and _RECORDED.get() is not None:
+        return "triton"
     if backend is None:
         use_triton = device.type == "cuda" and triton is not None and not INTERPRET_AT_IMPORT
         return "triton" if use_triton else "torch"

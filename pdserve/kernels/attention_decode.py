@@ -33,6 +33,7 @@ from pdserve.kernels._dispatch import (
     check_tensor,
     head_block,
     last_dim_contiguous,
+    launch,
     pick_backend,
     sdpa,
     tl,
@@ -218,7 +219,7 @@ def _decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     block_d = head_block(head_dim)
     assert out.stride(2) == 1 and q.stride(2) == 1 and k_cache.stride(3) == 1
     assert v_cache.stride() == k_cache.stride() and block_tables.stride(1) == 1
-    _decode_kernel[(num_seqs, num_kv_heads)](
+    launch(_decode_kernel, (num_seqs, num_kv_heads),
         q, k_cache, v_cache, block_tables, seq_lens, out,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -32,6 +32,7 @@ from pdserve.kernels._dispatch import (
     check_tensor,
     head_block,
     last_dim_contiguous,
+    launch,
     pick_backend,
     sdpa,
     tl,
@@ -39,6 +40,9 @@ from pdserve.kernels._dispatch import (
 )
 
 _LOG2E = 1.4426950408889634
+# Offsets read per step of the kernel's search for a tile's sequence: a constant, so one
+# compiled kernel serves every batch size (no compile stall at a new power of two).
+_SEQ_CHUNK = 64
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -168,13 +172,13 @@ def _prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     block_n = 64 if block_d <= 64 else (16 if block_d > 128 and wide else 32)
     # A sequence of q_len tokens needs at most q_len // BLOCK_M + 1 tiles.
     grid = (num_tokens // block_m + num_seqs, num_heads)
-    _prefill_kernel[grid](
+    launch(_prefill_kernel, grid,
         q, k, v, out, cu_seqlens_q, seq_lens, block_tables,
         q.stride(0), q.stride(1), *kv_strides, *v_strides,
         block_tables.stride(0) if paged else 0, out.stride(0), out.stride(1),
         scale * _LOG2E, num_seqs, block_size, head_dim,
         GROUP=num_heads // num_kv_heads, PAGED=paged, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=block_d, BLOCK_SEQS=triton.next_power_of_2(num_seqs),
+        BLOCK_D=block_d, SEQ_CHUNK=_SEQ_CHUNK,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4 if block_d <= 64 else 8,
     )
@@ -183,7 +187,8 @@ def _prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
 
 if triton is not None:
 
-    @triton.jit
+    # num_seqs changes every step: specialised (== 1, % 16) it would compile anew mid-serving.
+    @triton.jit(do_not_specialize=["num_seqs"])
     def _prefill_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, block_tables_ptr,
         stride_qt, stride_qh,
@@ -193,16 +198,19 @@ if triton is not None:
         qk_scale,  # scale * log2(e): the softmax runs in base 2
         num_seqs, block_size, head_dim,
         GROUP: tl.constexpr, PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr, BLOCK_SEQS: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_D: tl.constexpr, SEQ_CHUNK: tl.constexpr, PRECISION: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         head = tl.program_id(1)
         kv_head = head // GROUP
-        # The owner of tile pid_m is the last sequence whose first tile is <= pid_m.
-        offs_s = tl.arange(0, BLOCK_SEQS)
-        cu = tl.load(cu_q_ptr + offs_s, mask=offs_s < num_seqs, other=0).to(tl.int32)
-        first_tile = tl.where(offs_s < num_seqs, cu // BLOCK_M + offs_s, 2147483647)
-        seq = tl.sum((first_tile <= pid_m).to(tl.int32), 0) - 1
+        # The owner of tile pid_m is the last sequence whose first tile is <= pid_m:
+        # count those, SEQ_CHUNK sequences at a time.
+        seq = tl.full([], -1, tl.int32)
+        for chunk in range(0, num_seqs, SEQ_CHUNK):
+            offs_s = chunk + tl.arange(0, SEQ_CHUNK)
+            cu = tl.load(cu_q_ptr + offs_s, mask=offs_s < num_seqs, other=0).to(tl.int32)
+            first_tile = tl.where(offs_s < num_seqs, cu // BLOCK_M + offs_s, 2147483647)
+            seq += tl.sum((first_tile <= pid_m).to(tl.int32), 0)
         q_start = tl.load(cu_q_ptr + seq).to(tl.int32)
         q_len = tl.load(cu_q_ptr + seq + 1).to(tl.int32) - q_start
         tile = pid_m - (q_start // BLOCK_M + seq)

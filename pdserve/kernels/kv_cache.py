@@ -20,6 +20,7 @@ from pdserve.kernels._dispatch import (
     check_same_dtype,
     check_tensor,
     last_dim_contiguous,
+    launch,
     pick_backend,
     tl,
     triton,
@@ -62,7 +63,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     k, v = last_dim_contiguous(k), last_dim_contiguous(v)
     slot_mapping = slot_mapping.contiguous()
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
-    _store_kv_kernel[(num_tokens,)](
+    launch(_store_kv_kernel, (num_tokens,),
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(1), k_cache.stride(2), num_kv_heads, head_dim,
@@ -124,8 +125,8 @@ def _copy_pages(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, d
     page_numel = src_k[0].numel()
     block = min(4096, triton.next_power_of_2(page_numel))
     grid = (block_ids.shape[0], triton.cdiv(page_numel, block))
-    _copy_pages_kernel[grid](src_k, src_v, dst_k, dst_v, block_ids, page_numel,
-                             GATHER=gather, BLOCK=block)
+    launch(_copy_pages_kernel, grid, src_k, src_v, dst_k, dst_v, block_ids, page_numel,
+           GATHER=gather, BLOCK=block)
 
 
 if triton is not None:

@@ -14,6 +14,7 @@ from pdserve.kernels._dispatch import (
     check_same_dtype,
     check_tensor,
     last_dim_contiguous,
+    launch,
     pick_backend,
     tl,
     triton,
@@ -64,7 +65,7 @@ def _rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
         residual = last_dim_contiguous(residual)
     block = triton.next_power_of_2(hidden)
     has_res = residual is not None
-    _rms_norm_kernel[(num_tokens,)](
+    launch(_rms_norm_kernel, (num_tokens,),
         x, weight, residual if has_res else x, out, new_residual if has_res else out,
         x.stride(0), residual.stride(0) if has_res else 0, out.stride(0), hidden, eps,
         HAS_RESIDUAL=has_res, BLOCK=block,

@@ -18,6 +18,7 @@ from pdserve.kernels._dispatch import (
     check_same_dtype,
     check_tensor,
     last_dim_contiguous,
+    launch,
     pick_backend,
     tl,
     triton,
@@ -70,12 +71,15 @@ def _rotary_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     if num_tokens == 0:
         return q_out, k_out
     q, k = last_dim_contiguous(q), last_dim_contiguous(k)
-    _rotary_kernel[(num_tokens,)](
+    launch(_rotary_kernel, (num_tokens,),
         q, k, positions, cos_sin_cache, q_out, k_out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         num_heads, num_kv_heads, head_dim // 2,
         BLOCK_H=triton.next_power_of_2(max(num_heads, num_kv_heads)),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        # No fused multiply-adds: the products are rounded as torch's separate ops round
+        # them, so float32 keeps transformers' bits on the GPU too.
+        enable_fp_fusion=False,
     )
     return q_out, k_out
 

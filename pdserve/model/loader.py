@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pdserve.common.config import MODEL_DTYPES
 from pdserve.model.config import ModelConfig, ModelLoadError
 from pdserve.model.identity import (  # noqa: F401 (re-exported: the nodes' names)
     model_identity_hash,
@@ -15,7 +16,7 @@ from pdserve.model.identity import (  # noqa: F401 (re-exported: the nodes' name
 )
 from pdserve.model.llama import LlamaForCausalLM
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in MODEL_DTYPES}
 # Keys some checkpoints carry that our model computes itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 

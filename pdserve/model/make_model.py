@@ -43,9 +43,10 @@ from tokenizers import (
     trainers,
 )
 
+from pdserve.model.loader import DTYPES
+
 ARCHS = ("llama", "qwen2", "mistral")
 PRESETS = ("tiny", "small")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"

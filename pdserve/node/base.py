@@ -19,20 +19,36 @@ import time
 
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
-from pdserve.common import shm
 from pdserve.common.gc_heap import freeze_startup_objects
 from pdserve.common.kv_events import KVEventPublisher
 from pdserve.common.metrics import node_metrics, start_metrics_server
-from pdserve.common.request import SamplingParams, from_spec
+from pdserve.common.sampling import SamplingParams
 from pdserve.common.security import InsecureWarnings, node_curves, node_exposures
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.types import EngineStats, Logprobs
 from pdserve.node.config import NodeConfig
 from pdserve.node.io import InboxItem, NodeIO
+from pdserve.node.kv import segment as shm
 
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # longest block on the inbox when idle: bounds lease-expiry lag
+
+
+# The engine hands out plain data; what travels is the protocol's (the same fields).
+def wire_stats(s: EngineStats) -> P.NodeStats:
+    return P.NodeStats(num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
+                       num_running=s.num_running, num_waiting=s.num_waiting,
+                       queued_prompt_tokens=s.queued_prompt_tokens)
+
+
+def wire_logprobs(lp: Logprobs | None) -> P.Logprobs | None:
+    """The same lists, not copied."""
+    if lp is None:
+        return None
+    return P.Logprobs(token_logprobs=lp.token_logprobs, top_ids=lp.top_ids,
+                      top_logprobs=lp.top_logprobs)
 
 
 class Node:
@@ -45,12 +61,15 @@ class Node:
         self.host_id = shm.host_id()
         # No detokenizing here: text and stop strings are the router's (it has the tokenizer).
         self.engine = Engine(config.engine, kv_storage=self.kv_storage, detokenize=False)
-        self.identity = self.engine.identity()
-        self.layout = self.engine.kv_layout()
+        model, lay = self.engine.identity(), self.engine.kv_layout()
+        self.identity = P.ModelIdentity(name=model.name, config_hash=model.config_hash)
+        self.layout = P.KVLayout(num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
+                                 head_dim=lay.head_dim, dtype=lay.dtype,
+                                 block_size=lay.block_size)
         self.metrics = node_metrics(self.role, self.identity.name, self.node_id)
         hello = P.Hello(node_id=self.node_id, role=self.role,
                         protocol_version=P.PROTOCOL_VERSION, model=self.identity,
-                        kv_layout=self.layout, capacity=self.engine.stats(), pid=os.getpid(),
+                        kv_layout=self.layout, capacity=self.stats(), pid=os.getpid(),
                         compute=config.engine.compute, incarnation=os.urandom(8).hex(),
                         host_id=self.host_id)
         self.io = NodeIO(config.router, hello,
@@ -100,12 +119,12 @@ class Node:
         """Ends whatever waited past its deadline; called every turn of the loop."""
 
     def stats(self) -> P.NodeStats:
-        return self.engine.stats()
+        return wire_stats(self.engine.stats())
 
     def request_params(self, req_id: str, prompt: list[int],
-                       spec: P.SamplingSpec) -> SamplingParams:
-        """The request's sampling parameters; ValueError saying why it cannot be served."""
-        params = from_spec(spec)
+                       params: SamplingParams) -> SamplingParams:
+        """The request's sampling parameters (checked against their limits as they were
+        decoded); ValueError saying why this model cannot serve them."""
         self.engine.check_request(prompt, params, what=f"prompt of {req_id}")
         return params
 

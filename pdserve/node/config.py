@@ -1,10 +1,12 @@
 """Frozen configuration of a node process, built once by the CLI (or `pdserve launch`)
-and passed down."""
+and passed down. Each field that is a command-line flag says so once, here
+(common/config_fields.py); ``roles`` names the node commands that take it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from pdserve.common.config import ROLES
+from pdserve.common.config_fields import check_fields, flag
 from pdserve.common.kv_events import KVEventsConfig
 from pdserve.engine.config import EngineConfig
 
@@ -13,31 +15,42 @@ from pdserve.engine.config import EngineConfig
 class NodeConfig:
     role: str
     engine: EngineConfig
-    router: str = "tcp://127.0.0.1:5556"
-    node_id: str | None = None               # None: "<role>-<host>-<pid>"
-    kv_bind: str = "tcp://127.0.0.1:*"        # decode nodes: where prefill nodes send KV
-    advertise_host: str | None = None         # host in the KV address told to the router
-    heartbeat_interval_s: float = 1.0         # until the router's Welcome says otherwise
+    router: str = flag("tcp://127.0.0.1:5556", "The router's control socket.")
+    node_id: str | None = flag(None, "This node's name.", default_text="ROLE-HOST-PID")
+    kv_bind: str = flag("tcp://127.0.0.1:*", "Where prefill nodes send KV (tcp://*:PORT to "
+                        "accept other machines).", roles=("decode",))
+    advertise_host: str | None = flag(
+        None, "Host prefill nodes should connect to.", roles=("decode",),
+        default_text="the bound host, or this machine's name when bound to *")
+    heartbeat_interval_s: float = flag(1.0, "Seconds, until the router says.",
+                                       name="--heartbeat-interval", min=0, min_open=True)
     welcome_timeout_s: float = 60.0           # how long to wait for the router at start
     drain_timeout_s: float = 30.0             # SIGTERM: how long running requests may finish
-    kv_checksums: bool = True                 # a checksum on every KV frame
-    kv_shm: bool = True                       # prefill: KV to same-host decode nodes via /dev/shm
-    kv_layers_per_chunk: int = 4              # layers per KV message (overlap vs. overhead)
-    curve_dir: str | None = None              # CurveZMQ keys (docs/security.md); None: off
-    curve_key: str = "node"                   # this node's keypair in curve_dir
-    metrics_host: str = "127.0.0.1"           # where /metrics listens (0.0.0.0: other machines)
-    metrics_port: int = 0                     # Prometheus /metrics port; 0: not served
-    kv_events: KVEventsConfig | None = None   # vLLM-format KV-cache events; None: off
-    insecure: bool = False                    # allow a KV socket off loopback without CURVE
+    kv_checksums: bool = flag(True, "A 64-bit checksum on every KV frame sent.",
+                              roles=("prefill",))
+    kv_shm: bool = flag(True, "Keep the KV cache (CPU) in a /dev/shm segment, so that "
+                        "decode nodes on this host copy KV from it instead of receiving it "
+                        "over TCP.", roles=("prefill",))
+    kv_layers_per_chunk: int = flag(4, "Layers per KV message: smaller overlaps transfer "
+                                    "with compute more.", min=1, roles=("prefill",))
+    curve_dir: str | None = flag(None, "CurveZMQ key folder (pdserve keys generate): "
+                                 "encrypt and authenticate the control and KV sockets.",
+                                 kind="dir", default_text="off")
+    curve_key: str = flag("node", "This node's keypair in --curve-dir (NAME.key_secret).")
+    metrics_host: str = flag("127.0.0.1", "Bind host of /metrics; 0.0.0.0 lets other "
+                             "machines scrape it.")
+    metrics_port: int = flag(0, "Serve Prometheus /metrics on this port; 0: off.",
+                             min=0, max=65535)
+    kv_events: KVEventsConfig | None = flag(
+        None, "Publish KV-cache events in vLLM's format, with vLLM's keys, e.g. "
+        "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5560\"}' "
+        "(docs/protocol.md).", name="--kv-events-config", kind="json", default_text="off")
+    insecure: bool = flag(False, "Start even though the KV socket is open to other machines "
+                          "without CURVE (warned every minute).")
 
     def __post_init__(self):
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        check_fields(self)
         if not self.router.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"router address {self.router!r} must look like tcp://HOST:PORT")
-        if self.heartbeat_interval_s <= 0:
-            raise ValueError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
-        if not 0 <= self.metrics_port < 65536:
-            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
-        if self.kv_layers_per_chunk < 1:
-            raise ValueError(f"kv_layers_per_chunk must be >= 1, got {self.kv_layers_per_chunk}")

@@ -2,8 +2,8 @@
 
 A request's way here::
 
-    Reserve (all of a router turn's) --> blocks allocated (or refused with the reason),
-      lease started; one ReserveReply for them all
+    Reserve (all of a router turn's) --> engine.reserve: blocks allocated, cached prefix
+      linked (or refused with the reason), lease started; one ReserveReply for them all
       --> KVChunk... (several requests each) checked (model, layout, checksum) and
           copied into those blocks
       --> last chunk: first token appended, sequence joins the running batch, KVAck (one
@@ -23,10 +23,11 @@ from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
-from pdserve.node.base import Node
+from pdserve.node.base import Node, wire_logprobs
 from pdserve.node.config import NodeConfig
 from pdserve.node.io import InboxItem
-from pdserve.node.kv_transfer import InboundTransfer, KVReceiver, KVTransferError, TransferState
+from pdserve.node.kv import InboundTransfer, KVReceiver, KVTransferError, TransferState
+from pdserve.node.kv.receiver import Reply
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +44,17 @@ class DecodeJob:
     @property
     def placed(self) -> bool:
         """The sequence is the scheduler's (KV arrived, or prefilled locally)."""
-        return self.transfer is None or self.transfer.state is TransferState.DONE
+        return self.transfer is None or self.transfer.state is TransferState.SUCCESS
 
 
 class DecodeNode(Node):
     role = "decode"
 
-    def __init__(self, config: NodeConfig):
+    def __init__(self, config: NodeConfig, kv_reply: Reply | None = None):
+        """``kv_reply``: how KVAcks reach the senders (default: the node's KV socket)."""
         super().__init__(config)
-        self.receiver = KVReceiver(self.identity, self.layout, self.engine.runner.kv_caches)
+        self.receiver = KVReceiver(self.identity, self.layout, self.engine.runner.kv_caches,
+                                   reply=kv_reply or self.io.send_kv_reply)
         self.jobs: dict[str, DecodeJob] = {}
         self._senders_pruned = 0.0
         self._step_started, self._batch_size = 0.0, 0  # of the step running, for its metric
@@ -83,16 +86,12 @@ class DecodeNode(Node):
             params = self.request_params(msg.req_id, msg.prompt_token_ids, msg.sampling)
         except ValueError as exc:
             return refuse(f"{E.BAD_MESSAGE}: {exc}")
-        alloc, sched = self.engine.allocator, self.engine.scheduler
         seq = Sequence(msg.req_id, msg.prompt_token_ids, params, prefill_here=False)
-        cached = sched.take_cached_prefix(seq)  # those blocks' KV need not cross the wire
-        need = sched.blocks_for(len(msg.prompt_token_ids)) - cached
-        if not alloc.can_allocate(need):
-            sched.put_back_cached_prefix(seq, cached)
-            return refuse(f"{E.NO_CAPACITY}: needs {need} KV blocks, {alloc.num_free_blocks} "
-                          f"of {alloc.num_blocks} free")
-        sched.count_prefix_lookup(seq)
-        seq.block_table.extend(alloc.allocate(need))
+        if not self.engine.can_reserve(seq):
+            stats = self.engine.stats()
+            return refuse(f"{E.NO_CAPACITY}: needs {self.engine.num_blocks_to_reserve(seq)} "
+                          f"KV blocks, {stats.num_free_blocks} of {stats.num_total_blocks} free")
+        cached = self.engine.reserve(seq)  # the cached blocks' KV need not cross the wire
         transfer = InboundTransfer(msg.req_id, torch.tensor(seq.block_table[cached:],
                                                             dtype=torch.int64),
                                    len(msg.prompt_token_ids), first_block=cached)
@@ -112,7 +111,7 @@ class DecodeNode(Node):
         for i, part in enumerate(chunk.parts):
             job = self.jobs.get(part.req_id)
             if job is None or job.transfer is None or job.transfer.state not in (
-                    TransferState.RESERVED, TransferState.TRANSFERRING):
+                    TransferState.BOOTSTRAPPING, TransferState.TRANSFERRING):
                 results.append(P.KVResult(req_id=part.req_id, ok=False, reason=(
                     f"no reservation here for {part.req_id!r} (expired, aborted or never "
                     "made)")))
@@ -135,12 +134,12 @@ class DecodeNode(Node):
             results.append(P.KVResult(req_id=req_id, ok=False, reason=f"{exc.code}: {exc.message}"))
             self.error_to_router(req_id, exc.code, exc.message)
         for i, transfer in transfers.items():
-            if i not in failed and transfer.state is TransferState.DONE:
+            if i not in failed and transfer.state is TransferState.SUCCESS:
                 part, job = chunk.parts[i], self.jobs[chunk.parts[i].req_id]
                 self.engine.add_prefilled(job.seq, part.first_token)  # the router has it
                 results.append(P.KVResult(req_id=part.req_id, ok=True))
         if results:
-            self.io.send_kv_reply(peer, P.KVAck(results=results))
+            self.receiver.ack(peer, results)
 
     def _check_first_token(self, chunk: P.KVChunk, part: P.KVPart) -> KVTransferError | None:
         vocab = self.engine.model_config.vocab_size
@@ -156,9 +155,8 @@ class DecodeNode(Node):
             return
         if job.placed:
             self.engine.finish(req_id, reason)
-        else:  # still reserved: the blocks were never handed to the scheduler
-            self.engine.allocator.free(job.seq.block_table)
-            job.seq.block_table = []
+        else:  # still reserved: the sequence never joined the engine
+            self.engine.release(job.seq)
 
     def step(self) -> None:
         self._batch_size = 0
@@ -170,12 +168,12 @@ class DecodeNode(Node):
             if out.first:  # prefilled here (a colocated node): time to first token
                 firsts.append(P.FirstToken(req_id=out.req_id, token_id=out.new_token_ids[0],
                                            finish_reason=out.finish_reason,
-                                           logprobs=out.logprobs,
-                                           prompt_logprobs=out.prompt_logprobs))
+                                           logprobs=wire_logprobs(out.logprobs),
+                                           prompt_logprobs=wire_logprobs(out.prompt_logprobs)))
             else:
                 items.append(P.TokenItem(req_id=out.req_id, token_ids=out.new_token_ids,
                                          finish_reason=out.finish_reason,
-                                         logprobs=out.logprobs))
+                                         logprobs=wire_logprobs(out.logprobs)))
             if out.finish_reason is not None:
                 del self.jobs[out.req_id]  # the engine has freed its blocks
         self.send_first_tokens(firsts)  # time to first token
@@ -188,11 +186,11 @@ class DecodeNode(Node):
         self._batch_size = len(batch)
 
     def release(self) -> None:
-        self.receiver.segments.close()
+        self.receiver.close()
 
     def expire(self) -> None:
         now = time.monotonic()
-        self.receiver.segments.sweep(now)
+        self.receiver.tick(now)
         if now >= self._senders_pruned + 1.0:  # KV budgets: who may still send KV here
             self._senders_pruned = now
             self.io.expected_kv_peers = frozenset(

@@ -7,6 +7,7 @@ A request's way here::
           per decode node for all the requests of the step bound for it
       --> first token sampled: FirstTokens to router, last KV chunk (with the tokens)
       --> TRANSFERRING until the decode node's KVAck (or the deadline) --> blocks freed
+The KV goes by the first of the node's senders (node/kv/) that reaches the decode node.
 """
 from __future__ import annotations
 
@@ -16,15 +17,13 @@ from dataclasses import dataclass
 
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
-from pdserve.common.shm import Segment, SegmentError
 from pdserve.engine.engine import layer_groups
-from pdserve.engine.kv_pages import pool_bytes
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
-from pdserve.node.base import Node
+from pdserve.node.base import Node, wire_logprobs, wire_stats
 from pdserve.node.config import NodeConfig
 from pdserve.node.io import KV_OUT, InboxItem
-from pdserve.node.kv_transfer import Outgoing, kv_chunk, payload_bytes
+from pdserve.node.kv import KVSender, Outgoing, TransferState, default_senders
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +32,8 @@ log = logging.getLogger(__name__)
 class PrefillJob:
     req: P.PrefillRequest
     seq: Sequence
-    blocks: list[int] | None = None      # set once prefilled: owned here until acknowledged
+    state: TransferState = TransferState.BOOTSTRAPPING  # of its KV's transfer
+    blocks: list[int] | None = None      # TRANSFERRING: owned here until acknowledged
     deadline: float = 0.0                # for the decode node's acknowledgement
 
 
@@ -42,50 +42,49 @@ MAX_PATHS_LOGGED = 4096  # decode nodes whose KV path was logged; then the log s
 
 class PrefillNode(Node):
     role = "prefill"
-    segment: Segment | None = None  # the shared segment the KV cache lives in, if any
 
-    def __init__(self, config: NodeConfig):
+    def __init__(self, config: NodeConfig, kv_senders: list[KVSender] | None = None):
+        """``kv_senders``: the ways KV leaves, most preferred first (default: /dev/shm
+        when on, then TCP, both through the node's KV sockets)."""
+        self.kv_senders = kv_senders if kv_senders is not None else default_senders(
+            lambda address, chunk: self.io.send_kv(address, chunk), shm=config.kv_shm,
+            checksums=config.kv_checksums)
         super().__init__(config)
+        for sender in self.kv_senders:
+            sender.attach(self.identity, self.layout, self.engine.runner.kv_caches,
+                          self.host_id)
         self.jobs: dict[str, PrefillJob] = {}
         self.groups = layer_groups(self.layout.num_layers, config.kv_layers_per_chunk)
         self.engine.layer_groups = self.groups  # where the step hands out KV to ship
-        self.pool_views = pool_bytes(self.engine.runner.kv_caches)
-        self._paths_logged: set[tuple[str, bool]] = set()
+        self._paths_logged: set[tuple[str, str]] = set()
 
     def kv_storage(self, nbytes: int):
-        """The KV cache in a /dev/shm segment, so same-host decode nodes copy from it."""
-        if not self.config.kv_shm:
-            return None
-        try:
-            self.segment = Segment.create(nbytes)
-        except (SegmentError, OSError) as exc:
-            log.warning("%s; KV to decode nodes on this host will go over TCP", exc)
-            return None
-        return self.segment.data
+        """Where a sender needs the KV cache (shm: in a /dev/shm segment, so same-host
+        decode nodes copy from it); None: the process's own memory."""
+        for sender in self.kv_senders:
+            storage = sender.storage(nbytes)
+            if storage is not None:
+                return storage
+        return None
 
     def release(self) -> None:
-        if self.segment is not None:
-            self.segment.close()
+        for sender in self.kv_senders:
+            sender.close()
 
-    def _segment_for(self, req: P.PrefillRequest) -> Segment | None:
-        """The segment when the request's decode node shares this host's memory; the path
-        chosen is logged once per decode node (not per request)."""
-        local = bool(self.host_id) and req.decode_host_id == self.host_id
-        segment = self.segment if local else None
-        if (req.kv_address, local) not in self._paths_logged:
+    def _sender_for(self, req: P.PrefillRequest) -> KVSender:
+        """The first sender that reaches the request's decode node; the way chosen is
+        logged once per decode node (not per request)."""
+        sender = next((s for s in self.kv_senders if s.reaches(req)), None)
+        if sender is None:  # a node built without TCP (which reaches every node)
+            raise RuntimeError(f"no KV sender of {[s.path for s in self.kv_senders]} "
+                               f"reaches decode node {req.decode_node_id}")
+        if (req.kv_address, sender.path) not in self._paths_logged:
             if len(self._paths_logged) >= MAX_PATHS_LOGGED:
                 self._paths_logged.clear()
-            self._paths_logged.add((req.kv_address, local))
-            if segment is not None:
-                how = f"through shared memory ({segment.name})"
-            elif local:
-                how = ("over TCP although it is on this host: the KV cache is not in a shared "
-                       "segment (--no-kv-shm, a non-CPU device, or /dev/shm refused it)")
-            else:
-                how = "over TCP: it is not on this host (or its host is not known)"
+            self._paths_logged.add((req.kv_address, sender.path))
             log.info("KV to decode node %s (%s) goes %s", req.decode_node_id, req.kv_address,
-                     how)
-        return segment
+                     sender.describe(req))
+        return sender
 
     def handle(self, item: InboxItem) -> None:
         msg = item.msg
@@ -98,8 +97,10 @@ class PrefillNode(Node):
         elif isinstance(msg, P.KVAck):
             for result in msg.results:
                 job = self.jobs.get(result.req_id)
-                if job is None or job.blocks is None or job.req.kv_address != item.peer:
-                    continue  # not this decode node's to settle
+                if job is None or job.state is not TransferState.TRANSFERRING \
+                        or job.req.kv_address != item.peer:
+                    continue  # not this decode node's to settle (or not all sent yet)
+                job.state = TransferState.SUCCESS if result.ok else TransferState.FAILED
                 self.metrics.kv_acked(result.req_id, result.ok)
                 self.drop(result.req_id)
                 if not result.ok:  # the decode node told the router why
@@ -107,6 +108,7 @@ class PrefillNode(Node):
                                 result.reason)
         elif isinstance(msg, P.Error):
             if item.channel == KV_OUT and msg.req_id in self.jobs:
+                self.jobs[msg.req_id].state = TransferState.FAILED
                 self.metrics.kv_failed(msg.req_id)
                 self.drop(msg.req_id)
                 self.error_to_router(msg.req_id, msg.code,
@@ -135,8 +137,8 @@ class PrefillNode(Node):
         job = self.jobs.pop(req_id, None)
         if job is None:
             return
-        if job.blocks is not None:
-            self.engine.allocator.free(job.blocks)
+        if job.blocks is not None:  # detached from the engine: the blocks are ours
+            self.engine.free_detached(job.blocks)
         else:
             self.engine.finish(req_id, "abort")
 
@@ -144,7 +146,7 @@ class PrefillNode(Node):
         sched = self.engine.scheduler
         queued = sum(s.num_tokens - s.num_computed_tokens
                      for s in (*sched.waiting, *sched.running))
-        return self.engine.stats(queued_prompt_tokens=queued)
+        return wire_stats(self.engine.stats(queued_prompt_tokens=queued))
 
     def step(self) -> None:
         outputs = self.engine.step(on_batch=self._scheduled, on_layer_group=self._ship_group)
@@ -153,8 +155,9 @@ class PrefillNode(Node):
             token = out.new_token_ids[0]
             self.metrics.first_token(out.req_id)
             firsts.append(P.FirstToken(req_id=out.req_id, token_id=token,
-                                       finish_reason=out.finish_reason, logprobs=out.logprobs,
-                                       prompt_logprobs=out.prompt_logprobs))
+                                       finish_reason=out.finish_reason,
+                                       logprobs=wire_logprobs(out.logprobs),
+                                       prompt_logprobs=wire_logprobs(out.prompt_logprobs)))
             if out.finish_reason is None:
                 shipping[out.req_id] = token
             else:
@@ -166,6 +169,7 @@ class PrefillNode(Node):
         for req_id in shipping:  # the blocks stay allocated until the decode node's KVAck
             job = self.jobs[req_id]
             job.blocks = self.engine.detach(req_id)
+            job.state = TransferState.TRANSFERRING
             job.deadline = deadline_from + job.req.timeout_s
 
     def _scheduled(self, batch: ScheduledBatch) -> None:
@@ -188,23 +192,21 @@ class PrefillNode(Node):
                 seq.seq_id, seq.block_table[req.skip_blocks:], seq.num_prompt_tokens,
                 req.skip_blocks, first_tokens[seq.seq_id] if last else None))
         for address, outgoing in by_address.items():
-            segment = self._segment_for(self.jobs[outgoing[0].req_id].req)
+            sender = self._sender_for(self.jobs[outgoing[0].req_id].req)
             for at in range(0, len(outgoing), P.MAX_KV_PARTS):
                 parts = outgoing[at:at + P.MAX_KV_PARTS]
-                chunk = kv_chunk(self.identity, self.layout, self.engine.runner.kv_caches,
-                                 parts, start, end, checksums=self.config.kv_checksums,
-                                 last=last, segment=segment, views=self.pool_views)
-                self.io.send_kv(address, chunk)
-                self.metrics.kv_sent([p.req_id for p in parts], payload_bytes(chunk),
-                                     "tcp" if segment is None else "shm")
+                nbytes = sender.send(address, parts, start, end, last)
+                self.metrics.kv_sent([p.req_id for p in parts], nbytes, sender.path)
                 if last:
                     self.metrics.kv_blocks(sum(len(p.block_ids) for p in parts),
                                            sum(p.first_block for p in parts))
 
     def expire(self) -> None:
         now = time.monotonic()
-        late = [j for j in self.jobs.values() if j.blocks is not None and now > j.deadline]
+        late = [j for j in self.jobs.values()
+                if j.state is TransferState.TRANSFERRING and now > j.deadline]
         for job in late:
+            job.state = TransferState.FAILED
             self.metrics.kv_failed(job.req.req_id)
             self.drop(job.req.req_id)
             self.error_to_router(job.req.req_id, E.TIMEOUT, (

@@ -1,49 +1,61 @@
-"""The router's frozen configuration, built once by the CLI."""
+"""The router's frozen configuration, built once by the CLI. Each field that is a
+command-line flag says so once, here (common/config_fields.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-POLICIES = ("round_robin", "least_loaded", "cache_aware")
+from pdserve.common.config_fields import check_fields, flag
+from pdserve.router.dispatch import policies
+
+POLICIES = tuple(policies.POLICIES)  # the names --policy takes (dispatch/policies.py defines them)
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    model: str | None = None                 # checkpoint folder or .gguf (config + tokenizer)
-    served_model_name: str | None = None     # the name clients use; default: model_name()
-    host: str = "127.0.0.1"                  # HTTP bind host
-    http_port: int = 8000
-    metrics_port: int | None = None          # /metrics on its own port too; None: HTTP port only
-    control: str = "tcp://127.0.0.1:5556"    # nodes connect here
-    ingress: str | None = "tcp://127.0.0.1:5557"  # queue producers connect here; None: off
-    policy: str = "round_robin"
-    heartbeat_interval_s: float = 1.0
-    liveness: int = 3                        # missed intervals before a node is dead
-    request_timeout_s: float = 600.0         # default deadline of a request
-    reserve_lease_s: float = 30.0            # how long a decode node holds a reservation
-    max_pending_requests: int = 4096         # past this, new requests get "overloaded"
-    max_stop_strings: int = 16               # stop strings per request
-    max_stop_bytes: int = 256                # UTF-8 bytes of one stop string
-    max_prompt_bytes: int = 4 << 20          # prompt text (all messages for chat), before
-    #                                          tokenizing
-    tokenizer_threads: int = 2               # tokenization and chat templates run here
-    max_tokenizing: int = 64                 # requests tokenizing or waiting to; past it: 429
-    curve_dir: str | None = None             # CurveZMQ keys (docs/security.md); None: off
-    api_key: str | None = field(default=None, repr=False)  # Bearer token for /v1/*; None: open
-    insecure: bool = False                   # allow other machines in without CURVE / API key
+    model: str | None = flag(None, "Checkpoint folder or .gguf file (its config and "
+                             "tokenizer).", kind="path",
+                             default_text="the bundled model, SmolLM2-135M-Instruct")
+    served_model_name: str | None = flag(
+        None, "The model name clients send.",
+        default_text="the folder's name, or the file's without .gguf")
+    host: str = flag("127.0.0.1", "HTTP bind host; 0.0.0.0 opens it (and the --control and "
+                     "--ingress defaults) to other machines.")
+    http_port: int = flag(8000, "HTTP port.", min=0, max=65535)
+    metrics_port: int | None = flag(None, "Also serve Prometheus /metrics on this port.",
+                                    min=1, max=65535,
+                                    default_text="only on the HTTP port, at /metrics")
+    control: str = flag("tcp://127.0.0.1:5556", "Control socket nodes connect to.",
+                        default_text="tcp://HOST:5556")
+    ingress: str | None = flag("tcp://127.0.0.1:5557", "Queue-producer socket, or 'none'.",
+                               default_text="tcp://HOST:5557")
+    policy: str = flag("round_robin", "How nodes are picked.", choices=POLICIES)
+    heartbeat_interval_s: float = flag(1.0, "Seconds between heartbeats.",
+                                       name="--heartbeat-interval", min=0, min_open=True)
+    liveness: int = flag(3, "Missed heartbeats before a node is dead.", min=1)
+    request_timeout_s: float = flag(600.0, "Default deadline of a request (s).",
+                                    name="--request-timeout", min=0, min_open=True)
+    reserve_lease_s: float = flag(30.0, "Seconds a decode node holds KV blocks for a "
+                                  "request's transfer; a prefill node waits as long for the "
+                                  "decode node's acknowledgement.", name="--reserve-lease",
+                                  min=0, min_open=True)
+    max_pending_requests: int = flag(4096, "Past this, new requests are refused (429).",
+                                     min=1)
+    max_stop_strings: int = flag(16, "Stop strings per request.", min=0)
+    max_stop_bytes: int = flag(256, "UTF-8 bytes of one stop string.", min=1)
+    max_prompt_bytes: int = flag(4 << 20, "UTF-8 bytes of a prompt's text (all messages of "
+                                 "a chat), checked before tokenizing.", min=1)
+    tokenizer_threads: int = flag(2, "Threads that tokenize and render chat templates.",
+                                  min=1)
+    max_tokenizing: int = flag(64, "Requests tokenizing or waiting to; past this, new "
+                               "requests are refused (429).", min=1)
+    curve_dir: str | None = flag(None, "CurveZMQ key folder (pdserve keys generate): "
+                                 "encrypt and authenticate the control, ingress and KV "
+                                 "sockets.", kind="dir", default_text="off")
+    api_key: str | None = flag(None, "Require 'Authorization: Bearer KEY' on /v1/* (prefer "
+                               "the environment variable: flags show in ps).",
+                               envvar="PDSERVE_API_KEY", repr=False, default_text="open")
+    insecure: bool = flag(False, "Start even though sockets or HTTP are open to other "
+                          "machines without CURVE or an API key (warned every minute).")
 
     def __post_init__(self):
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if not 0 <= self.http_port < 65536:
-            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
-        if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
-            raise ValueError(f"metrics_port must be in [1, 65535], got {self.metrics_port}")
-        for name in ("heartbeat_interval_s", "request_timeout_s", "reserve_lease_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("liveness", "max_pending_requests", "max_stop_bytes", "max_prompt_bytes",
-                     "tokenizer_threads", "max_tokenizing"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_stop_strings < 0:
-            raise ValueError(f"max_stop_strings must be >= 0, got {self.max_stop_strings}")
+        check_fields(self)

@@ -34,7 +34,7 @@ import zmq.asyncio
 from pdserve.common.codec import check_expansion
 from pdserve.common.errors import DUPLICATE_ID
 from pdserve.common.protocol import queue as Q
-from pdserve.common.request import SamplingParams
+from pdserve.common.sampling import SamplingParams
 from pdserve.common.transport import CurveConfig, PlainTwin, endpoint_of, make_socket
 from pdserve.router.http.openai_schema import encode_text
 from pdserve.router.limits import check_prompt_bytes
@@ -55,8 +55,6 @@ MAX_MSG_SIZE = 4 * 1024 * 1024  # bytes per frame; a bigger one disconnects the 
 SNDHWM = 100_000
 MAX_FRAMES_PER_SEND = 256  # messages to one producer in one multipart send, at most
 SUBMIT_FIELDS = ("type", *Q.Submit.__struct_fields__)
-SAMPLING_FIELDS = tuple(f for f in Q.Submit.__struct_fields__
-                        if f not in ("id", "prompt", "prompt_token_ids"))
 _FIELD = re.compile(r"`\$\.(\w+)")                       # msgspec's path to a bad value
 _MISSING = re.compile(r"missing required field `(\w+)`")  # ... and to a missing one
 
@@ -168,9 +166,9 @@ class Ingress:
         else:
             ids = msg.prompt_token_ids
         if msg.max_tokens is msgspec.UNSET:
-            raise RequestError(BAD_REQUEST, "field 'max_tokens' (integer >= 1) is required",
-                               "max_tokens")
-        kwargs = {name: getattr(msg, name) for name in SAMPLING_FIELDS
+            raise RequestError(BAD_REQUEST, "field 'max_tokens' is required: "
+                               f"{Q.FIELD_TYPES['max_tokens']}", "max_tokens")
+        kwargs = {name: getattr(msg, name) for name in Q.SAMPLING_FIELDS
                   if getattr(msg, name) is not msgspec.UNSET}
         try:
             params = SamplingParams(**kwargs)

@@ -25,7 +25,7 @@ from pdserve.common.errors import (  # noqa: F401 (the front-ends' names: S.BAD_
 )
 from pdserve.common.logprobs import join
 from pdserve.common.protocol import Logprobs
-from pdserve.common.request import SamplingParams
+from pdserve.common.sampling import SamplingParams
 
 
 class RequestError(Exception):

@@ -592,8 +592,7 @@ def test_duplicate_first_token_is_delivered_once(cluster, model_dir):
 
 def test_a_batch_over_the_frame_limit_is_split():
     """The router's cut of one node's requests: every part encodes under the limit."""
-    spec = P.SamplingSpec(max_tokens=1, temperature=0.0, top_p=1.0, top_k=0,
-                          stop_token_ids=[], ignore_eos=False)
+    spec = P.SamplingParams(max_tokens=1, temperature=0.0)
     reqs = [P.PrefillRequest(req_id=f"r{i}", prompt_token_ids=[70_000 + i] * 2000,
                              sampling=spec, decode_node_id="d", kv_address="tcp://h:1",
                              timeout_s=1.0) for i in range(2000)]

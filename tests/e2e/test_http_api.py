@@ -14,7 +14,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from pdserve.common.errors import REQUEST_TOO_LARGE
-from pdserve.common.request import SamplingParams
+from pdserve.common.sampling import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.router.http import api
 from pdserve.router.streams import BAD_REQUEST, NOT_FOUND, RequestError

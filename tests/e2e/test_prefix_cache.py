@@ -1,6 +1,6 @@
 """Prefix caching across processes: a prefill node skips a shared prefix it computed
 before, and a decode node killed while its requests share cached blocks loses no token."""
-from pdserve.common.request import SamplingParams
+from pdserve.common.sampling import SamplingParams
 
 
 def test_prefill_node_reuses_a_shared_prefix(tiny_model, tmp_path):

@@ -185,7 +185,7 @@ def test_penalties_survive_a_decode_node_killed_mid_request(cluster, client):
 def test_stage_equals_the_dense_definition_and_is_free_when_unused():
     """Pure: the stage (gathering only the tokens seen) against vLLM's dense formula on a
     mixed batch; a batch no request processes gets its logits back untouched."""
-    from pdserve.common.request import SamplingParams
+    from pdserve.common.sampling import SamplingParams
     from pdserve.engine.logits_processors import LogitsProcessors
     from pdserve.engine.sequence import Sequence
 

@@ -1,4 +1,5 @@
-"""KV pages to pages: kv_chunk on one side, the wire encoding, KVReceiver.place on the other."""
+"""KV pages to pages: a backend's chunk on one side (tcp frames, shm references), the wire
+encoding, KVReceiver.place on the other."""
 import os
 import subprocess
 import sys
@@ -11,15 +12,10 @@ from pdserve.common import codec
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.engine.engine import layer_groups
-from pdserve.engine.kv_pages import paired_runs
-from pdserve.node.kv_transfer import (
-    InboundTransfer,
-    KVReceiver,
-    KVTransferError,
-    Outgoing,
-    TransferState,
-    kv_chunk,
-)
+from pdserve.node.kv import InboundTransfer, KVReceiver, KVTransferError, Outgoing, TransferState
+from pdserve.node.kv.pages import paired_runs
+from pdserve.node.kv.shm import ShmSource, shm_chunk
+from pdserve.node.kv.tcp import frames_chunk
 
 LAYOUT = P.KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32", block_size=4)
 MODEL = P.ModelIdentity(name="m", config_hash="h")
@@ -35,10 +31,17 @@ def caches(fill: bool, seed: int = 0):
 
 
 def one(src, ids, num_tokens, start, end, *, last, segment=None, req_id="r"):
-    """A chunk of one request's pages."""
-    return kv_chunk(MODEL, LAYOUT, src, [Outgoing(req_id, list(ids), num_tokens,
-                                                  first_token=1 if last else None)],
-                    start, end, checksums=True, last=last, segment=segment)
+    """A chunk of one request's pages: tensor frames, or (with segment) shm references."""
+    parts = [Outgoing(req_id, list(ids), num_tokens, first_token=1 if last else None)]
+    if segment is None:
+        return frames_chunk(MODEL, LAYOUT, src, parts, start, end, checksums=True, last=last)
+    return shm_chunk(MODEL, LAYOUT, src, parts, start, end, checksums=True, last=last,
+                     segment=segment)
+
+
+def mapped(receiver):
+    """The peer segments the receiver's shm source has mapped."""
+    return receiver.source(ShmSource).segments
 
 
 def place_one(receiver, chunk, transfer):
@@ -72,7 +75,7 @@ def test_pages_arrive_where_reserved(src_ids, dst_ids):
         last = end == LAYOUT.num_layers
         chunk = one(src, src_ids, num_tokens, start, end, last=last)
         place_one(receiver, codec.decode(codec.encode(chunk)), transfer)  # through the wire
-    assert transfer.state is TransferState.DONE
+    assert transfer.state is TransferState.SUCCESS
     untouched = sorted(set(range(NUM_BLOCKS)) - set(dst_ids))
     for (sk, sv), (dk, dv), (bk, bv) in zip(src, dst, before):
         assert torch.equal(dk[dst_ids], sk[src_ids]) and torch.equal(dv[dst_ids], sv[src_ids])
@@ -94,8 +97,8 @@ def send_three(src_ids, transfers, corrupt_at=None):
         last = end == LAYOUT.num_layers
         outgoing = [Outgoing(rid, span, n, first_token=7 if last else None)
                     for rid, span, n in zip("abc", spans, tokens)]
-        frames = codec.encode(kv_chunk(MODEL, LAYOUT, src, outgoing, start, end,
-                                       checksums=True, last=last))
+        frames = codec.encode(frames_chunk(MODEL, LAYOUT, src, outgoing, start, end,
+                                           checksums=True, last=last))
         assert len(frames) == 1 + 2 * (end - start)  # one frame per tensor, all requests
         chunk = codec.decode([bytes(f) for f in frames])
         if start == corrupt_at:  # request c's second page of v changed on the way
@@ -123,7 +126,7 @@ def test_one_message_for_several_requests_places_each_where_reserved(src_ids):
     before = caches(fill=False)
     src, dst, spans, failed = send_three(src_ids, transfers)
     assert failed == {}
-    assert transfers[0].state is TransferState.DONE and transfers[2].state is TransferState.DONE
+    assert transfers[0].state is transfers[2].state is TransferState.SUCCESS
     for (sk, sv), (dk, dv), (bk, bv) in zip(src, dst, before):
         for i in (0, 2):
             assert torch.equal(dk[DSTS[i]], sk[spans[i]]) and torch.equal(dv[DSTS[i]],
@@ -152,8 +155,8 @@ def test_a_corrupt_frame_fails_every_request_placed_from_it(reserved):
 @pytest.fixture
 def segment_caches():
     """A sender's KV cache in a real /dev/shm segment, as a prefill node keeps it."""
-    from pdserve.common.shm import Segment
     from pdserve.engine.model_runner import kv_tensor_bytes, kv_views
+    from pdserve.node.kv.segment import Segment
 
     shape = (NUM_BLOCKS, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
     seg = Segment.create(2 * LAYOUT.num_layers * kv_tensor_bytes(shape, torch.float32))
@@ -190,9 +193,9 @@ def test_shm_pages_arrive_where_reserved_same_as_tcp(segment_caches, src_ids, ds
         receiver = KVReceiver(MODEL, LAYOUT, dst)
         transfer = InboundTransfer("r", torch.tensor(dst_ids), num_tokens)
         send_all(src, src_ids, receiver, transfer, seg if path == "shm" else None, num_tokens)
-        assert transfer.state is TransferState.DONE
-        assert list(receiver.segments._mapped) == ([seg.name] if path == "shm" else [])
-        receiver.segments.close()
+        assert transfer.state is TransferState.SUCCESS
+        assert mapped(receiver).names == ([seg.name] if path == "shm" else [])
+        receiver.close()
         got[path] = dst
     for (sk, sv), (dk, dv), (tk, tv) in zip(src, got["shm"], got["tcp"]):
         assert torch.equal(dk[dst_ids], sk[src_ids]) and torch.equal(dv[dst_ids], sv[src_ids])
@@ -215,7 +218,7 @@ def test_corrupt_shm_region_is_caught_by_checksum(segment_caches):
         send_all(src, src_ids, receiver, transfer, seg, 4 * LAYOUT.block_size, corrupt)
     assert err.value.code == E.CHECKSUM_MISMATCH
     assert f"KV frame v2 (read from shared segment {seg.name})" in err.value.message
-    receiver.segments.close()
+    receiver.close()
 
 
 def test_shm_reference_outside_the_segment_is_refused(segment_caches):
@@ -231,11 +234,11 @@ def test_shm_reference_outside_the_segment_is_refused(segment_caches):
     with pytest.raises(KVTransferError) as err:
         place_one(receiver, chunk, InboundTransfer("r", torch.tensor([0, 1]), 8))
     assert "shared memory this node cannot read" in err.value.message
-    receiver.segments.close()
+    receiver.close()
 
 
 def test_checksum_without_gather_equals_checksum_of_gathered_pages():
-    from pdserve.engine.kv_pages import bytes_of, pages_checksum
+    from pdserve.node.kv.pages import bytes_of, pages_checksum
 
     pool = caches(fill=True)[0][0]
     for ids in ([3, 4, 5], [9, 2, 3, 4, 31]):
@@ -246,9 +249,9 @@ def test_checksum_without_gather_equals_checksum_of_gathered_pages():
 def test_segment_of_a_killed_process_is_swept():
     """SIGKILL leaves the owner no chance to unlink: the next sweep (every node runs one at
     start, decode nodes every few seconds) removes the file; a live owner's stays."""
-    from pdserve.common import shm
+    from pdserve.node.kv import segment as shm
 
-    code = ("import sys, time; from pdserve.common.shm import Segment; "
+    code = ("import sys, time; from pdserve.node.kv.segment import Segment; "
             "s = Segment.create(1 << 20); print(s.name, flush=True); time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:

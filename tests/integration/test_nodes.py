@@ -3,7 +3,6 @@ real ZeroMQ sockets on 127.0.0.1 by a stand-in for the router's side."""
 import glob
 import json
 import os
-import socket
 import time
 import urllib.request
 
@@ -14,8 +13,8 @@ from pdserve import LLM, SamplingParams
 from pdserve.common import codec
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
-from pdserve.common.request import to_spec
-from pdserve.common.shm import SWEEP_INTERVAL_S
+from pdserve.common.sockets import free_port
+from pdserve.node.kv.segment import SWEEP_INTERVAL_S
 from tests.node_driver import RouterDriver, start_node, stop_nodes
 
 PROMPT_LENGTHS = [1, 7, 16, 17, 40, 90]
@@ -43,12 +42,6 @@ def cluster(tiny_model, tmp_path_factory):
     finally:
         stop_nodes(procs)
         driver.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kv_bytes_by_path(port: int) -> dict[str, float]:
@@ -81,7 +74,7 @@ def test_two_prefill_two_decode_equal_offline_llm(cluster):
     llm = LLM(model=model)
     prompts = prompts_for(llm.engine.model_config.vocab_size)
     want = [o.token_ids for o in llm.generate(prompts, greedy())]
-    spec = to_spec(greedy())
+    spec = greedy()
     reqs = {f"r{i}": (p, spec) for i, p in enumerate(prompts)}
     prefill_of = {r: ("p0", "p1")[i % 2] for i, r in enumerate(reqs)}
     decode_of = {r: ("d0", "d1")[(i // 2) % 2] for i, r in enumerate(reqs)}
@@ -101,7 +94,7 @@ def test_same_host_kv_goes_through_shared_memory_token_exact_vs_tcp(cluster):
     driver, model, _ = cluster
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     prompts = prompts_for(vocab, seed=5)
-    spec = to_spec(greedy(16))
+    spec = greedy(16)
     tokens, moved = {}, {}
     before = kv_bytes_by_path(driver.p0_metrics)
     for path in ("tcp", "shm", "tcp again"):
@@ -131,16 +124,17 @@ def test_corrupt_shm_region_is_caught_by_checksum(cluster):
     refused by the decode node (a real process mapping the segment), with the reason."""
     import zmq
 
-    from pdserve.common.shm import Segment
     from pdserve.common.transport import make_socket, recv_message, send_message
     from pdserve.engine.model_runner import kv_tensor_bytes, kv_views
-    from pdserve.node.kv_transfer import Outgoing, kv_chunk
+    from pdserve.node.kv import Outgoing
+    from pdserve.node.kv.segment import Segment
+    from pdserve.node.kv.shm import shm_chunk
 
     driver, _, _ = cluster
     hello = driver.hellos["d0"]
     lay = hello.kv_layout
     prompt = list(range(3, 40))
-    assert driver.reserve("d0", "bad-shm", prompt, to_spec(greedy())).ok
+    assert driver.reserve("d0", "bad-shm", prompt, greedy()).ok
     shape = (8, lay.block_size, lay.num_kv_heads, lay.head_dim)
     seg = Segment.create(2 * lay.num_layers * kv_tensor_bytes(shape, torch.float32))
     sock = make_socket(driver.ctx, zmq.DEALER, connect=hello.kv_address)
@@ -149,9 +143,9 @@ def test_corrupt_shm_region_is_caught_by_checksum(cluster):
         for k, v in pages:
             k.normal_()
             v.normal_()
-        chunk = kv_chunk(hello.model, lay, pages, [Outgoing("bad-shm", [5, 1, 2], len(prompt),
-                                                           first_token=5)],
-                         0, lay.num_layers, checksums=True, last=True, segment=seg)
+        chunk = shm_chunk(hello.model, lay, pages, [Outgoing("bad-shm", [5, 1, 2], len(prompt),
+                                                            first_token=5)],
+                          0, lay.num_layers, checksums=True, last=True, segment=seg)
         pages[1][0][2, 0, 0, 0] += 1.0  # k1, block 2: changed after the checksum
         send_message(sock, chunk)
         assert sock.poll(10_000)
@@ -190,7 +184,7 @@ def test_segment_of_a_killed_prefill_node_is_removed_by_a_survivor(cluster, tmp_
 
 def test_first_token_that_finishes_needs_no_decode(cluster):
     driver, model, _ = cluster
-    spec = to_spec(SamplingParams(max_tokens=1, temperature=0))
+    spec = SamplingParams(max_tokens=1, temperature=0)
     got = driver.run({"one": ([5, 6, 7], spec)}, {"one": "p0"}, {"one": "d0"})
     assert len(got["one"]["tokens"]) == 1 and got["one"]["finish"] == "length"
     driver.send("d0", P.Abort(req_ids=["one"], reason="finished at prefill"))
@@ -199,7 +193,7 @@ def test_first_token_that_finishes_needs_no_decode(cluster):
 
 def test_abort_frees_blocks_on_both_sides(cluster):
     driver, _, _ = cluster
-    spec = to_spec(SamplingParams(max_tokens=900, temperature=0, ignore_eos=True))
+    spec = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
     reply = driver.reserve("d1", "long", list(range(3, 60)), spec)
     assert reply.ok
     driver.send("p1", P.PrefillBatch(requests=[P.PrefillRequest(
@@ -216,7 +210,7 @@ def test_abort_frees_blocks_on_both_sides(cluster):
 
 def test_reservation_lease_expires_and_frees(cluster):
     driver, _, _ = cluster
-    spec = to_spec(greedy())
+    spec = greedy()
     assert driver.reserve("d0", "orphan", list(range(3, 40)), spec, lease_s=0.3).ok
     _, err = driver.take(P.Error, lambda m: m.req_id == "orphan", timeout_s=10)
     assert err.code == E.LEASE_EXPIRED and "without the KV arriving" in err.message
@@ -234,7 +228,7 @@ def test_corrupt_kv_frame_is_caught_by_checksum(cluster):
     hello = driver.hellos["d0"]
     lay = hello.kv_layout
     prompt = list(range(3, 20))
-    assert driver.reserve("d0", "corrupt", prompt, to_spec(greedy())).ok
+    assert driver.reserve("d0", "corrupt", prompt, greedy()).ok
     nb = -(-len(prompt) // lay.block_size)
     shape = (nb, lay.block_size, lay.num_kv_heads, lay.head_dim)
     tensors = {f"{kv}{i}": torch.randn(shape) for i in range(lay.num_layers) for kv in "kv"}
@@ -270,7 +264,7 @@ def test_full_decode_node_refuses_reservation_and_layout_mismatch_is_refused(
         procs.append(start_node("prefill", driver.address, model, "bs32-p", "--block-size",
                                 "32", log_path=tmp_path / "p.log"))
         driver.wait_nodes("small-d", "bs32-p")
-        spec = to_spec(greedy())
+        spec = greedy()
         assert driver.reserve("small-d", "a", list(range(3, 153)), spec).ok  # 10 of 12 blocks
         reply = driver.reserve("small-d", "big", list(range(3, 100)), spec)
         assert not reply.ok and reply.reason == "no_capacity: needs 7 KV blocks, 2 of 12 free"
@@ -301,7 +295,7 @@ def test_heartbeats_flow_while_a_long_prefill_runs(tiny_model, tmp_path):
         procs.append(start_node("decode", driver.address, model, "busy-d",
                                 log_path=tmp_path / "d.log"))
         driver.wait_nodes("busy-p", "busy-d")
-        spec = to_spec(SamplingParams(max_tokens=1, temperature=0))
+        spec = SamplingParams(max_tokens=1, temperature=0)
         gen = torch.Generator().manual_seed(1)
         reqs = [P.PrefillRequest(req_id=f"L{i}", prompt_token_ids=torch.randint(
                     3, 500, (1000,), generator=gen).tolist(), sampling=spec,

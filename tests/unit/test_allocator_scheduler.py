@@ -1,7 +1,7 @@
 """Pure-Python units: block allocator and scheduler (no model, no torch)."""
 import pytest
 
-from pdserve.common.request import SamplingParams
+from pdserve.common.sampling import SamplingParams
 from pdserve.engine.block_allocator import BlockAllocator, BlockAllocatorError
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
@@ -25,7 +25,7 @@ def test_allocator_allocates_frees_and_refuses_double_free():
 
 def test_blocks_freed_together_come_back_in_ascending_order():
     """A sequence's blocks are consecutive where the free list allows: its KV then moves
-    as one run per tensor (kv_pages.paired_runs) instead of one copy per block."""
+    as one run per tensor (node/kv/pages.paired_runs) instead of one copy per block."""
     alloc = BlockAllocator(6)
     a, b = alloc.allocate(3), alloc.allocate(3)
     assert (a, b) == ([0, 1, 2], [3, 4, 5])

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from pdserve.common.request import SamplingParams
+from pdserve.common.sampling import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 
@@ -94,7 +94,8 @@ def test_a_forward_that_failed_half_way_leaves_no_stale_window(model_dir):
 
 def test_decode_window_budget_must_not_be_negative(model_dir):
     for bad in (-1.0, math.inf, math.nan):
-        with pytest.raises(ValueError, match="decode_window_memory_gb must be >= 0 and finite"):
+        with pytest.raises(ValueError,
+                           match="decode_window_memory_gb must be a finite number >= 0"):
             EngineConfig(decode_window_memory_gb=bad)
 
 

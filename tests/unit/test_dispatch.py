@@ -12,7 +12,7 @@ import pytest
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.common.metrics import RouterMetrics
-from pdserve.common.request import SamplingParams
+from pdserve.common.sampling import SamplingParams
 from pdserve.router import streams as S
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import batching

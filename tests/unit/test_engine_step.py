@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from pdserve.common.request import SamplingParams
+from pdserve.common.sampling import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine, layer_groups
 from pdserve.engine.sequence import Sequence

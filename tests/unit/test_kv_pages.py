@@ -6,8 +6,8 @@ import torch
 import xxhash
 
 from pdserve.common.codec import checksum_of
-from pdserve.engine import kv_pages
-from pdserve.engine.kv_pages import bytes_of, copy_pages, paired_runs
+from pdserve.node.kv import pages as kv_pages
+from pdserve.node.kv.pages import bytes_of, copy_pages, paired_runs
 
 
 def test_copy_pages_places_every_run_and_hashes_in_order(monkeypatch):

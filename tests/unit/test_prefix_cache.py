@@ -5,7 +5,7 @@ import msgspec
 import pytest
 
 from pdserve.common.block_hash import BlockRemoved, BlockStored, block_hashes
-from pdserve.common.request import SamplingParams
+from pdserve.common.sampling import SamplingParams
 from pdserve.engine.block_allocator import BlockAllocator, BlockAllocatorError
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
@@ -114,6 +114,33 @@ def test_cached_blocks_are_evicted_least_recently_freed_first_and_reported():
     alloc.free(taken)
     b = Sequence("b", list(range(1, 14)), SamplingParams(max_tokens=1))
     assert run(sched, b) == 13 - 8  # the head of the prefix survived
+
+
+def test_reserve_links_the_cached_prefix_and_can_reserve_counts_its_free_blocks():
+    """A decode node's verb pair: can_reserve changes nothing, and counts the cached blocks
+    no one holds as taken (they leave the free list); reserve links them (their KV need not
+    travel) and allocates the rest; release gives every block back, the cache kept."""
+    sched = make_sched(num_blocks=8)
+    a = Sequence("a", list(range(1, 18)), SamplingParams(max_tokens=1))  # 17 tokens: 4 full
+    run(sched, a)
+    sched.finish(a, "length")  # its 4 full blocks stay cached, unreferenced, in the free list
+    free = sched.allocator.num_free_blocks
+    assert free == 8
+    b = Sequence("b", list(range(1, 13)) + [60] * 9, SamplingParams(max_tokens=1),
+                 prefill_here=False)  # 21 tokens: 6 blocks, the first 3 cached
+    assert sched.can_reserve(b) and sched.num_blocks_to_reserve(b) == 3
+    assert sched.allocator.num_free_blocks == free and b.block_table == []  # nothing changed
+    assert sched.reserve(b) == 3
+    assert len(b.block_table) == 6 and sched.allocator.num_free_blocks == 8 - 6
+    assert sched.num_prefix_hit_tokens == 12
+    big = Sequence("big", list(range(1, 13)) + [70] * 16, SamplingParams(max_tokens=1),
+                   prefill_here=False)  # 7 blocks, 3 of them b's (held): 4 new, 2 free
+    assert not sched.can_reserve(big) and sched.num_blocks_to_reserve(big) == 4
+    with pytest.raises(ValueError, match="needs 4 KV blocks, 2 of 8 free"):
+        sched.reserve(big)
+    assert big.block_table == [] and sched.allocator.num_free_blocks == 2
+    sched.release(b)
+    assert sched.allocator.num_free_blocks == 8 and sched.allocator.num_cached_blocks == 4
 
 
 def test_caching_off_reuses_nothing():
@@ -246,19 +273,14 @@ def test_kv_after_the_cached_blocks_lands_after_them_and_a_wrong_start_is_refuse
 
     from pdserve.common import codec
     from pdserve.common import protocol as P
-    from pdserve.node.kv_transfer import (
-        InboundTransfer,
-        KVReceiver,
-        Outgoing,
-        TransferState,
-        kv_chunk,
-    )
+    from pdserve.node.kv import InboundTransfer, KVReceiver, Outgoing, TransferState
+    from pdserve.node.kv.tcp import frames_chunk
     from tests.integration.test_kv_transfer import LAYOUT, MODEL, caches
 
     def chunk_of(req_id, ids, first_block=0, last=True, end=LAYOUT.num_layers):
-        return kv_chunk(MODEL, LAYOUT, src, [Outgoing(req_id, ids, num_tokens, first_block,
-                                                      1 if last else None)],
-                        0, end, checksums=True, last=last)
+        return frames_chunk(MODEL, LAYOUT, src, [Outgoing(req_id, ids, num_tokens, first_block,
+                                                          1 if last else None)],
+                            0, end, checksums=True, last=last)
 
     src, dst = caches(fill=True), caches(fill=False)
     src_ids, dst_ids = list(range(4, 10)), [20, 21, 5, 6, 7, 30]   # 6 blocks, 2 cached
@@ -268,7 +290,7 @@ def test_kv_after_the_cached_blocks_lands_after_them_and_a_wrong_start_is_refuse
     receiver = KVReceiver(MODEL, LAYOUT, dst)
     chunk = chunk_of("r", src_ids[2:], first_block=2)
     assert not receiver.place(codec.decode(codec.encode(chunk)), {0: transfer})
-    assert transfer.state is TransferState.DONE
+    assert transfer.state is TransferState.SUCCESS
     for (sk, sv), (dk, dv), (ck, cv) in zip(src, dst, cached_before):
         assert torch.equal(dk[dst_ids[2:]], sk[src_ids[2:]])
         assert torch.equal(dk[dst_ids[:2]], ck) and torch.equal(dv[dst_ids[:2]], cv)

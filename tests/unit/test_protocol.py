@@ -17,8 +17,8 @@ from pdserve.common import protocol as P
 MODEL = P.ModelIdentity(name="tiny-llama", config_hash="abc123")
 STATS = P.NodeStats(num_free_blocks=90, num_total_blocks=100, num_running=3, num_waiting=1,
                     queued_prompt_tokens=512)
-SAMPLING = P.SamplingSpec(max_tokens=16, temperature=0.7, top_p=0.9, top_k=40, seed=7,
-                          stop_token_ids=[2], ignore_eos=False)
+SAMPLING = P.SamplingParams(max_tokens=16, temperature=0.7, top_p=0.9, top_k=40, seed=7,
+                            stop_token_ids=[2], ignore_eos=False)
 
 
 def layout(dtype="bfloat16", num_layers=2):
@@ -173,6 +173,25 @@ def test_non_contiguous_tensor_is_made_contiguous():
     assert torch.equal(got.tensors["k0"], t)
 
 
+def test_sampling_params_travel_as_they_are():
+    """Every sampling field round-trips inside a PrefillRequest; the router's for_nodes()
+    leaves the stop strings (its own concern) out and nothing else."""
+    params = P.SamplingParams(max_tokens=9, temperature=0.5, top_p=0.8, top_k=-1, seed=3,
+                              stop=["END"], stop_token_ids=[2, 7], seed_offset=4, logprobs=2,
+                              prompt_logprobs=1, min_tokens=3, repetition_penalty=1.2,
+                              presence_penalty=-0.5, frequency_penalty=0.25,
+                              logit_bias={5: 250, 6: -1.5}, guide=["regex", "[ab]+"])
+    assert (params.top_k, params.logit_bias, params.guide) == (0, {5: 100.0, 6: -1.5},
+                                                              ("regex", "[ab]+"))
+    sent = params.for_nodes()
+    assert sent.stop == [] and params.stop == ["END"]
+    assert msgspec.structs.replace(sent, stop=["END"]) == params
+    msg = P.PrefillBatch(requests=[P.PrefillRequest(
+        req_id="r", prompt_token_ids=[1, 2], sampling=sent, decode_node_id="d",
+        kv_address="tcp://h:1", timeout_s=1.0)])
+    assert codec.decode(codec.encode(msg)).requests[0].sampling == sent
+
+
 def test_int_accepted_for_float_and_converted():
     got = codec.decode(codec.encode(P.Welcome(accepted=True, reason="", heartbeat_interval_s=2,
                                       liveness=3)))
@@ -268,7 +287,7 @@ def test_wrong_typed_field_inside_a_list():
     expect_error(edit(frames, P.PrefillBatch, "requests", requests), E.BAD_MESSAGE,
                  "PrefillBatch.requests[1].prompt_token_ids[4]: expected `int`, got `float`")
     requests = header_of(frames)[1][1]
-    requests[0][sampling][at(P.SamplingSpec, "seed")] = "7"
+    requests[0][sampling][at(P.SamplingParams, "seed")] = "7"
     expect_error(edit(frames, P.PrefillBatch, "requests", requests), E.BAD_MESSAGE,
                  "PrefillBatch.requests[0].sampling.seed: expected `int | null`, got `str`")
 
@@ -281,13 +300,25 @@ def test_limits_in_the_schema():
                             expected=expected)
 
     def reserve(**sampling):
-        return P.Reserve(items=[P.ReserveRequest(
+        """A Reserve whose sampling fields are set on the wire (SamplingParams itself refuses
+        such values as it is built)."""
+        frames = codec.encode(P.Reserve(items=[P.ReserveRequest(
             req_id="r", prompt_token_ids=[1], prefill_node_id="p", lease_s=1.0,
-            sampling=msgspec.structs.replace(SAMPLING, **sampling))])
+            sampling=SAMPLING)]))
+        items = header_of(frames)[1][1]
+        for name, value in sampling.items():
+            items[0][at(P.ReserveRequest, "sampling")][at(P.SamplingParams, name)] = value
+        return edit(frames, P.Reserve, "items", items)
 
-    refused(reserve(seed=P.MAX_SEED),
-            "Reserve.items[0].sampling.seed: expected `int` <= 9223372036854775807")
-    refused(reserve(seed=-1), "Reserve.items[0].sampling.seed: expected `int` >= 0")
+    expect_error(reserve(seed=P.MAX_SEED), E.BAD_MESSAGE,
+                 "Reserve.items[0].sampling.seed: expected `int` <= 9223372036854775807")
+    expect_error(reserve(seed=-1), E.BAD_MESSAGE,
+                 "Reserve.items[0].sampling.seed: expected `int` >= 0")
+    expect_error(reserve(logprobs=P.MAX_LOGPROBS + 1), E.BAD_MESSAGE,
+                 f"Reserve.items[0].sampling.logprobs: expected `int` <= {P.MAX_LOGPROBS}")
+    expect_error(reserve(min_tokens=17), E.BAD_MESSAGE,  # the cross-field rule, on decode
+                 "Reserve.items[0].sampling: min_tokens=17 is invalid: must be an integer in "
+                 "[0, max_tokens=16]")
     refused(P.ReserveReply(items=[P.ReserveResult(req_id="r", ok=True, reason="",
                                                   num_blocks=2**64 - 1)]),
             "ReserveReply.items[0].num_blocks: expected `int` <= 9223372036854775807")

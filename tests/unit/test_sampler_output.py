@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from pdserve.common.request import SamplingParams
+from pdserve.common.sampling import SamplingParams
 from pdserve.engine.inputs import build_model_inputs
 from pdserve.engine.sampler import make_generator, sample
 from pdserve.model.attention import DECODE, MIXED, PREFILL

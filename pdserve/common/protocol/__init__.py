@@ -2,8 +2,9 @@
 
 Every process must agree on exactly what travels, so every message type, its
 tag, its limits and the protocol version live in this package and nowhere else:
-base.py (version, limits, dtypes, the limited field types, the message registry,
-ProtocolError and Error), messages.py (the control plane), kv.py (the KV plane),
+base.py (version, dtypes, the message registry, ProtocolError and Error; the limits
+and the field types that carry them are common/limits.py's, the sampling type is
+common/sampling.py's), messages.py (the control plane), kv.py (the KV plane),
 queue.py (the queue ingress, a public contract of its own: maps, no version).
 Every type is a ``msgspec.Struct``; the only logic is cross-field validation.
 codec.py turns messages into frames and back. docs/protocol.md is the prose
@@ -29,10 +30,10 @@ from pdserve.common.protocol.base import (  # noqa: F401 (this package's API)
     MAX_ID_CHARS,
     MAX_ITEMS,
     MAX_KV_PARTS,
+    MAX_LOGPROBS,
     MAX_SEED,
     MAX_TENSOR_DIMS,
     MAX_TEXT_CHARS,
-    MAX_TOP_LOGPROBS,
     MAX_WIRE_INT,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
@@ -58,11 +59,9 @@ from pdserve.common.protocol.messages import (  # noqa: F401 (this package's API
     Drain,
     FirstToken,
     FirstTokens,
-    GuideSpec,
     Heartbeat,
     Hello,
     KVLayout,
-    LogitBias,
     Logprobs,
     ModelIdentity,
     NodeStats,
@@ -72,8 +71,8 @@ from pdserve.common.protocol.messages import (  # noqa: F401 (this package's API
     ReserveReply,
     ReserveRequest,
     ReserveResult,
-    SamplingSpec,
     TokenBatch,
     TokenItem,
     Welcome,
 )
+from pdserve.common.sampling import SamplingParams  # noqa: F401 (PrefillRequest.sampling)

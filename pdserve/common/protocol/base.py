@@ -7,46 +7,41 @@ the declared types and ``Meta`` limits, which is what made the hand-written vali
 slowest part of a message's way. Top-level messages are tagged arrays (``[tag, field...]``:
 no key strings on the wire); a union of array-like and map-like structs cannot be decoded
 in one pass, so every message is array-like, and only a few cold nested types (KVLayout,
-ModelIdentity, GuideSpec) stay maps.
+ModelIdentity) stay maps. The limits and the field types that carry them are
+common/limits.py's (shared with the sampling type and the queue schema).
 """
-from typing import Annotated, Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 import msgspec
-from msgspec import Meta
 
-PROTOCOL_VERSION = 6  # what each version added: docs/protocol.md, "Versioning"
+from pdserve.common.config import DTYPE_BYTES
+from pdserve.common.limits import (  # noqa: F401 (the limits and field types of the wire)
+    MAX_ID_CHARS,
+    MAX_ITEMS,
+    MAX_LOGPROBS,
+    MAX_SEED,
+    MAX_TEXT_CHARS,
+    MAX_WIRE_INT,
+    Count,
+    Id,
+    Int64,
+    Seed,
+    Text,
+    TokenIds,
+    UInt64,
+    list_of,
+)
+
+PROTOCOL_VERSION = 7  # what each version added: docs/protocol.md, "Versioning"
 MAX_HEADER_BYTES = 16 * 1024 * 1024  # a header is metadata; KV travels in frames
-MAX_SEED = 2**63        # seeds are in [0, 2^63): a signed 64-bit value on every side
-MAX_WIRE_INT = 2**63    # counts and ids on the wire are below this (int64 on every side)
 MAX_HOST_ID = 256       # Hello.host_id: boot id + /dev/shm identity
 MAX_KV_PARTS = 4096     # requests in one KVChunk
-MAX_ID_CHARS = 1024     # request, node and segment ids, dtype and reason codes
-MAX_TEXT_CHARS = 65536  # free text: reasons, error messages, addresses
-MAX_ITEMS = 1 << 20     # entries of any list a message carries (tokens, requests, ...)
-MAX_TOP_LOGPROBS = 1024  # alternatives per token in Logprobs
 MAX_TENSOR_DIMS = 8
 
 # Wire dtype names (also used by KVLayout.dtype); codec.TORCH_DTYPES maps them to torch's.
-# No torch here: the schema is imported by the queue clients too.
-DTYPES = ("float32", "bfloat16", "float16", "int32", "int64", "uint8")
+DTYPES = tuple(DTYPE_BYTES)
 
 FrameLike = Any  # bytes | bytearray | memoryview | zmq.Frame (anything with .buffer)
-
-# ---------------------------------------------------------------- field types with limits
-# msgspec checks these while decoding; a value outside is a ValidationError naming its path.
-Count = Annotated[int, Meta(ge=0, le=MAX_WIRE_INT - 1)]        # sizes, indices, pids
-Int64 = Annotated[int, Meta(ge=-MAX_WIRE_INT, le=MAX_WIRE_INT - 1)]  # token ids: the
-# receiver checks the vocabulary and fails only that request, so no tighter bound here
-Seed = Annotated[int, Meta(ge=0, le=MAX_SEED - 1)]
-UInt64 = Annotated[int, Meta(ge=0)]                            # XXH3 checksums (< 2^64)
-Id = Annotated[str, Meta(max_length=MAX_ID_CHARS)]
-Text = Annotated[str, Meta(max_length=MAX_TEXT_CHARS)]
-TokenIds = Annotated[list[Int64], Meta(max_length=MAX_ITEMS)]
-
-
-def list_of(tp: Any, max_length: int = MAX_ITEMS) -> Any:
-    """list[tp] of at most max_length entries (a schema limit msgspec enforces)."""
-    return Annotated[list[tp], Meta(max_length=max_length)]
 
 
 class ProtocolError(Exception):

@@ -21,23 +21,18 @@ from pdserve.common.protocol.base import (
 from pdserve.common.protocol.messages import KVLayout, ModelIdentity
 
 
-def torch_dtype(name: str):
-    """The torch dtype of a wire dtype name (torch is loaded already: a chunk being checked
-    holds tensors; the schema itself imports no torch)."""
-    from pdserve.common.codec import TORCH_DTYPES
-
-    return TORCH_DTYPES[name]
+def dtype_name(tensor) -> str:
+    """A tensor's wire dtype name ("torch.bfloat16" -> "bfloat16"), read without importing
+    torch: the schema imports no torch (the queue clients and the router import it)."""
+    return str(tensor.dtype).removeprefix("torch.")
 
 
 class TensorMeta(Nested, kw_only=True):
     """How one tensor travels: its raw bytes are frame ``frame`` after the header (1 is
     the first frame after it), C-contiguous, ``dtype`` x ``shape`` bytes long."""
-    dtype: Literal["float32", "bfloat16", "float16", "int32", "int64", "uint8"]
+    dtype: Literal[DTYPES]
     shape: list_of(Count, MAX_TENSOR_DIMS)
     frame: Count
-
-
-assert set(TensorMeta.__annotations__["dtype"].__args__) == set(DTYPES)
 
 
 class ShmKV(Nested, kw_only=True):
@@ -121,7 +116,7 @@ class KVChunk(Message, tag="kv_chunk", kw_only=True):
                                 f"expected {names}")
         shape = (total, lay.block_size, lay.num_kv_heads, lay.head_dim)
         for name, t in self.tensors.items():
-            if tuple(t.shape) != shape or t.dtype != torch_dtype(lay.dtype):
+            if tuple(t.shape) != shape or dtype_name(t) != lay.dtype:
                 raise ProtocolError(BAD_MESSAGE, f"{where}: tensor {name!r} is {list(t.shape)} "
                                     f"{t.dtype}, expected {list(shape)} {lay.dtype}")
 

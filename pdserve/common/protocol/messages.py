@@ -7,7 +7,7 @@ from pdserve.common.config import ROLES
 from pdserve.common.errors import BAD_MESSAGE
 from pdserve.common.protocol.base import (
     MAX_HOST_ID,
-    MAX_TOP_LOGPROBS,
+    MAX_LOGPROBS,
     Count,
     Id,
     Int64,
@@ -15,15 +15,12 @@ from pdserve.common.protocol.base import (
     Nested,
     NestedMap,
     ProtocolError,
-    Seed,
     Text,
     TokenIds,
     _message,
     list_of,
 )
-
-# A number of alternatives per token to report (None: no logprobs).
-TopK = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+from pdserve.common.sampling import SamplingParams
 
 # ---------------------------------------------------------------- nested types
 
@@ -51,61 +48,20 @@ class NodeStats(Nested, kw_only=True):
     queued_prompt_tokens: Count
 
 
-class LogitBias(Nested, kw_only=True):
-    """A number added to one token's logit before sampling."""
-    token_id: Int64
-    bias: float
-
-
-class GuideSpec(NestedMap, kw_only=True):
-    """Structured output: kind (common/guides.py GUIDE_KINDS: json, json_object, regex,
-    choice, grammar) and its spec (a JSON schema, a regex, a JSON array of choices, a Lark
-    grammar); nodes compile it with the model's vocabulary, cached by (kind, spec)."""
-    kind: Id
-    spec: str
-
-
-class SamplingSpec(Nested, kw_only=True):
-    """Sampling parameters as nodes see them (stop strings stay in the router)."""
-    max_tokens: Count
-    temperature: float
-    top_p: float
-    top_k: Int64
-    seed: Optional[Seed] = None
-    stop_token_ids: TokenIds
-    ignore_eos: bool
-    # Tokens this request already sampled in earlier attempts (failover): a seeded request's
-    # random stream resumes at this index instead of starting over.
-    seed_offset: Count = 0
-    # Logprobs to compute (None: none): of each sampled token with this many alternatives,
-    # and of each prompt token (on the prefill node) with prompt_logprobs alternatives.
-    logprobs: Optional[TopK] = None
-    prompt_logprobs: Optional[TopK] = None
-
-    # Logits processing (vLLM's meanings; engine/logits_processors.py). Output tokens of
-    # earlier attempts are the last seed_offset tokens of the prompt sent.
-    min_tokens: Count = 0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: list_of(LogitBias) = []
-    guide: Optional[GuideSpec] = None
-
-
 class Logprobs(Nested, kw_only=True):
     """Logprobs of consecutive tokens of one request under the model's raw distribution
     (log_softmax of the unprocessed logits): for token i its own logprob, and the ids and
     logprobs of the k most likely tokens at its position, most likely first."""
     token_logprobs: list_of(float)
-    top_ids: list_of(list_of(Int64, MAX_TOP_LOGPROBS))
-    top_logprobs: list_of(list_of(float, MAX_TOP_LOGPROBS))
+    top_ids: list_of(list_of(Int64, MAX_LOGPROBS))
+    top_logprobs: list_of(list_of(float, MAX_LOGPROBS))
 
 
 class PrefillRequest(Nested, kw_only=True):
     """One request of a PrefillBatch, with where its KV must go."""
     req_id: Id
     prompt_token_ids: TokenIds
-    sampling: SamplingSpec
+    sampling: SamplingParams  # without stop strings (SamplingParams.for_nodes)
     decode_node_id: Id
     kv_address: Text
     timeout_s: float
@@ -192,7 +148,7 @@ class ReserveRequest(Nested, kw_only=True):
     """Hold KV blocks for one request for lease_s seconds (an item of Reserve)."""
     req_id: Id
     prompt_token_ids: TokenIds
-    sampling: SamplingSpec
+    sampling: SamplingParams  # without stop strings (SamplingParams.for_nodes)
     prefill_node_id: Id
     lease_s: float
     timeout_s: float = 0.0  # the request's time left; the node ends it past that (0: none)

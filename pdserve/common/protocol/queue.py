@@ -5,10 +5,10 @@ Like the whole protocol package it imports no torch (the client must not). The
 wire form is the public contract's: one MessagePack map per frame with a ``"type"`` key,
 no version field. Producers' messages refuse unknown keys, so a misspelt field never
 passes silently; answers may grow keys, and the client ignores those it does not know.
-Types and the limits that are the wire's own (string and list lengths, 64-bit integers,
-seed in [0, 2^63)) are checked here while decoding; what a value means against the model
-(max_tokens within the context, top_k within the vocabulary, ...) is SamplingParams' and
-the router's to check.
+Every field's type and limits are checked here while decoding: the sampling fields take
+theirs from SamplingParams (common/sampling.py), so the queue refuses exactly what the
+sampling type refuses, and says so naming the field; what a value means against the model
+(max_tokens within the context, top_k within the vocabulary, ...) is the router's to check.
 """
 from __future__ import annotations
 
@@ -17,31 +17,35 @@ from typing import Annotated, Optional, Union
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-MAX_ID_CHARS = 1024   # a producer's request id
-MAX_ITEMS = 1 << 20   # entries of a list (prompt tokens, stop strings, ...)
-_Int64 = Annotated[int, Meta(ge=-2**63, le=2**63 - 1)]
-_Ids = Annotated[list[_Int64], Meta(max_length=MAX_ITEMS)]
-_Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+from pdserve.common.limits import MAX_ID_CHARS, TokenIds, allowed
+from pdserve.common.sampling import FIELD_TYPES as SAMPLING_TYPES
+
 _Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
+
+
+def _sampling(name: str):
+    """A Submit field that is SamplingParams' field ``name``, or left out (UNSET)."""
+    return Union[SAMPLING_TYPES[name], UnsetType]
 
 
 class Submit(msgspec.Struct, tag="submit", tag_field="type", kw_only=True,
              omit_defaults=True, forbid_unknown_fields=True):
     """producer -> router: a request. UNSET fields are left out of the map; the router
     then uses SamplingParams' defaults. max_tokens is required, and exactly one of prompt
-    / prompt_token_ids, which the router says in words when they are missing."""
+    / prompt_token_ids, which the router says in words when they are missing. The keys
+    are the public contract's; their types and limits are SamplingParams'."""
     id: _Id
     prompt: Union[str, UnsetType] = UNSET
-    prompt_token_ids: Union[_Ids, UnsetType] = UNSET
-    max_tokens: Union[Annotated[int, Meta(ge=1, le=2**63 - 1)], UnsetType] = UNSET
-    temperature: Union[float, UnsetType] = UNSET
-    top_p: Union[float, UnsetType] = UNSET
-    top_k: Union[_Int64, UnsetType] = UNSET
-    seed: Union[Optional[_Seed], UnsetType] = UNSET
-    stop: Union[str, Annotated[list[str], Meta(max_length=MAX_ITEMS)], UnsetType] = UNSET
-    stop_token_ids: Union[_Ids, UnsetType] = UNSET
-    ignore_eos: Union[bool, UnsetType] = UNSET
-    logprobs: Union[Optional[Annotated[int, Meta(ge=0, le=2**63 - 1)]], UnsetType] = UNSET
+    prompt_token_ids: Union[TokenIds, UnsetType] = UNSET
+    max_tokens: _sampling("max_tokens") = UNSET
+    temperature: _sampling("temperature") = UNSET
+    top_p: _sampling("top_p") = UNSET
+    top_k: _sampling("top_k") = UNSET
+    seed: _sampling("seed") = UNSET
+    stop: Union[str, SAMPLING_TYPES["stop"], UnsetType] = UNSET  # one string, or a list
+    stop_token_ids: _sampling("stop_token_ids") = UNSET
+    ignore_eos: _sampling("ignore_eos") = UNSET
+    logprobs: _sampling("logprobs") = UNSET
 
 
 class Cancel(msgspec.Struct, tag="cancel", tag_field="type"):
@@ -52,15 +56,8 @@ class Cancel(msgspec.Struct, tag="cancel", tag_field="type"):
 
 # How each field of Submit is described when a value does not fit (the error message
 # says "field 'X' must be <this>, got ..."); derived from the types above.
-FIELD_TYPES = {
-    "type": "'submit' or 'cancel'", "id": "a non-empty string of at most 1024 characters",
-    "prompt": "a string", "prompt_token_ids": "a list of integers",
-    "max_tokens": "an integer >= 1", "temperature": "a number", "top_p": "a number",
-    "top_k": "an integer", "seed": "an integer in [0, 2^63) or nil",
-    "stop": "a string or a list of strings", "stop_token_ids": "a list of integers",
-    "ignore_eos": "a boolean", "logprobs": "a non-negative integer or nil",
-}
-assert set(FIELD_TYPES) == {"type", *Submit.__struct_fields__}
+FIELD_TYPES = {"type": "'submit' or 'cancel'", **allowed(Submit, none="nil")}
+SAMPLING_FIELDS = tuple(f for f in Submit.__struct_fields__ if f in SAMPLING_TYPES)
 
 
 class TokenLogprobs(msgspec.Struct, omit_defaults=True):

@@ -21,7 +21,7 @@ def request_bytes(req: P.PrefillRequest | P.ReserveRequest) -> int:
     ids below 2^32 in <= 5; a logit bias is an id and a float)."""
     sampling = req.sampling
     strings = sum(len(v) for v in msgspec.structs.astuple(req) if isinstance(v, str))
-    guide = len(sampling.guide.spec) + 64 if sampling.guide is not None else 0
+    guide = len(sampling.guide[1]) + 64 if sampling.guide is not None else 0
     return 512 + 5 * len(req.prompt_token_ids) + 9 * len(sampling.stop_token_ids) \
         + 18 * len(sampling.logit_bias) + guide + strings
 

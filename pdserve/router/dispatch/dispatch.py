@@ -39,7 +39,6 @@ import msgspec
 from pdserve.common import protocol as P
 from pdserve.common.logprobs import head
 from pdserve.common.metrics import RouterMetrics
-from pdserve.common.request import to_spec
 from pdserve.model.text import RequestOutputState
 from pdserve.router import streams as S
 from pdserve.router.config import RouterConfig
@@ -151,7 +150,7 @@ class Dispatch:
                                  self.eos_token_ids, self.max_model_len)
         timeout = req.timeout_s or self.config.request_timeout_s
         # Everything that can fail runs before the flight is registered.
-        flight = Flight(req_id, req_id, list(req.prompt_token_ids), to_spec(req.params), out,
+        flight = Flight(req_id, req_id, list(req.prompt_token_ids), req.params.for_nodes(), out,
                         deadline=now + timeout, created=now,
                         wire_prompt=list(req.prompt_token_ids))
         self.flights[req_id] = self.requests[req_id] = flight

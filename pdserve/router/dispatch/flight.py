@@ -26,7 +26,7 @@ class Flight:
     req_id: str                 # the client's id
     wire_id: str                # this attempt's id on the wire
     prompt: list[int]           # the client's prompt
-    spec: P.SamplingSpec
+    spec: P.SamplingParams      # as nodes get it: for_nodes(), no stop strings
     out: RequestOutputState     # tokens and text the client has been given
     deadline: float
     created: float

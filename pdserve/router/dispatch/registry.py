@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from pdserve.common import protocol as P
+from pdserve.common.config import ROLES
 
 LIVE, DRAINING = "live", "draining"
 REGISTERED, REMOVED = "registered", "removed"   # events (and DRAINING: a status change)
@@ -82,9 +83,9 @@ class Registry:
         if hello.protocol_version != P.PROTOCOL_VERSION:
             return False, (f"protocol version {hello.protocol_version} is not this router's "
                            f"{P.PROTOCOL_VERSION}")
-        if hello.role not in ("prefill", "decode", "colocated"):
-            return False, (f"role {hello.role!r} is not served by this router (prefill, decode, "
-                           "colocated)")
+        if hello.role not in ROLES:
+            return False, (f"role {hello.role!r} is not served by this router "
+                           f"({', '.join(ROLES)})")
         if hello.model.config_hash != self.model.config_hash:
             return False, (f"model {hello.model.name!r} ({hello.model.config_hash}) differs from "
                            f"the router's {self.model.name!r} ({self.model.config_hash})")

@@ -3,14 +3,15 @@
 What is supported and what is refused: docs/http-api.md."""
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 
 import jinja2
+import msgspec
 import orjson
 
-from pdserve.common.request import MAX_LOGPROBS, MAX_SEED, SamplingParams
+from pdserve.common.limits import MAX_LOGPROBS, MAX_SEED
+from pdserve.common.sampling import SamplingParams
 from pdserve.router.http.structured import logits_processing
 from pdserve.router.streams import BAD_REQUEST, NOT_FOUND, RequestError
 
@@ -118,6 +119,12 @@ def stream_options(body: dict) -> tuple[bool, bool]:
     return stream, include_usage
 
 
+# The body fields that are SamplingParams' own, under its names: their types, limits and
+# defaults are its (a bad value is its ValueError, naming the field and what is allowed).
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+                   "ignore_eos")
+
+
 def sampling_params(body: dict, default_max_tokens: int,
                     max_tokens_names: tuple[str, ...] = ("max_tokens",)) -> SamplingParams:
     """SamplingParams from the body; the first of ``max_tokens_names`` that is set wins."""
@@ -128,24 +135,15 @@ def sampling_params(body: dict, default_max_tokens: int,
             if value < 1:
                 raise bad(f"{name} must be >= 1, got {value}", name)
             max_tokens = value
-    stop = body.get("stop")
+    stop = body.get("stop")  # the one field whose HTTP form is not the type's: a string too
     if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise bad(f"stop must be a string or an array of strings, got {_show(stop)}", "stop")
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None and not (isinstance(stop_ids, list)
-                                     and all(_KINDS["an integer"](t) for t in stop_ids)):
-        raise bad(f"stop_token_ids must be an array of integers, got {_show(stop_ids)}",
-                  "stop_token_ids")
+    given = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    if stop == "":
+        del given["stop"]  # no stop string, as it always read here (and in OpenAI's API)
     try:
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=get_field(body, "temperature", "a number", 1.0),
-            top_p=get_field(body, "top_p", "a number", 1.0),
-            top_k=get_field(body, "top_k", "an integer", 0),
-            seed=get_field(body, "seed", "an integer"), stop=stop or [],
-            stop_token_ids=stop_ids or [], ignore_eos=get_field(body, "ignore_eos", "a boolean",
-                                                                False),
-            **logits_processing(body, get_field))
+        return SamplingParams(max_tokens=max_tokens, **given, **logits_processing(body))
     except ValueError as e:  # SamplingParams says "name=value is invalid: allowed"
         raise bad(str(e), str(e).split("=", 1)[0]) from None
 
@@ -193,7 +191,7 @@ def child_params(params: SamplingParams, opts: ChoiceOptions, j: int) -> Samplin
     seed = params.seed
     if seed is not None and seed + opts.n - 1 >= MAX_SEED:
         raise bad("seed + n - 1 must be below 2^63 (child j of n is seeded seed + j)", "seed")
-    return dataclasses.replace(
+    return msgspec.structs.replace(
         params, seed=None if seed is None else seed + j, logprobs=opts.logprobs,
         prompt_logprobs=opts.logprobs if opts.echo and opts.logprobs is not None else None)
 

@@ -24,31 +24,34 @@ def _bad(message: str, param: str) -> RequestError:
     return RequestError(BAD_REQUEST, message, param)
 
 
-def logits_processing(body: dict, get_field) -> dict:
+# The body fields that are SamplingParams' own, taken as they are: its types, limits and
+# defaults apply (absent or null: its default).
+SAMPLING_FIELDS = ("min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def logits_processing(body: dict) -> dict:
     """SamplingParams keyword arguments of the logits-processing fields of ``body``."""
-    out = {"min_tokens": get_field(body, "min_tokens", "an integer", 0)}
-    for name, default in (("repetition_penalty", 1.0), ("presence_penalty", 0.0),
-                          ("frequency_penalty", 0.0)):
-        out[name] = get_field(body, name, "a number", default)
-    out["logit_bias"] = _logit_bias(get_field(body, "logit_bias", "an object", {}))
-    out["guide"] = _guide(body)
+    out = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    if body.get("logit_bias") is not None:
+        out["logit_bias"] = _logit_bias(body["logit_bias"])
+    guide = _guide(body)
+    if guide is not None:
+        out["guide"] = guide
     return out
 
 
-def _logit_bias(raw: dict) -> dict[int, float]:
+def _logit_bias(raw) -> dict:
+    """The map with its keys as token ids: JSON object keys are strings (the one way the
+    HTTP form differs from SamplingParams'); the ids' and biases' limits are its."""
+    if not isinstance(raw, dict):
+        raise _bad(f"logit_bias must be an object, got {json.dumps(raw)[:60]}", "logit_bias")
     bias = {}
     for key, value in raw.items():
         try:
-            token = int(key)
+            bias[int(key)] = value
         except ValueError:
             raise _bad(f"logit_bias keys must be token ids (integers as strings), got "
                        f"{key!r}", "logit_bias") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _bad(f"logit_bias[{key!r}] must be a number, got {json.dumps(value)}",
-                       "logit_bias")
-        if token < 0:
-            raise _bad(f"logit_bias has token id {token}: ids are >= 0", "logit_bias")
-        bias[token] = float(value)  # SamplingParams clamps to [-100, 100] as vLLM does
     return bias
 
 

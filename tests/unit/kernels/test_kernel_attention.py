@@ -273,6 +273,9 @@ PREFILL_CASES = [
     ([70, 3], [70, 3], 4, 2, 128, 16, torch.bfloat16),
     ([1, 40, 17], [33, 100, 17], 8, 1, 64, 16, torch.bfloat16),
     ([0, 33, 2], [5, 96, 2], 4, 4, 128, 32, torch.float32),
+    # more sequences than the kernel's search reads at once (64), empty ones among them
+    ([(i * 7) % 5 for i in range(70)], [(i * 7) % 5 + i % 3 for i in range(70)],
+     2, 1, 16, 16, torch.float32),
 ]
 
 

@@ -1,7 +1,7 @@
 """KV pages between page pools and byte buffers: runs, copies, checksums.
 
-Pure memory work on CPU tensors (no messages, no sockets): the KV wire code in
-``pdserve/node/kv_transfer.py`` builds frames and places arriving ones with it.
+Pure memory work on CPU tensors (no messages, no sockets): the backends build
+frames and describe pages with it, ``KVReceiver`` places arriving ones with it.
 Pages move as runs consecutive on both sides, by memoryview slice assignment (a
 plain memcpy), in pieces small enough that each is hashed while still in cache.
 """
@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import torch
 import xxhash
+
+from pdserve.common.codec import TORCH_DTYPES
+
+# Each layer's (K, V) page pools, [num_blocks, block_size, num_kv_heads, head_dim] each.
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 PIECE_BYTES = 1 << 20    # copy then hash this much at a time: the hash reads from cache
 
@@ -64,3 +69,9 @@ def pages_checksum(src: memoryview, runs, page_bytes: int) -> int:
     for first, _, n in runs:
         h.update(src[first * page_bytes:(first + n) * page_bytes])
     return h.intdigest()
+
+
+def page_bytes(layout) -> int:
+    """Bytes of one block of one tensor (a K or V page) of a KVLayout."""
+    return (layout.block_size * layout.num_kv_heads * layout.head_dim
+            * TORCH_DTYPES[layout.dtype].itemsize)

@@ -1,4 +1,4 @@
-"""Shared-memory segments for KV between nodes on one host.
+"""Shared-memory segments for KV between nodes on one host (the shm backend's files).
 
 A prefill node on the CPU keeps its whole KV page pool in one file under
 /dev/shm (``Segment.create``); a decode node on the same host maps that file
