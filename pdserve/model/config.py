@@ -10,16 +10,14 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.model.errors import ModelLoadError  # noqa: F401 (where callers take it)
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "mistral",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-class ModelLoadError(ValueError):
-    """A checkpoint that cannot be served, with the reason a person can act on."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +69,9 @@ class ModelConfig:
         model_dir = Path(model_dir)
         if model_dir.is_file():
             from pdserve.model import gguf
-            return gguf.load_config(model_dir)
+            cfg = cls.from_dict(gguf.hf_config(model_dir), source=str(model_dir))
+            gguf.check_types(model_dir)
+            return cfg
         if not model_dir.is_dir():
             raise ModelLoadError(f"model folder {model_dir} does not exist")
         path = model_dir / "config.json"

@@ -5,7 +5,8 @@ A GGUF holds the config as metadata under ``{arch}.*`` keys, the tokenizer under
 them quantized in blocks. Loading:
 
     1. the metadata becomes the ``config.json`` dict Hugging Face would have written, so
-       it goes through the same checks (``ModelConfig.from_dict``) as a folder does
+       it goes through the same checks (``ModelConfig.from_dict``, called by
+       ``ModelConfig.from_dir``, so this module never imports config.py) as a folder does
     2. every tensor's quantization type is checked before anything is dequantized
     3. each tensor is dequantized (the ``gguf`` package's reference code) into the serving
        dtype under its Hugging Face name; for the llama architecture the q/k rows go back
@@ -22,10 +23,12 @@ from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
-from pdserve.model.config import ModelConfig, ModelLoadError
+from pdserve.model.errors import ModelLoadError
 
 if TYPE_CHECKING:
     import torch
+
+    from pdserve.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +152,6 @@ def _eos_ids(meta: dict) -> list[int]:
     """End of sequence and, where the file names them, end of turn and of message."""
     ids = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     return list(dict.fromkeys(int(i) for i in ids if i is not None))
-
-
-def load_config(path: str | Path) -> ModelConfig:
-    cfg = ModelConfig.from_dict(hf_config(path), source=str(path))
-    check_types(path)
-    return cfg
 
 
 def check_types(path: str | Path) -> None:
