@@ -62,7 +62,7 @@ def test_decode_node_killed_while_its_requests_share_cached_blocks(tiny_model, t
             streams = [h.core.submit(S.GenerationRequest(p, greedy(40))) for p in prompts]
             tasks = [asyncio.create_task(collect(s)) for s in streams]
             if kill:
-                while not h.core.registry.nodes["sd0"].requests or \
+                while not h.core.dispatch.placement.num_requests("sd0") or \
                         min(len(f.out.token_ids) for f in h.core.requests.values()) < 3:
                     await asyncio.sleep(0.005)
                 _kill(h.procs["sd0"])
