@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pdserve.common.sampling import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.logprobs import empty, join
 from pdserve.engine.types import Logprobs
 
 Prompt = str | list[int]
@@ -86,7 +85,8 @@ class LLM:
                     continue
                 r.token_ids.extend(out.new_token_ids)
                 if out.logprobs is not None:
-                    r.logprobs = join([r.logprobs or empty(), out.logprobs])
+                    r.logprobs = r.logprobs or Logprobs()
+                    r.logprobs.extend(out.logprobs)
                 r.prompt_logprobs = out.prompt_logprobs or r.prompt_logprobs
                 r.text += out.new_text
                 r.finish_reason = out.finish_reason

@@ -15,20 +15,6 @@ import torch
 from pdserve.engine.types import Logprobs
 
 
-def empty() -> Logprobs:
-    return Logprobs(token_logprobs=[], top_ids=[], top_logprobs=[])
-
-
-def join(parts: list[Logprobs]) -> Logprobs:
-    """The entries of ``parts`` one after another."""
-    out = empty()
-    for p in parts:
-        out.token_logprobs.extend(p.token_logprobs)
-        out.top_ids.extend(p.top_ids)
-        out.top_logprobs.extend(p.top_logprobs)
-    return out
-
-
 def raw_rows(logits: torch.Tensor, ks: list[int | None]
              ) -> tuple[list[int], torch.Tensor] | None:
     """Before sampling (which may process the logits): the rows whose ``ks`` is set, and
@@ -58,7 +44,7 @@ def prompt_of(seq) -> Logprobs | None:
     """What to send of a prefilled sequence's prompt logprobs: None when not asked for."""
     if not seq.scores_prompt:
         return None
-    return seq.prompt_logprobs or empty()
+    return seq.prompt_logprobs or Logprobs()
 
 
 def prompt_targets(seq, start: int, n: int) -> tuple[int, int]:
@@ -100,4 +86,6 @@ def record_prompt(model, hidden: torch.Tensor, batch) -> None:
             targets = seq.token_ids[start + lo + 1:start + hi + 1]
             parts = of_tokens(torch.log_softmax(logits, dim=-1), targets,
                               [seq.params.prompt_logprobs] * len(targets))
-            seq.prompt_logprobs = join([seq.prompt_logprobs or empty(), *parts])
+            seq.prompt_logprobs = seq.prompt_logprobs or Logprobs()
+            for part in parts:
+                seq.prompt_logprobs.extend(part)

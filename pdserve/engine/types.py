@@ -46,3 +46,9 @@ class Logprobs:
     token_logprobs: list[float] = field(default_factory=list)
     top_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
+
+    def extend(self, other: "Logprobs") -> None:
+        """Append ``other``'s entries (the next tokens' logprobs)."""
+        self.token_logprobs.extend(other.token_logprobs)
+        self.top_ids.extend(other.top_ids)
+        self.top_logprobs.extend(other.top_logprobs)
