@@ -66,20 +66,31 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False):
     guide: Optional[tuple[Literal[GUIDE_KINDS], str]] = None
 
     def __post_init__(self):
-        """Runs on construction, on msgspec.structs.replace and on decode: the checks of
-        validate(), then the normal form (what a decoder builds: floats, lists, a tuple;
-        top_k -1 as 0; biases clamped)."""
+        """Runs on construction, on msgspec.structs.replace and on decode: each field's own
+        limits (what a decoder checks already), then the normal form (what a decoder builds:
+        floats, lists, a tuple; top_k -1 as 0; biases clamped). The rules across fields are
+        validate()'s, run where a request is taken in (the router's checks, the engine's
+        check_request on every node and in the offline LLM): a message that breaks one of
+        them then fails that request only, not every request decoded with it."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         for name, empty in (("stop", list), ("stop_token_ids", list), ("logit_bias", dict)):
             if getattr(self, name) is None:
                 setattr(self, name, empty())
-        self.validate()
+        self._check_fields()
         self._normalise()
 
     def validate(self) -> None:
         """The field limits, then the rules across fields; ValueError naming the field:
         "name=value is invalid: what is allowed". Again after a field was set by hand."""
+        self._check_fields()
+        if self.min_tokens > self.max_tokens:
+            self._refuse("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]")
+        if self.guide is not None and self.ignore_eos:
+            self._refuse("ignore_eos", "cannot be true with structured output: the output ends "
+                         "when the grammar is complete")
+
+    def _check_fields(self) -> None:
         try:
             msgspec.convert(self, _Checked, from_attributes=True)
         except msgspec.ValidationError as exc:
@@ -87,13 +98,8 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False):
             if found is None or found.group(1) not in ALLOWED:
                 raise ValueError(f"sampling parameters are invalid: {exc}") from None
             self._refuse(found.group(1), f"must be {ALLOWED[found.group(1)]}")
-        if self.min_tokens > self.max_tokens:
-            self._refuse("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]")
         if any(b != b for b in self.logit_bias.values()):  # NaN: no bound of a float says it
             self._refuse("logit_bias", f"must be {ALLOWED['logit_bias']}")
-        if self.guide is not None and self.ignore_eos:
-            self._refuse("ignore_eos", "cannot be true with structured output: the output ends "
-                         "when the grammar is complete")
 
     def _normalise(self) -> None:
         for name in _FLOATS:

@@ -119,7 +119,11 @@ class Ingress:
             check_expansion(frames[0])
             msg = Q.PRODUCER_DECODER.decode(frames[0])
         except msgspec.ValidationError as e:
-            return self._reject(peer, *_explain(frames[0], e))
+            rid, why = _explain(frames[0], e)
+            if rid is not None and (peer, rid) in self._flights:
+                # An error carrying the id of a request in flight would read as its end.
+                return self._duplicate(peer, rid)
+            return self._reject(peer, rid, why)
         except Exception as e:  # not MessagePack, or a frame that would grow too far
             return self._reject(peer, None, f"not valid MessagePack: {e}")
         if isinstance(msg, Q.Submit):
@@ -129,12 +133,14 @@ class Ingress:
 
     def _submit(self, peer: bytes, rid: str, msg: Q.Submit) -> None:
         if (peer, rid) in self._flights:
-            self._send_error(peer, rid, DUPLICATE_ID,
-                             f"request id {rid!r} is already in flight from this producer")
-            return
+            return self._duplicate(peer, rid)
         flight = _Flight()  # holds the id while the prompt is tokenized off the loop
         self._flights[(peer, rid)] = flight
         flight.task = asyncio.get_running_loop().create_task(self._start(peer, rid, msg, flight))
+
+    def _duplicate(self, peer: bytes, rid: str) -> None:
+        self._send_error(peer, rid, DUPLICATE_ID,
+                         f"request id {rid!r} is already in flight from this producer")
 
     async def _start(self, peer: bytes, rid: str, msg: Q.Submit, flight: _Flight) -> None:
         try:

@@ -211,11 +211,15 @@ def test_duplicate_id_and_ids_are_per_producer(echo):
     try:
         a.send(submit("x", max_tokens=20))
         a.send(submit("x", max_tokens=20))
+        a.send(submit("x", max_tokens=20, temperature=1000))  # a duplicate, and malformed
         b.send(submit("x", max_tokens=3))  # another producer: its own "x"
-        first = a.recv()
-        while first["type"] == "tokens":  # the duplicate's error comes among x's tokens
-            first = a.recv()
-        assert first["type"] == "error" and first["code"] == "duplicate_id", first
+        errors = []
+        while len(errors) < 2:  # the duplicates' errors come among x's tokens
+            msg = a.recv()
+            assert msg["type"] in ("tokens", "error"), msg
+            errors += [msg] if msg["type"] == "error" else []
+        # both say duplicate_id: an error naming "x" otherwise would read as x's end
+        assert [e["code"] for e in errors] == ["duplicate_id"] * 2, errors
         msgs = a.until_end()
         assert msgs[-1]["type"] == "done" and msgs[-1]["usage"]["completion_tokens"] == 20
         assert b.until_end()[-1]["usage"]["completion_tokens"] == 3

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.common import codec
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.engine.config import EngineConfig
@@ -215,4 +216,28 @@ def test_kv_from_a_prefill_node_the_reservation_does_not_name_is_refused(model, 
                          decode_node_id="d0", kv_address=ADDRESS, timeout_s=30.0)])))
     got = c.settle(results)
     assert got["x"]["tokens"] == want([prompt], 6)[0] and got["x"]["finish"] == "length"
+    c.assert_all_free()
+
+
+def test_a_request_breaking_a_rule_across_fields_fails_alone(model, want):
+    """A PrefillBatch as it comes off the wire (encoded, then decoded), one of whose
+    requests asks for more min_tokens than max_tokens: that request fails with bad_message
+    and the other one is served, token for token the offline output."""
+    c = Cluster(model)
+    good, bad = prompts_for(model, [20, 12], seed=11)
+    assert c.reserve("good", good, greedy(6)).ok
+    wrong = SamplingParams(max_tokens=4, min_tokens=9, temperature=0)  # built, not checked
+
+    def request(req_id, prompt, sampling):
+        return P.PrefillRequest(req_id=req_id, prompt_token_ids=prompt, sampling=sampling,
+                                decode_node_id="d0", kv_address=ADDRESS, timeout_s=30.0)
+
+    batch = P.PrefillBatch(requests=[request("bad", bad, wrong),
+                                     request("good", good, greedy(6))])
+    decoded = codec.decode([bytes(f) for f in codec.encode(batch)])
+    c.prefill["p0"].handle(InboxItem(CONTROL, None, decoded))
+    got = c.settle({r: {"tokens": [], "finish": None, "error": None} for r in ("bad", "good")})
+    assert got["bad"]["error"].code == E.BAD_MESSAGE
+    assert "min_tokens=9 is invalid" in got["bad"]["error"].message
+    assert got["good"]["tokens"] == want([good], 6)[0] and got["good"]["finish"] == "length"
     c.assert_all_free()

@@ -43,12 +43,7 @@ from pdserve.model.text import RequestOutputState
 from pdserve.router import streams as S
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch.batching import Batcher, prefill_timeout
-from pdserve.router.dispatch.flight import (  # noqa: F401 (merge_aborts: dispatch's API)
-    Flight,
-    Output,
-    State,
-    merge_aborts,
-)
+from pdserve.router.dispatch.flight import Flight, Output, State, merge_aborts  # noqa: F401 (API)
 from pdserve.router.dispatch.node_messages import NodeMessages
 from pdserve.router.dispatch.placement import Placement
 from pdserve.router.dispatch.policies import make_policy
@@ -186,12 +181,16 @@ class Dispatch:
     def tick(self, now: float) -> Output:
         """Deadlines, and the retries of WAITING requests whose time has come."""
         for flight in list(self.requests.values()):
-            try:
-                self._tick_flight(flight, now)
-            except Exception:  # this request fails; the others are still looked at
-                self.metrics.internal_error("router.tick.request", log)
-                self.fail_flight(flight, S.INTERNAL, "internal error; see the router's log")
+            self._guarded("router.tick.request", self._tick_flight, flight, now)
         return self.take()
+
+    def _guarded(self, where: str, step, flight: Flight, *args) -> None:
+        """``step(flight, *args)`` for one of many requests: a failure fails this one only."""
+        try:
+            step(flight, *args)
+        except Exception:
+            self.metrics.internal_error(where, log)
+            self.fail_flight(flight, S.INTERNAL, "internal error; see the router's log")
 
     def _tick_flight(self, flight: Flight, now: float) -> None:
         if now > flight.deadline:
@@ -209,9 +208,8 @@ class Dispatch:
         if node is not None:
             log.warning("%s", why)
             for wire_id in self.placement.drop(node.node_id):
-                flight = self.flights.get(wire_id)
-                if flight is not None:
-                    self.retry(flight, why, now)
+                if (flight := self.flights.get(wire_id)) is not None:
+                    self._guarded("router.node_gone.request", self.retry, flight, why, now)
         return self.take()
 
     def send_failed(self, node_id: str | bytes, msg: P.Message, now: float) -> Output:
