@@ -61,7 +61,10 @@ def generate_cmd(prompts, max_tokens, temperature, top_p, top_k, seed, **kw) -> 
     """Generate completions offline with the engine (no servers)."""
     from pdserve.common.sampling import SamplingParams
     from pdserve.engine.engine import Engine
+    from pdserve.kernels._dispatch import keep_triton_out
     from pdserve.llm import LLM
+
+    keep_triton_out()
 
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
@@ -107,6 +110,8 @@ def _run_node(role: str, kw: dict) -> None:
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     setup_logging(log_level, config.node_id or role)
+    from pdserve.kernels._dispatch import keep_triton_out
+    keep_triton_out()
     if role == "prefill":
         from pdserve.node.prefill import run_prefill as run
     elif role == "colocated":

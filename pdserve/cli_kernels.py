@@ -57,6 +57,9 @@ def compile_cmd(arch_list: str, model_path: str | None, dtype: str, block_size: 
     if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"):
         raise click.UsageError("TRITON_INTERPRET is set: the kernels would be defined for the "
                                "interpreter, not compiled; unset it for this command")
+    # Before pdserve.kernels is imported: its modules define their Triton kernels at import,
+    # and off a GPU (without the interpreter) they import no triton unless told to.
+    os.environ["PDSERVE_LOAD_TRITON"] = "1"
     archs = _parse_archs(arch_list)
     try:
         EngineConfig(block_size=block_size)  # the engine's own check of the block size
@@ -65,12 +68,15 @@ def compile_cmd(arch_list: str, model_path: str | None, dtype: str, block_size: 
     import torch
 
     from pdserve import aot
-    from pdserve.kernels._dispatch import triton
+    from pdserve.kernels._dispatch import LOAD_TRITON_ENV, TRITON_INSTALLED, triton
     from pdserve.model.config import ModelConfig, ModelLoadError
     from pdserve.model.loader import DTYPES, resolve_dtype
 
-    if triton is None:
+    if not TRITON_INSTALLED:
         raise click.ClickException("the triton package is not installed")
+    if triton is None:  # pdserve.kernels was imported earlier in this process
+        raise click.ClickException(f"triton was not loaded: set {LOAD_TRITON_ENV}=1 before "
+                                   "pdserve.kernels is imported")
     if model_path is None:
         from pdserve.model.default_model import default_model_dir
         model_path = str(default_model_dir())
