@@ -57,9 +57,6 @@ def compile_cmd(arch_list: str, model_path: str | None, dtype: str, block_size: 
     if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"):
         raise click.UsageError("TRITON_INTERPRET is set: the kernels would be defined for the "
                                "interpreter, not compiled; unset it for this command")
-    # Before pdserve.kernels is imported: its modules define their Triton kernels at import,
-    # and off a GPU (without the interpreter) they import no triton unless told to.
-    os.environ["PDSERVE_LOAD_TRITON"] = "1"
     archs = _parse_archs(arch_list)
     try:
         EngineConfig(block_size=block_size)  # the engine's own check of the block size

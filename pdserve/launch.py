@@ -36,6 +36,17 @@ class LaunchConfig:
     num_decode: int = flag(1, "Decode nodes to start.", name="--decode", min=1)
     colocated: bool = flag(False, "Start one colocated node (prefill + decode in one "
                            "engine) instead of separate prefill and decode nodes.")
+    # Ports launch would otherwise pick free: --node-arg goes to every node, so one port
+    # there would clash. A base port each, counted up per node, so a firewall or a
+    # Prometheus config can name them.
+    node_metrics_port: int | None = flag(
+        None, "The first node's /metrics port: node k (prefill nodes first, then decode, in "
+        "the order the table prints) serves on PORT+k.", min=1, max=65535,
+        default_text="a free port per node")
+    decode_kv_port: int | None = flag(
+        None, "The first decode node's KV port: decode node i binds PORT+i (on 0.0.0.0 with "
+        "--host 0.0.0.0, else 127.0.0.1).", min=1, max=65535,
+        default_text="a free port per decode node")
     compute: str = EngineConfig.compute   # "none": benchmark mode (fixed tokens)
     # Each role's node config from the --node-arg flags: (config, log level, the flags given)
     node_configs: dict[str, tuple[NodeConfig, str, set[str]]] = field(default_factory=dict)
@@ -61,9 +72,10 @@ def _child(role: str) -> list[str]:
     return [sys.executable, "-m", "pdserve.cli", role, "--config-env"]
 
 
-def _node_config(cfg: LaunchConfig, role: str, index: int) -> tuple[NodeConfig, str]:
+def _node_config(cfg: LaunchConfig, role: str, index: int, k: int) -> tuple[NodeConfig, str]:
     """(config, log level) of one node: what its --node-arg flags say, and what the launcher
-    decides unless they say it (model, threads, metrics port, CURVE keys, KV events)."""
+    decides unless they say it (model, threads, metrics and KV ports, CURVE keys, KV
+    events). ``index``: its number in its role; ``k``: among all nodes (prefill first)."""
     base, log_level, given = cfg.node_configs[role]
     engine = {}
     if cfg.router.model and "model" not in given:
@@ -75,9 +87,13 @@ def _node_config(cfg: LaunchConfig, role: str, index: int) -> tuple[NodeConfig, 
     if cfg.router.curve_dir and "curve_dir" not in given:
         node["curve_dir"] = cfg.router.curve_dir
     if "metrics_port" not in given:
-        node["metrics_port"] = free_port()
+        node["metrics_port"] = free_port() if cfg.node_metrics_port is None \
+            else cfg.node_metrics_port + k
         if _open(cfg):
             node["metrics_host"] = "0.0.0.0"
+    if role == "decode" and cfg.decode_kv_port is not None and "kv_bind" not in given:
+        host = "0.0.0.0" if _open(cfg) else "127.0.0.1"
+        node["kv_bind"] = f"tcp://{host}:{cfg.decode_kv_port + index}"
     if cfg.kv_events is not None:
         node["kv_events"] = _node_kv_events(cfg)
     return (replace(base, engine=replace(base.engine, **engine), **node),
@@ -151,8 +167,8 @@ def run_launch(cfg: LaunchConfig) -> int:
     try:
         children["router"] = subprocess.Popen(_child("router"),
                                               env=child_env(cfg.router, cfg.log_level))
-        for role, i in _roles(cfg):
-            node, log_level = _node_config(cfg, role, i)
+        for k, (role, i) in enumerate(_roles(cfg)):
+            node, log_level = _node_config(cfg, role, i, k)
             children[f"{role}-{i}"] = subprocess.Popen(_child(role),
                                                        env=child_env(node, log_level))
             metrics[f"{role}-{i}"] = _metrics_url(node.metrics_port, host)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 BACKENDS = ("torch", "triton")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
-# Set (to 1) by `pdserve kernels compile`, which compiles for GPUs on a machine without one.
+# Set (to 1) by pdserve/aot.py (`pdserve kernels compile`): it compiles for GPUs off a GPU.
 LOAD_TRITON_ENV = "PDSERVE_LOAD_TRITON"
 _TRUE = ("1", "true", "on", "yes")
 
