@@ -234,6 +234,7 @@ def _register_plugins() -> None:
     """Commands that live beside the code they drive."""
     from pdserve.bench.cli import bench_cmd
     from pdserve.cli_kernels import kernels_group
+    from pdserve.cli_model import model_group
     from pdserve.client import submit_cmd
     from pdserve.common.security import keys_group
 
@@ -241,6 +242,7 @@ def _register_plugins() -> None:
     main.add_command(keys_group, "keys")
     main.add_command(bench_cmd, "bench")
     main.add_command(kernels_group, "kernels")
+    main.add_command(model_group, "model")
 
 
 _register_plugins()
