@@ -15,6 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from pdserve.common.config_fields import check_fields, flag
@@ -154,10 +155,37 @@ def _stop(children: dict[str, subprocess.Popen]) -> None:
             proc.wait()
 
 
+def _make_interrupted() -> Callable[[], bool]:
+    """Under make (``make serve``): whether make was interrupted or is gone.
+
+    GNU make forwards SIGTERM to its recipe but not SIGINT (it expects the terminal to
+    have sent that to the whole process group): a SIGINT sent to make's own PID leaves
+    make waiting for us forever. make resets the signal to its default on receipt, before
+    it waits, so its caught-signal mask in /proc tells us it came."""
+    ppid = os.getppid()
+    if "MAKELEVEL" not in os.environ:
+        return lambda: False
+
+    def catches_sigint() -> bool | None:
+        try:
+            with open(f"/proc/{ppid}/status") as f:
+                masks = dict(line.split(":", 1) for line in f if ":" in line)
+            return bool(int(masks["SigCgt"], 16) & (1 << (signal.SIGINT - 1)))
+        except (OSError, KeyError, ValueError):
+            return None
+    if not catches_sigint():
+        return lambda: False
+    return lambda: os.getppid() != ppid or catches_sigint() is False
+
+
 def run_launch(cfg: LaunchConfig) -> int:
-    stop_requested = []
+    requested = []
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop_requested.append(True))
+        signal.signal(sig, lambda *_: requested.append(True))
+    make_interrupted = _make_interrupted()
+
+    def stop_requested() -> bool:
+        return bool(requested) or make_interrupted()
     children: dict[str, subprocess.Popen] = {}
     host = "127.0.0.1" if _open(cfg) else cfg.router.host
     http = f"http://{host}:{cfg.router.http_port}"
@@ -176,7 +204,7 @@ def run_launch(cfg: LaunchConfig) -> int:
         deadline = time.monotonic() + cfg.ready_timeout_s
         while not _healthy(f"{http}/health"):
             dead = [n for n, p in children.items() if p.poll() is not None]
-            if dead or stop_requested:
+            if dead or stop_requested():
                 why = f"{', '.join(dead)} exited during start-up" if dead else "stopped"
                 print(f"pdserve launch: {why}", file=sys.stderr)
                 return 1
@@ -198,7 +226,7 @@ def run_launch(cfg: LaunchConfig) -> int:
                         for i, (name, url) in enumerate(metrics.items())) +
               f"{events}{mode}Ctrl-C stops everything.", flush=True)
         reported = set()
-        while not stop_requested:
+        while not stop_requested():
             if children["router"].poll() is not None:
                 print("pdserve launch: the router exited; stopping", file=sys.stderr)
                 return 1
