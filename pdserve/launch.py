@@ -2,7 +2,8 @@
 
     1. start the router, then N prefill and M decode nodes pointed at it
     2. wait until the router's /health says every role is live; print the endpoints
-       (each node gets a free port for its Prometheus /metrics unless --node-arg sets one)
+       (each node gets a free port for its Prometheus /metrics, or --node-metrics-port's
+       PORT+k; each decode node a KV port, free or --decode-kv-port's PORT+i)
     3. watch the children; on Ctrl-C/SIGTERM (or the router dying) stop every child:
        terminate, a timed wait, then kill
 """
