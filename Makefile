@@ -20,10 +20,13 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 
 install: $(VENV)/.installed
 
-# A router with one prefill and one decode node on the default model (SmolLM2-135M-Instruct);
-# Ctrl-C stops it.
+# A router with one prefill and one decode node on the default model (SmolLM2-135M-Instruct),
+# or on MODEL (a checkpoint folder or .gguf file); ARGS: more `pdserve launch` flags.
+# Ctrl-C stops it. exec: pdserve is make's own child, so the SIGTERM make forwards reaches it.
+MODEL ?=
+ARGS ?=
 serve: $(VENV)/.installed
-	$(VENV)/bin/pdserve launch
+	exec $(VENV)/bin/pdserve launch $(if $(MODEL),--model '$(MODEL)') $(ARGS)
 
 # Prometheus (Debian's package) backs tests/e2e/test_prometheus.py; the script never fails.
 test: $(VENV)/.installed

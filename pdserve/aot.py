@@ -27,7 +27,11 @@ from pathlib import Path
 
 import torch
 
-from pdserve.kernels._dispatch import Launch, record_launches, triton
+# Off a GPU (and without the interpreter) pdserve.kernels imports no triton and defines no
+# Triton kernel unless told to, before its first import: compiling them is this module's job.
+os.environ.setdefault("PDSERVE_LOAD_TRITON", "1")
+
+from pdserve.kernels._dispatch import Launch, record_launches, triton  # noqa: E402
 
 # The most shared memory one block may use (the opt-in limit, bytes): a kernel over it
 # compiles but fails at launch, so the check is ours. cudaDevAttrMaxSharedMemoryPerBlockOptin.

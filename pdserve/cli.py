@@ -61,7 +61,10 @@ def generate_cmd(prompts, max_tokens, temperature, top_p, top_k, seed, **kw) -> 
     """Generate completions offline with the engine (no servers)."""
     from pdserve.common.sampling import SamplingParams
     from pdserve.engine.engine import Engine
+    from pdserve.kernels._dispatch import keep_triton_out
     from pdserve.llm import LLM
+
+    keep_triton_out()
 
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
@@ -107,6 +110,8 @@ def _run_node(role: str, kw: dict) -> None:
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     setup_logging(log_level, config.node_id or role)
+    from pdserve.kernels._dispatch import keep_triton_out
+    keep_triton_out()
     if role == "prefill":
         from pdserve.node.prefill import run_prefill as run
     elif role == "colocated":
@@ -229,6 +234,7 @@ def _register_plugins() -> None:
     """Commands that live beside the code they drive."""
     from pdserve.bench.cli import bench_cmd
     from pdserve.cli_kernels import kernels_group
+    from pdserve.cli_model import model_group
     from pdserve.client import submit_cmd
     from pdserve.common.security import keys_group
 
@@ -236,6 +242,7 @@ def _register_plugins() -> None:
     main.add_command(keys_group, "keys")
     main.add_command(bench_cmd, "bench")
     main.add_command(kernels_group, "kernels")
+    main.add_command(model_group, "model")
 
 
 _register_plugins()

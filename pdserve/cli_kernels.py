@@ -65,12 +65,15 @@ def compile_cmd(arch_list: str, model_path: str | None, dtype: str, block_size: 
     import torch
 
     from pdserve import aot
-    from pdserve.kernels._dispatch import triton
+    from pdserve.kernels._dispatch import LOAD_TRITON_ENV, TRITON_INSTALLED, triton
     from pdserve.model.config import ModelConfig, ModelLoadError
     from pdserve.model.loader import DTYPES, resolve_dtype
 
-    if triton is None:
+    if not TRITON_INSTALLED:
         raise click.ClickException("the triton package is not installed")
+    if triton is None:  # pdserve.kernels was imported earlier in this process
+        raise click.ClickException(f"triton was not loaded: set {LOAD_TRITON_ENV}=1 before "
+                                   "pdserve.kernels is imported")
     if model_path is None:
         from pdserve.model.default_model import default_model_dir
         model_path = str(default_model_dir())

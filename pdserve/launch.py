@@ -2,7 +2,8 @@
 
     1. start the router, then N prefill and M decode nodes pointed at it
     2. wait until the router's /health says every role is live; print the endpoints
-       (each node gets a free port for its Prometheus /metrics unless --node-arg sets one)
+       (each node gets a free port for its Prometheus /metrics, or --node-metrics-port's
+       PORT+k; each decode node a KV port, free or --decode-kv-port's PORT+i)
     3. watch the children; on Ctrl-C/SIGTERM (or the router dying) stop every child:
        terminate, a timed wait, then kill
 """
@@ -15,6 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from pdserve.common.config_fields import check_fields, flag
@@ -36,6 +38,17 @@ class LaunchConfig:
     num_decode: int = flag(1, "Decode nodes to start.", name="--decode", min=1)
     colocated: bool = flag(False, "Start one colocated node (prefill + decode in one "
                            "engine) instead of separate prefill and decode nodes.")
+    # Ports launch would otherwise pick free: --node-arg goes to every node, so one port
+    # there would clash. A base port each, counted up per node, so a firewall or a
+    # Prometheus config can name them.
+    node_metrics_port: int | None = flag(
+        None, "The first node's /metrics port: node k (prefill nodes first, then decode, in "
+        "the order the table prints) serves on PORT+k.", min=1, max=65535,
+        default_text="a free port per node")
+    decode_kv_port: int | None = flag(
+        None, "The first decode node's KV port: decode node i binds PORT+i (on 0.0.0.0 with "
+        "--host 0.0.0.0, else 127.0.0.1).", min=1, max=65535,
+        default_text="a free port per decode node")
     compute: str = EngineConfig.compute   # "none": benchmark mode (fixed tokens)
     # Each role's node config from the --node-arg flags: (config, log level, the flags given)
     node_configs: dict[str, tuple[NodeConfig, str, set[str]]] = field(default_factory=dict)
@@ -61,9 +74,10 @@ def _child(role: str) -> list[str]:
     return [sys.executable, "-m", "pdserve.cli", role, "--config-env"]
 
 
-def _node_config(cfg: LaunchConfig, role: str, index: int) -> tuple[NodeConfig, str]:
+def _node_config(cfg: LaunchConfig, role: str, index: int, k: int) -> tuple[NodeConfig, str]:
     """(config, log level) of one node: what its --node-arg flags say, and what the launcher
-    decides unless they say it (model, threads, metrics port, CURVE keys, KV events)."""
+    decides unless they say it (model, threads, metrics and KV ports, CURVE keys, KV
+    events). ``index``: its number in its role; ``k``: among all nodes (prefill first)."""
     base, log_level, given = cfg.node_configs[role]
     engine = {}
     if cfg.router.model and "model" not in given:
@@ -75,9 +89,13 @@ def _node_config(cfg: LaunchConfig, role: str, index: int) -> tuple[NodeConfig, 
     if cfg.router.curve_dir and "curve_dir" not in given:
         node["curve_dir"] = cfg.router.curve_dir
     if "metrics_port" not in given:
-        node["metrics_port"] = free_port()
+        node["metrics_port"] = free_port() if cfg.node_metrics_port is None \
+            else cfg.node_metrics_port + k
         if _open(cfg):
             node["metrics_host"] = "0.0.0.0"
+    if role == "decode" and cfg.decode_kv_port is not None and "kv_bind" not in given:
+        host = "0.0.0.0" if _open(cfg) else "127.0.0.1"
+        node["kv_bind"] = f"tcp://{host}:{cfg.decode_kv_port + index}"
     if cfg.kv_events is not None:
         node["kv_events"] = _node_kv_events(cfg)
     return (replace(base, engine=replace(base.engine, **engine), **node),
@@ -138,10 +156,37 @@ def _stop(children: dict[str, subprocess.Popen]) -> None:
             proc.wait()
 
 
+def _make_interrupted() -> Callable[[], bool]:
+    """Under make (``make serve``): whether make was interrupted or is gone.
+
+    GNU make forwards SIGTERM to its recipe but not SIGINT (it expects the terminal to
+    have sent that to the whole process group): a SIGINT sent to make's own PID leaves
+    make waiting for us forever. make resets the signal to its default on receipt, before
+    it waits, so its caught-signal mask in /proc tells us it came."""
+    ppid = os.getppid()
+    if "MAKELEVEL" not in os.environ:
+        return lambda: False
+
+    def catches_sigint() -> bool | None:
+        try:
+            with open(f"/proc/{ppid}/status") as f:
+                masks = dict(line.split(":", 1) for line in f if ":" in line)
+            return bool(int(masks["SigCgt"], 16) & (1 << (signal.SIGINT - 1)))
+        except (OSError, KeyError, ValueError):
+            return None
+    if not catches_sigint():
+        return lambda: False
+    return lambda: os.getppid() != ppid or catches_sigint() is False
+
+
 def run_launch(cfg: LaunchConfig) -> int:
-    stop_requested = []
+    requested = []
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop_requested.append(True))
+        signal.signal(sig, lambda *_: requested.append(True))
+    make_interrupted = _make_interrupted()
+
+    def stop_requested() -> bool:
+        return bool(requested) or make_interrupted()
     children: dict[str, subprocess.Popen] = {}
     host = "127.0.0.1" if _open(cfg) else cfg.router.host
     http = f"http://{host}:{cfg.router.http_port}"
@@ -151,8 +196,8 @@ def run_launch(cfg: LaunchConfig) -> int:
     try:
         children["router"] = subprocess.Popen(_child("router"),
                                               env=child_env(cfg.router, cfg.log_level))
-        for role, i in _roles(cfg):
-            node, log_level = _node_config(cfg, role, i)
+        for k, (role, i) in enumerate(_roles(cfg)):
+            node, log_level = _node_config(cfg, role, i, k)
             children[f"{role}-{i}"] = subprocess.Popen(_child(role),
                                                        env=child_env(node, log_level))
             metrics[f"{role}-{i}"] = _metrics_url(node.metrics_port, host)
@@ -160,7 +205,7 @@ def run_launch(cfg: LaunchConfig) -> int:
         deadline = time.monotonic() + cfg.ready_timeout_s
         while not _healthy(f"{http}/health"):
             dead = [n for n, p in children.items() if p.poll() is not None]
-            if dead or stop_requested:
+            if dead or stop_requested():
                 why = f"{', '.join(dead)} exited during start-up" if dead else "stopped"
                 print(f"pdserve launch: {why}", file=sys.stderr)
                 return 1
@@ -182,7 +227,7 @@ def run_launch(cfg: LaunchConfig) -> int:
                         for i, (name, url) in enumerate(metrics.items())) +
               f"{events}{mode}Ctrl-C stops everything.", flush=True)
         reported = set()
-        while not stop_requested:
+        while not stop_requested():
             if children["router"].poll() is not None:
                 print("pdserve launch: the router exited; stopping", file=sys.stderr)
                 return 1

@@ -154,7 +154,8 @@ class RouterMetrics(_Metrics):
         self.generation_tokens = self._counter("pdserve_generation_tokens_total",
                                                "Output tokens delivered to clients.")
         self.errors = self._counter("pdserve_request_errors_total", "Requests that failed "
-                                    "or were refused, by error code.", "code")
+                                    "or were refused (the HTTP edge's 400/401/404/413 too), "
+                                    "by error code.", "code")
         # Every series exists from the start, so rate() and ratios have data at once.
         for reason in FINISH_REASONS:
             self.requests.labels(finish_reason=reason, **self.labels)

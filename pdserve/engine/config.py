@@ -15,7 +15,8 @@ CPU_LINEAR_MODES = ("auto", "onednn", "torch")
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = flag(None, "Checkpoint folder or .gguf file.", kind="path",
-                             default_text="the bundled model, SmolLM2-135M-Instruct")
+                             default_text="the bundled model, SmolLM2-135M-Instruct; "
+                                          "pdserve model info prints its path")
     dtype: str = flag("float32", "The weights' and the KV cache's dtype; auto: the "
                       "checkpoint's own.", choices=DTYPES)
     device: str = flag("cpu", "torch device.")

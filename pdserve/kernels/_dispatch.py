@@ -13,8 +13,10 @@ on CUDA, which ``pdserve kernels compile`` compiles ahead of time.
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -24,24 +26,59 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # optional dependency
-    triton = None
-    tl = None
-
 BACKENDS = ("torch", "triton")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+# Set (to 1) by pdserve/aot.py (`pdserve kernels compile`): it compiles for GPUs off a GPU.
+LOAD_TRITON_ENV = "PDSERVE_LOAD_TRITON"
+_TRUE = ("1", "true", "on", "yes")
 
 
 def _interpret_env() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in _TRUE
+
+
+def triton_usable() -> bool:
+    """Whether a Triton kernel can launch in this process: a CUDA device, the interpreter
+    (TRITON_INTERPRET), or an ahead-of-time compile (PDSERVE_LOAD_TRITON).
+
+    Anywhere else triton is not imported at all: a CPU node then neither pays its import
+    nor prints nanobind's ~30 "leaked type/function" lines when it exits.
+    """
+    return (_interpret_env() or os.environ.get(LOAD_TRITON_ENV, "0").lower() in _TRUE
+            or torch.cuda.is_available())
+
+
+# Decided once, here, because the kernel modules define their @triton.jit functions at
+# import (Triton reads TRITON_INTERPRET when a kernel is defined).
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+triton: Any = None
+tl: Any = None
+if triton_usable():
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:  # optional dependency
+        triton = tl = None
+        TRITON_INSTALLED = False
 
 
 # Kernels below this package were (or will be) defined as interpreted functions.
 INTERPRET_AT_IMPORT = triton is not None and _interpret_env()
+
+
+def keep_triton_out() -> None:
+    """For a process that serves or generates: where no Triton kernel can launch, make
+    ``import triton`` fail for the rest of the process.
+
+    torch imports triton on its own (building a module on the meta device imports
+    torch._dynamo, which probes for triton), and triton's nanobind bindings print ~30
+    "leaked" lines when the process exits. torch takes the ImportError as "no triton",
+    which on a CPU is true for all it does. A process-wide switch, so only the commands
+    call it, never the library (``LLM()`` in someone's program).
+    """
+    if triton is None and not triton_usable():
+        sys.modules.setdefault("triton", None)  # type: ignore[assignment]
 
 
 @dataclass(frozen=True)
@@ -63,7 +100,8 @@ _RECORDED: ContextVar[list[Launch] | None] = ContextVar("pdserve_recorded_launch
 def record_launches() -> Iterator[list[Launch]]:
     """Within: Triton for meta tensors, and each launch appended to the list, not run."""
     if triton is None:
-        raise RuntimeError("recording kernel launches needs the triton package")
+        raise RuntimeError("recording kernel launches needs the triton package, loaded with "
+                           f"{LOAD_TRITON_ENV}=1 set before pdserve.kernels is imported")
     recorded: list[Launch] = []
     token = _RECORDED.set(recorded)
     try:
@@ -98,9 +136,9 @@ def pick_backend(backend: str | None, device: torch.device) -> str:
         raise ValueError(f"backend must be None, 'torch' or 'triton', got {backend!r}")
     if backend == "torch":
         return backend
-    if triton is None:
+    if not TRITON_INSTALLED:
         raise RuntimeError("backend='triton' needs the triton package, which is not installed")
-    if device.type == "cuda":
+    if device.type == "cuda" and triton is not None:
         return backend
     if device.type != "cpu":
         raise RuntimeError(f"backend='triton' runs on CUDA tensors (or CPU under the "

@@ -70,6 +70,31 @@ class Tokenizer:
         self.special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items()
                             if t.special}
 
+    def hf_config(self) -> dict:
+        """tokenizer_config.json as transformers reads it, and as vLLM's /tokenizer_info
+        serves it: the config without file paths, special tokens as their text, the class
+        and the default chat template. A GGUF file's is built from its metadata."""
+        cfg = {k: v for k, v in self.config.items()
+               if v is not None and k not in ("vocab_file", "merges_file", "chat_template")}
+        for key in [k for k in cfg if k.endswith("_token")]:
+            cfg[key] = _token_text(cfg[key])
+        cfg.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+        # pdserve decodes with tokenizers' own decode, which cleans up no spaces.
+        cfg.setdefault("clean_up_tokenization_spaces", False)
+        if self.chat_template:
+            cfg["chat_template"] = self.chat_template
+        return cfg
+
+    def save_hf(self, out_dir: str | Path) -> Path:
+        """Writes a Hugging Face tokenizer folder (tokenizer.json, tokenizer_config.json)
+        that ``AutoTokenizer.from_pretrained`` loads and that tokenizes as this one does."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(out / "tokenizer.json"))
+        (out / "tokenizer_config.json").write_text(json.dumps(self.hf_config(), indent=2,
+                                                              ensure_ascii=False) + "\n")
+        return out
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 

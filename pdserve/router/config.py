@@ -14,7 +14,8 @@ POLICIES = tuple(policies.POLICIES)  # the names --policy takes (dispatch/polici
 class RouterConfig:
     model: str | None = flag(None, "Checkpoint folder or .gguf file (its config and "
                              "tokenizer).", kind="path",
-                             default_text="the bundled model, SmolLM2-135M-Instruct")
+                             default_text="the bundled model, SmolLM2-135M-Instruct; "
+                                          "pdserve model info prints its path")
     served_model_name: str | None = flag(
         None, "The model name clients send.",
         default_text="the folder's name, or the file's without .gguf")

@@ -95,8 +95,15 @@ class RouterCore:
         try:
             return self._submit(req)
         except S.RequestError as exc:  # refused: counted, then answered by the front-end
-            self.metrics.refused(exc.code)
+            self.refused(exc)
             raise
+
+    def refused(self, exc: S.RequestError) -> None:
+        """Counts a refusal once, whichever front end or check made it (the one place
+        pdserve_request_errors_total learns of requests that never became a flight)."""
+        if not exc.counted:
+            exc.counted = True
+            self.metrics.refused(exc.code)
 
     def _submit(self, req: S.GenerationRequest) -> S.RequestStream:
         self.check(req)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 
 import uvicorn
 import uvloop
@@ -28,11 +29,38 @@ from pdserve.router.core import RouterCore
 log = logging.getLogger(__name__)
 
 
+def bind_http(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound before anything says "ready"; ValueError naming the address if
+    it cannot be (uvicorn would bind it only once serving, after our ready line, and exit 3)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ValueError(f"cannot serve HTTP on {host}:{port}: {exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        hint = " (another process holds it: choose another --http-port)" \
+            if exc.errno == 98 else ""
+        raise ValueError(f"cannot serve HTTP on {host}:{port}: {exc.strerror}{hint}") from None
+    return sock
+
+
 async def serve(config: RouterConfig) -> None:
+    check_router_security(config)
+    http_socket = bind_http(config.host, config.http_port)
+    try:
+        await _serve(config, http_socket)
+    finally:
+        http_socket.close()
+
+
+async def _serve(config: RouterConfig, http_socket: socket.socket) -> None:
     from pdserve.router.http.api import build_app
 
     core = RouterCore(config)
-    check_router_security(config)
     metrics_server = None
     if config.metrics_port and config.metrics_port != config.http_port:
         metrics_server = start_metrics_server(core.metrics.registry, config.host,
@@ -45,7 +73,7 @@ async def serve(config: RouterConfig) -> None:
                                            http="httptools"))
     server.install_signal_handlers = lambda: None  # ours below stop everything together
     ingress = None
-    tasks = [asyncio.create_task(server.serve())]
+    tasks = [asyncio.create_task(server.serve(sockets=[http_socket]))]
     if config.ingress:
         from pdserve.router.ingress import Ingress
 
@@ -56,6 +84,8 @@ async def serve(config: RouterConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    while not server.started and not tasks[0].done():  # listening, not only bound
+        await asyncio.sleep(0.01)
     freeze_startup_objects()
     log.info("router ready: http://%s:%d (OpenAI API), control %s, ingress %s",
              config.host, config.http_port, config.control, config.ingress or "off")

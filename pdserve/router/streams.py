@@ -34,6 +34,7 @@ class RequestError(Exception):
         self.code = code
         self.message = message
         self.param = param
+        self.counted = False  # in pdserve_request_errors_total already (RouterCore.refused)
 
     @property
     def http_status(self) -> int:

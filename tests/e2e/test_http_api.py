@@ -529,3 +529,24 @@ def test_tokenizer_endpoints_refuse_bad_input_by_name(cluster, path, body, fragm
     assert r.status_code in (400, 404), r.text
     assert fragment in r.json()["error"]["message"]
     assert httpx.get(cluster.http_url + "/health", timeout=30).status_code == 200
+
+
+def test_tokenizer_info_serves_lm_evals_remote_tokenizer(cluster, model_dir, tokenizer):
+    """GET /tokenizer_info as vLLM serves it, read by lm-eval's own RemoteTokenizer
+    (tokenizer_backend=remote): its special tokens, ids, text and chat template are the
+    model's, as transformers gives them from the checkpoint folder."""
+    import transformers
+    from lm_eval.utils import RemoteTokenizer
+
+    hf = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    info = httpx.get(cluster.http_url + "/tokenizer_info", timeout=30).json()
+    assert info["tokenizer_class"] and info["model_max_length"] > 0
+    remote = RemoteTokenizer(cluster.http_url + "/v1/completions")
+    assert remote.eos_token == hf.eos_token and remote.bos_token == hf.bos_token
+    assert remote.eos_token_id == hf.eos_token_id
+    text = "The cluster of prefill and decode"
+    assert remote.encode(text) == hf.encode(text, add_special_tokens=False)
+    assert remote.decode(hf.encode(text, add_special_tokens=False)) == text
+    messages = [{"role": "user", "content": "Hello there"}]
+    assert remote.apply_chat_template(messages) == \
+        hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

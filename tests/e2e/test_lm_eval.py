@@ -88,3 +88,27 @@ def test_lm_eval_through_pdserve_equals_its_hf_model(tiny_model, tmp_path, monke
     assert sum(len(r[0]) for r in got) > 20  # (the tiny model writes something)
     for task, metric in (("pd_mc", "acc,none"), ("pd_gen", "exact_match,none")):
         assert served["results"][task][metric] == hf["results"][task][metric]
+
+
+def test_lm_eval_with_only_what_pdserve_serves(tiny_model, tmp_path, monkeypatch):
+    """tokenizer_backend=remote: lm-eval takes its tokenizer from the router's
+    /tokenizer_info, /tokenize and /detokenize, no tokenizer folder given, and every
+    sample's response equals the run with the checkpoint's own tokenizer. Without the
+    endpoint lm-eval refuses to start (it asks for /tokenizer_info first)."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model_dir = tiny_model("llama")
+    write_tasks(tmp_path)
+    # No add_bos_token: lm-eval's remote backend never adds special tokens (against vLLM
+    # too), so the huggingface run is told the same.
+    common = {"model": model_dir.name, "batch_size": 4, "max_retries": 1, "max_length": 512}
+    with launched(model_dir, 1, 1) as cluster:
+        url = f"{cluster.http_url}/v1/completions"
+        remote = evaluate("local-completions", {**common, "base_url": url,
+                                                "tokenizer_backend": "remote"}, tmp_path)
+        local = evaluate("local-completions", {**common, "base_url": url,
+                                               "tokenizer": str(model_dir),
+                                               "tokenizer_backend": "huggingface"}, tmp_path)
+    for task in ("pd_mc", "pd_gen"):
+        assert len(responses(remote, task)) == len(QUESTIONS)
+        assert responses(remote, task) == responses(local, task), task

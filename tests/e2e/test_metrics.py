@@ -217,3 +217,41 @@ def test_router_metrics_unit():
     assert get("pdserve_e2e_request_latency_seconds_count", {"model_name": "m"}) == 1
     assert get("pdserve_time_per_output_token_seconds_count", {"model_name": "m"}) == 1
     assert not m._timing                    # nothing kept after the requests ended
+
+
+def test_every_refusal_is_counted_by_code(tiny_model):
+    """Refusals the HTTP layer answers itself (bad JSON, an unknown model, a body over the
+    limit, no API key, an unknown path) count in pdserve_request_errors_total as the
+    refusals the core makes do: one per refused request, by the code the client got."""
+    from pdserve.router.http.openai_schema import MAX_BODY_BYTES
+
+    key = "k" * 32
+    with launched(tiny_model("llama"), 1, 1, "--compute", "none", "--api-key", key) as cluster:
+        base, auth = cluster.http_url, {"Authorization": f"Bearer {key}"}
+        model = tiny_model("llama").name
+        sent = [
+            httpx.post(f"{base}/v1/completions", content=b"{not json", headers=auth),
+            httpx.post(f"{base}/v1/completions", json={"model": "nope", "prompt": "hi"},
+                       headers=auth),
+            httpx.post(f"{base}/v1/chat/completions", json={"model": model},
+                       headers=auth),                                      # no messages
+            httpx.post(f"{base}/v1/completions", content=b"x" * (MAX_BODY_BYTES + 1),
+                       headers=auth),
+            httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": "hi"}),
+            httpx.get(f"{base}/v1/models/nope", headers=auth),
+            httpx.post(f"{base}/tokenize", json={"model": "nope", "prompt": "hi"},
+                       headers=auth),
+            httpx.post(f"{base}/v1/completions", headers=auth, json={
+                "model": model, "prompt": "hi", "max_tokens": 10 ** 9}),   # core refuses
+            httpx.get(f"{base}/v1/no-such-route", headers=auth),
+        ]
+        codes: dict[str, int] = {}
+        for resp in sent:
+            assert resp.status_code >= 400, resp.text
+            code = resp.json()["error"]["code"]
+            codes[code] = codes.get(code, 0) + 1
+        _, s = scrape(f"{base}/metrics")
+    assert value(s, "pdserve_request_errors_total") == len(sent), codes
+    for code, n in codes.items():
+        assert value(s, "pdserve_request_errors_total", code=code) == n, code
+    assert value(s, "pdserve_requests_total", finish_reason="error") == len(sent)

@@ -64,3 +64,25 @@ def test_a_serving_router_has_no_torch_mapped(tiny_model):
         (node,) = [line.split()[0] for line in ps.splitlines() if "pdserve.cli prefill" in line]
         with open(f"/proc/{node}/maps") as f:
             assert "libtorch" in f.read()
+
+
+def test_a_taken_http_port_is_a_clear_error_and_no_ready_line(tiny_model):
+    """`pdserve router` on an HTTP port another process holds: exit status 1, the port named
+    in the error, and no "router ready" line before it (that line means every bind held)."""
+    import socket
+
+    from tests.cluster import free_port
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", "router", "--model", str(tiny_model()),
+             "--http-port", str(port), "--control", f"tcp://127.0.0.1:{free_port()}",
+             "--ingress", f"tcp://127.0.0.1:{free_port()}"],
+            capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "router ready" not in out.stderr, out.stderr
+    assert f"cannot serve HTTP on 127.0.0.1:{port}" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr

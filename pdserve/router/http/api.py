@@ -78,6 +78,13 @@ def error_response(err: RequestError) -> JSONResponse:
     return JSONResponse(error_body(err), status_code=status, headers=headers)
 
 
+def refuse(core, err: RequestError) -> JSONResponse:
+    """How every route answers a request it refuses: counted once in
+    pdserve_request_errors_total (``core.refused``), then the OpenAI error body."""
+    core.refused(err)
+    return error_response(err)
+
+
 async def read_json(request: Request) -> dict:
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > MAX_BODY_BYTES:
@@ -227,17 +234,18 @@ def make_authorize(api_key: str | None):
     return authorize
 
 
-def add_error_handlers(app: FastAPI) -> None:
-    """FastAPI's own refusals (validation, 404, 405) in the OpenAI error body."""
+def add_error_handlers(app: FastAPI, core) -> None:
+    """FastAPI's own refusals (validation, 404, 405) in the OpenAI error body, counted."""
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, exc: RequestValidationError):
         msgs = [f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}"
                 for e in exc.errors()]
-        return error_response(bad("; ".join(msgs) or "invalid request"))
+        return refuse(core, bad("; ".join(msgs) or "invalid request"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        core.refused(RequestError(code, str(exc.detail)))
         body = {"error": {"message": f"{request.method} {request.url.path}: {exc.detail}",
                           "type": "invalid_request_error", "param": None, "code": code}}
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
@@ -255,12 +263,12 @@ async def serve(core, authorize, request: Request, chat: bool) -> Response:
         prompt_list = await prompts(core, body, chat)
         choices = submit_choices(core, body, chat, opts, prompt_list)
     except RequestError as e:
-        return error_response(e)
+        return refuse(core, e)
     except ClientDisconnect:
         return Response(status_code=499)
     except Exception:
         logger.exception("request failed before it was submitted")
-        return error_response(RequestError(INTERNAL, "internal error; see the router's log"))
+        return refuse(core, RequestError(INTERNAL, "internal error; see the router's log"))
 
     reply = Reply(chat, ("chatcmpl-" if chat else "cmpl-") + choices.request_id,
                   int(choices.choices[0].stream.created), model, include_usage,
@@ -326,7 +334,7 @@ def build_app(core, api_key: str | None = None) -> HotRoutes:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     started = int(time.time())
     authorize = make_authorize(api_key)
-    add_error_handlers(app)
+    add_error_handlers(app, core)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -345,7 +353,7 @@ def build_app(core, api_key: str | None = None) -> HotRoutes:
         try:
             authorize(request)
         except RequestError as e:
-            return error_response(e)
+            return refuse(core, e)
         return JSONResponse({"object": "list", "data": [model_card()]})
 
     @app.get("/v1/models/{model:path}")
@@ -354,10 +362,10 @@ def build_app(core, api_key: str | None = None) -> HotRoutes:
             authorize(request)
             check_model({"model": model}, core.model_name)
         except RequestError as e:
-            return error_response(e)
+            return refuse(core, e)
         return JSONResponse(model_card())
 
-    add_token_routes(app, core, authorize, read_json, error_response)
+    add_token_routes(app, core, authorize, read_json, lambda e: refuse(core, e))
 
     @app.get("/health")
     async def health() -> Response:

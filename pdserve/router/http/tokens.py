@@ -5,6 +5,9 @@
   chat request is tokenized) -> ``{"count", "max_model_len", "tokens", "token_strs"}``;
   ``token_strs`` with ``return_token_strs: true``, else null.
 - ``POST /detokenize``: ``{"tokens": [ids]}`` -> ``{"prompt": text}``.
+- ``GET /tokenizer_info``: the tokenizer's config as vLLM serves it (tokenizer_config.json
+  without file paths: ``tokenizer_class``, the special tokens as text, ``chat_template``,
+  ``model_max_length``), what lm-eval's ``tokenizer_backend=remote`` reads.
 - ``GET /version``: ``{"version": pdserve's version}``.
 
 The same edge as the generation endpoints: API key, body size and depth, model name,
@@ -108,6 +111,16 @@ def add_token_routes(app: FastAPI, core, authorize, read_json, error_response) -
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         return await handle(request, _detokenize)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Response:
+        try:
+            authorize(request)
+        except RequestError as e:
+            return error_response(e)
+        info = core.tokenizer.hf_config()
+        info.setdefault("model_max_length", core.max_model_len)
+        return JSONResponse(info)
 
     @app.get("/version")
     async def version() -> Response:

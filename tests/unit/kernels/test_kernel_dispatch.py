@@ -41,6 +41,7 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
 
 def test_triton_missing_says_so(monkeypatch):
     monkeypatch.setattr(_dispatch, "triton", None)
+    monkeypatch.setattr(_dispatch, "TRITON_INSTALLED", False)
     with pytest.raises(RuntimeError, match="needs the triton package, which is not installed"):
         _norm("triton")
     assert _dispatch.pick_backend(None, torch.device("cuda")) == "torch"
