@@ -16,8 +16,7 @@ MODEL_HELP = ("Checkpoint folder or .gguf file; default: the bundled model, "
 
 def _resolve(model: str | None) -> tuple[Path, str]:
     """(the model's path, where it came from)."""
-    from pdserve.model.default_model import BUNDLED_DISTRIBUTION, bundled_model, \
-        default_model_dir
+    from pdserve.model.default_model import BUNDLED_DISTRIBUTION, bundled_model, default_model_dir
 
     if model is not None:
         path = Path(model)
