@@ -1,0 +1,120 @@
+"""The second round of attacks over the real sockets (issue 35).
+
+A stranger who claims a node's name on a named socket (item 1):
+A ZeroMQ ROUTER with ROUTER_HANDOVER gives an identity to the newest connection that
+claims it: a DEALER that says it is ``prefill-0`` on a decode node's KV socket, or
+``decode-0`` on the router's control socket, took the real node's traffic for good.
+Each test claims a live node's name as a stranger, leaves, and shows that a normal
+request is served within 5 s, twice (the first after the stranger leaves, and one more).
+
+Guide bombs (items 2-4): a grammar or schema that crashed the router (3,000 chained
+rules), answered 500 (a schema 1,000 deep) or stalled every loop (10,000 properties) is a
+400 naming the limit, quickly, and serving goes on.
+"""
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import zmq
+
+from pdserve.common.transport import make_socket
+from tests.cluster import launched
+from tests.e2e.test_attack import NORMAL, normal_text, process_tree
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory):
+    model_dir = Path(tiny_model("llama"))
+    with launched(model_dir, 1, 1, log_dir=tmp_path_factory.mktemp("names")) as c:
+        c.model = model_dir.name
+        c.pids = process_tree(c.proc.pid)
+        c.baseline = normal_text(c)  # the prefill node has connected to the KV socket now
+        yield c
+
+
+def claim(address: str, identity: str, hold_s: float = 1.0, send: bytes | None = None):
+    """Connects as ``identity``, optionally sends one frame, holds, and leaves."""
+    ctx = zmq.Context()
+    try:
+        sock = make_socket(ctx, zmq.DEALER, connect=address, identity=identity)
+        if send is not None:
+            sock.send(send)
+        time.sleep(hold_s)
+        sock.close(0)
+    finally:
+        ctx.term()
+
+
+def served_within(c, seconds: float) -> None:
+    for _ in range(2):
+        started = time.monotonic()
+        assert normal_text(c, timeout_s=seconds + 5) == c.baseline
+        assert time.monotonic() - started < seconds
+    assert process_tree(c.proc.pid) == c.pids, "a process of the cluster died or restarted"
+
+
+@pytest.mark.parametrize("send", [None, b"hello"])
+def test_a_stranger_claiming_the_prefill_nodes_name_on_a_kv_socket(cluster, send):
+    address = re.search(r"KV socket (tcp://\S+)", cluster.log()).group(1)
+    claim(address, "prefill-0", send=send)
+    served_within(cluster, 5.0)
+
+
+@pytest.mark.parametrize("send", [None, b"hello"])
+def test_a_stranger_claiming_a_nodes_name_on_the_control_socket(cluster, send):
+    for name in ("decode-0", "prefill-0"):
+        claim(cluster.control, name, send=send)
+        served_within(cluster, 5.0)
+
+
+# ------------------------------------------------------------------ guide bombs (items 2-4)
+
+def chained_lark(n: int) -> str:
+    return "start: r0\n" + "".join(f'r{i}: r{i + 1} "a"\n' for i in range(n)) + f'r{n}: "b"\n'
+
+
+def chained_gbnf(n: int) -> str:
+    return "root ::= r0\n" + "".join(f'r{i} ::= r{i + 1} "a"\n' for i in range(n)) \
+        + f'r{n} ::= "b"\n'
+
+
+def nested_schema(depth: int) -> str:
+    return '{"type":"object","properties":{"a":' * depth + '{"type":"string"}' + "}}" * depth
+
+
+def wide_schema(n: int) -> str:
+    props = ",".join(f'"p{i}":{{}}' for i in range(n))
+    return '{"type":"object","properties":{' + props + "}}"
+
+
+@pytest.mark.parametrize("guide, limit", [
+    ({"grammar": chained_lark(3000)}, "MAX_GRAMMAR_RULES"),
+    ({"grammar": chained_gbnf(3000)}, "MAX_GRAMMAR_RULES"),
+    ({"grammar": "start: " + "(" * 5000 + '"a"' + ")" * 5000}, "MAX_GUIDE_DEPTH"),
+    ({"json": nested_schema(1000)}, "MAX_GUIDE_DEPTH"),
+    ({"json": wide_schema(10_000)}, "MAX_SCHEMA_OBJECTS"),
+    ({"regex": "(" * 5000 + "a" + ")" * 5000}, "MAX_GUIDE_DEPTH"),
+], ids=["lark-3000-rules", "gbnf-3000-rules", "lark-5000-parens", "schema-1000-deep",
+        "schema-10000-properties", "regex-5000-parens"])
+def test_a_guide_bomb_is_a_400_naming_the_limit(cluster, guide, limit):
+    started = time.monotonic()
+    r = httpx.post(cluster.http_url + "/v1/completions", timeout=60, json={
+        "model": cluster.model, **NORMAL, "structured_outputs": guide})
+    assert r.status_code == 400, (r.status_code, r.text[:500])
+    assert limit in r.json()["error"]["message"], r.text[:500]
+    assert "Traceback" not in r.text
+    assert time.monotonic() - started < 2.0
+    served_within(cluster, 5.0)
+
+
+def test_a_guide_under_the_limits_is_served(cluster):
+    r = httpx.post(cluster.http_url + "/v1/completions", timeout=60, json={
+        "model": cluster.model, **NORMAL, "ignore_eos": False, "max_tokens": 64,
+        "structured_outputs": {"grammar": chained_lark(20)}})
+    assert r.status_code == 200, r.text[:500]
+    text = r.json()["choices"][0]["text"]
+    assert text and ("b" + "a" * 20).startswith(text), text
