@@ -34,6 +34,7 @@ from pdserve.router.dispatch.dispatch import Dispatch
 from pdserve.router.dispatch.node_messages import CONTROL_IN  # noqa: F401 (part of this API)
 from pdserve.router.dispatch.registry import Registry
 from pdserve.router.limits import check_request
+from pdserve.router.guide_check import GuideChecker
 from pdserve.router.tokenizing import TokenizerPool
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class RouterCore:
         self.metrics.watch(lambda: len(self.dispatch.requests), lambda: [
             (n.role, n.state) for n in list(self.registry.nodes.values())])
         self.tokenizing = TokenizerPool(config.tokenizer_threads, config.max_tokenizing)
+        self.guides = GuideChecker()   # structured output checked off the event loop
         self._tasks: list[asyncio.Task] = []
 
     # The dispatch's and control's state, where callers (tests, /health) read it.
@@ -134,5 +136,6 @@ class RouterCore:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.tokenizing.close()
+        self.guides.close()
         self.control.apply(self.dispatch.fail_all(S.NO_NODES, "the router is shutting down"))
         self.control.close()
