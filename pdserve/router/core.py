@@ -104,7 +104,11 @@ class RouterCore:
         self.check(req)
         ok, reason = self.health()
         if not ok:
-            raise S.RequestError(S.NO_NODES, reason)
+            # A clock that has not ticked while its loops live means this loop is busy
+            # (a flood): that is load, to retry, not a cluster without nodes.
+            stalled = reason.startswith("the router's clock")
+            raise S.RequestError(S.OVERLOADED if stalled else S.NO_NODES,
+                                 f"{reason}; retry after 1 s" if stalled else reason)
         req_id, out = self.dispatch.submit(req, time.monotonic())
         stream = S.RequestStream(req_id, list(req.prompt_token_ids))
         stream._cancel = self.cancel

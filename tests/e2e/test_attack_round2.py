@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -152,3 +153,54 @@ def guide_workers(c) -> list[int]:
             if ppid in c.pids and b"pdserve.router.guide_check" in cmdline:
                 found.append(int(entry))
     return found
+
+
+# ------------------------------------------------------------------ a producer's flood (item 5)
+
+def test_a_producers_flood_meets_back_pressure_not_a_stalled_clock(cluster):
+    """One producer sends 30,000 submits as fast as it can: it gets `overloaded` with a
+    retry hint (never `no_nodes`), its refusals take a few log lines, not one each, and
+    /health and a normal request are answered throughout."""
+    import msgpack
+
+    n, codes, done, no_hint = 30_000, {}, threading.Event(), []
+
+    def flood():
+        ctx = zmq.Context()
+        sock = make_socket(ctx, zmq.DEALER, connect=cluster.ingress, sndhwm=0)
+        try:
+            for i in range(n):
+                sock.send(msgpack.packb({"type": "submit", "id": str(i),
+                                         "prompt_token_ids": [1, 2, 3], "max_tokens": 1}))
+            answered, deadline = 0, time.monotonic() + 120
+            while answered < n and time.monotonic() < deadline:
+                if not sock.poll(1000):
+                    continue
+                for frame in sock.recv_multipart():
+                    reply = msgpack.unpackb(frame)
+                    if reply["type"] in ("done", "error"):
+                        answered += 1
+                        code = reply.get("code", "done")
+                        codes[code] = codes.get(code, 0) + 1
+                        if code == "overloaded" and "retry after" not in reply["message"]:
+                            no_hint.append(reply["message"])
+        finally:
+            sock.close(0)
+            ctx.term()
+            done.set()
+
+    lines_before = cluster.log().count("ingress: overloaded")
+    thread = threading.Thread(target=flood, daemon=True)
+    thread.start()
+    worst = 0.0
+    while not done.wait(0.2):
+        started = time.monotonic()
+        assert httpx.get(cluster.http_url + "/health", timeout=30).status_code == 200
+        worst = max(worst, time.monotonic() - started)
+    thread.join()
+    assert "no_nodes" not in codes, codes
+    assert codes.get("overloaded") and not no_hint, (codes, no_hint[:3])
+    assert sum(codes.values()) == n, codes
+    assert worst < 2.0, f"/health waited {worst:.1f} s during the flood"
+    assert cluster.log().count("ingress: overloaded") - lines_before < 20
+    served_within(cluster, 5.0)
