@@ -34,6 +34,7 @@ class _Worker:
     """One child process that answers guide_problem for one guide at a time."""
 
     def __init__(self):
+        self.died = False
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve.router.guide_check"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
@@ -47,7 +48,10 @@ class _Worker:
         if not ready:
             return None
         line = self.proc.stdout.readline()
-        return line.rstrip("\n") if line else None
+        if not line:
+            self.died = True  # EOF: it exited (its exit code may not be reaped yet)
+            return None
+        return line.rstrip("\n")
 
     def check(self, kind: str, spec: str) -> tuple[bool, str | None]:
         """(answered, problem): answered False when the worker crashed or overran."""
@@ -55,6 +59,7 @@ class _Worker:
             self.proc.stdin.write(json.dumps([kind, spec]) + "\n")
             self.proc.stdin.flush()
         except OSError:
+            self.died = True
             return False, None
         line = self._line(CHECK_DEADLINE_S)
         if line is None:
@@ -89,7 +94,10 @@ class GuideChecker:
             answered, problem = worker.check(kind, spec)
             if answered:
                 return problem
-            code = worker.proc.poll()
+            try:
+                code = worker.proc.wait(5) if worker.died else worker.proc.poll()
+            except subprocess.TimeoutExpired:  # closed its output but lives: a hang
+                code = None
             worker.close()
             worker = None
             log.warning("a %s guide of %d bytes %s its check; the worker is replaced", kind,
