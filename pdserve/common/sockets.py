@@ -21,6 +21,10 @@ DEFAULT_LINGER_MS = 0  # data sockets drop unsent messages on close; pass more t
 COPY_THRESHOLD = 64 * 1024  # pyzmq copies smaller frames anyway; zero-copy pays above this
 ZAP_DOMAIN = b"pdserve"
 _MAX_HEARTBEAT_TTL_MS = 6_553_599  # ZMQ_HEARTBEAT_TTL limit
+# ZMTP PINGs on a ROUTER that holds names (control, KV): without handover a name stays
+# with its connection, so a half-open one (a peer's host gone) must be found and closed
+# for a restarted node to get its name back.
+NAMED_ROUTER_HEARTBEAT_MS = 2000
 
 Endpoints = Union[str, Iterable[str], None]
 
@@ -92,8 +96,11 @@ def make_socket(
     """Create, configure, then bind/connect a socket; the only way pdserve makes one.
 
     - ROUTER: ``router_mandatory`` defaults to True (unknown/full peer -> error, not
-      a silent drop) and ``router_handover`` to True (a node that restarts with the
-      same identity takes over its old connection).
+      a silent drop) and ``router_handover`` to False: an identity stays bound to the
+      connection that claimed it first, and another connection claiming it is refused.
+      A name is no proof: with handover on, any stranger who says ``prefill-0`` took
+      that node's traffic for good. A node that restarts gets its name back once its
+      old connection is gone (closed by its process's exit, or by ZMTP heartbeats).
     - ``sndtimeo_ms``: a blocking send gives up (SendError "full") after this long.
     - ``max_msg_size``: ZMQ_MAXMSGSIZE, checked per *frame*; a peer that sends a
       bigger frame is disconnected and the message never arrives.
@@ -114,7 +121,7 @@ def make_socket(
                             identity.encode() if isinstance(identity, str) else identity)
         if kind == zmq.ROUTER:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1 if router_mandatory in (None, True) else 0)
-            sock.setsockopt(zmq.ROUTER_HANDOVER, 1 if router_handover in (None, True) else 0)
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1 if router_handover else 0)
         elif router_mandatory or router_handover:
             raise ValueError("router_mandatory/router_handover apply to ROUTER sockets only")
         if max_msg_size is not None:

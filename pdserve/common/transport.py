@@ -32,6 +32,7 @@ from pdserve.common.sockets import (  # noqa: F401 (transport's API since the st
     DEFAULT_LINGER_MS,
     DEFAULT_RCVHWM,
     DEFAULT_SNDHWM,
+    NAMED_ROUTER_HEARTBEAT_MS,
     ZAP_DOMAIN,
     CurveConfig,
     Endpoints,

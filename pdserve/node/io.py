@@ -37,6 +37,7 @@ from pdserve.common.security import (
     kv_max_msg_size,
 )
 from pdserve.common.transport import (
+    NAMED_ROUTER_HEARTBEAT_MS,
     SendError,
     Throttled,
     endpoint_of,
@@ -173,6 +174,7 @@ class NodeIO(threading.Thread):
                 limit = kv_max_msg_size(self.hello.kv_layout,
                                         self.hello.capacity.num_total_blocks)
                 kv_in = make_socket(ctx, zmq.ROUTER, bind=self.kv_bind, max_msg_size=limit,
+                                    heartbeat_ivl_ms=NAMED_ROUTER_HEARTBEAT_MS,
                                     curve=self.curve.kv_server if self.curve else None)
                 socks.append(kv_in)
                 address = advertised(endpoint_of(kv_in), self.advertise_host)

@@ -32,6 +32,7 @@ from pdserve.common.metrics import RouterMetrics
 from pdserve.common.rate_limit import PeerBudgets
 from pdserve.common.security import CONTROL_DOMAIN, server_curve
 from pdserve.common.transport import (
+    NAMED_ROUTER_HEARTBEAT_MS,
     PlainTwin,
     SendError,
     Throttled,
@@ -74,6 +75,7 @@ class Control:
         self._ctx = zmq.asyncio.Context()
         self._sock = make_socket(self._ctx, zmq.ROUTER, bind=self.config.control,
                                  max_msg_size=64 * 2**20,
+                                 heartbeat_ivl_ms=NAMED_ROUTER_HEARTBEAT_MS,
                                  curve=server_curve(self.config.curve_dir, CONTROL_DOMAIN))
         self._twin = PlainTwin(self._sock)  # every send and receive goes through it
         self.last_tick = time.monotonic()

@@ -33,6 +33,7 @@ from pdserve.router.control import Control
 from pdserve.router.dispatch.dispatch import Dispatch
 from pdserve.router.dispatch.node_messages import CONTROL_IN  # noqa: F401 (part of this API)
 from pdserve.router.dispatch.registry import Registry
+from pdserve.router.guide_check import GuideChecker
 from pdserve.router.limits import check_request
 from pdserve.router.tokenizing import TokenizerPool
 
@@ -67,6 +68,7 @@ class RouterCore:
         self.metrics.watch(lambda: len(self.dispatch.requests), lambda: [
             (n.role, n.state) for n in list(self.registry.nodes.values())])
         self.tokenizing = TokenizerPool(config.tokenizer_threads, config.max_tokenizing)
+        self.guides = GuideChecker()   # structured output checked off the event loop
         self._tasks: list[asyncio.Task] = []
 
     # The dispatch's and control's state, where callers (tests, /health) read it.
@@ -109,7 +111,11 @@ class RouterCore:
         self.check(req)
         ok, reason = self.health()
         if not ok:
-            raise S.RequestError(S.NO_NODES, reason)
+            # A clock that has not ticked while its loops live means this loop is busy
+            # (a flood): that is load, to retry, not a cluster without nodes.
+            stalled = reason.startswith("the router's clock")
+            raise S.RequestError(S.OVERLOADED if stalled else S.NO_NODES,
+                                 f"{reason}; retry after 1 s" if stalled else reason)
         req_id, out = self.dispatch.submit(req, time.monotonic())
         stream = S.RequestStream(req_id, list(req.prompt_token_ids))
         stream._cancel = self.cancel
@@ -141,5 +147,6 @@ class RouterCore:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.tokenizing.close()
+        self.guides.close()
         self.control.apply(self.dispatch.fail_all(S.NO_NODES, "the router is shutting down"))
         self.control.close()

@@ -32,8 +32,10 @@ import zmq
 import zmq.asyncio
 
 from pdserve.common.codec import check_expansion
-from pdserve.common.errors import DUPLICATE_ID
+from pdserve.common.errors import DUPLICATE_ID, OVERLOADED
+from pdserve.common.logs import LogThrottle
 from pdserve.common.protocol import queue as Q
+from pdserve.common.rate_limit import Bucket
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.transport import CurveConfig, PlainTwin, endpoint_of, make_socket
 from pdserve.router.http.openai_schema import encode_text
@@ -55,6 +57,14 @@ MAX_MSG_SIZE = 4 * 1024 * 1024  # bytes per frame; a bigger one disconnects the 
 SNDHWM = 100_000
 MAX_FRAMES_PER_SEND = 256  # messages to one producer in one multipart send, at most
 SUBMIT_FIELDS = ("type", *Q.Submit.__struct_fields__)
+# Back-pressure per producer: 100,000 submits from one producer, each a task, stalled the
+# router's clock for seconds (every producer, /health and the HTTP API waited, and the
+# stale clock refused as no_nodes). Beyond these a submit is `overloaded` at once.
+MAX_IN_FLIGHT_PER_PRODUCER = 4096   # requests not yet ended
+SUBMITS_PER_S, SUBMIT_BURST = 2000.0, 4096.0
+MAX_PRODUCERS_TRACKED = 4096        # submit budgets kept (a producer may mint identities)
+RETRY_AFTER_S = 1.0
+REFUSAL_LOG_PERIOD_S = 10.0         # one log line per producer and reason per period
 _FIELD = re.compile(r"`\$\.(\w+)")                       # msgspec's path to a bad value
 _MISSING = re.compile(r"missing required field `(\w+)`")  # ... and to a missing one
 
@@ -82,6 +92,9 @@ class Ingress:
         self.endpoint = endpoint_of(self._sock)
         self._flights: dict[tuple[bytes, str], _Flight] = {}
         self._outbox: dict[bytes, list[bytes]] = {}   # this loop turn's messages per producer
+        self._in_flight: dict[bytes, int] = {}        # requests not yet ended, per producer
+        self._budgets: dict[bytes, Bucket] = {}       # submits per second, per producer
+        self._refusal_log = LogThrottle(period_s=REFUSAL_LOG_PERIOD_S)
         self._closed = False
 
     @property
@@ -107,6 +120,7 @@ class Ingress:
         for flight in self._flights.values():
             self._abort(flight)
         self._flights.clear()
+        self._in_flight.clear()
         self._sock.close(linger=0)
 
     # ------------------------------------------------------------ input
@@ -134,6 +148,12 @@ class Ingress:
     def _submit(self, peer: bytes, rid: str, msg: Q.Submit) -> None:
         if (peer, rid) in self._flights:
             return self._duplicate(peer, rid)
+        busy = self._over_budget(peer)
+        if busy:
+            self._send_error(peer, rid, OVERLOADED,
+                             f"{busy}; retry after {RETRY_AFTER_S:g} s")
+            return
+        self._in_flight[peer] = self._in_flight.get(peer, 0) + 1
         flight = _Flight()  # holds the id while the prompt is tokenized off the loop
         self._flights[(peer, rid)] = flight
         flight.task = asyncio.get_running_loop().create_task(self._start(peer, rid, msg, flight))
@@ -142,15 +162,42 @@ class Ingress:
         self._send_error(peer, rid, DUPLICATE_ID,
                          f"request id {rid!r} is already in flight from this producer")
 
+    def _over_budget(self, peer: bytes) -> str | None:
+        """Why this producer may not submit now, or None (and its submit is counted)."""
+        if self._in_flight.get(peer, 0) >= MAX_IN_FLIGHT_PER_PRODUCER:
+            return (f"this producer has {MAX_IN_FLIGHT_PER_PRODUCER} requests in flight "
+                    f"(MAX_IN_FLIGHT_PER_PRODUCER)")
+        now = asyncio.get_running_loop().time()
+        bucket = self._budgets.get(peer)
+        if bucket is None:
+            if len(self._budgets) >= MAX_PRODUCERS_TRACKED:
+                del self._budgets[next(iter(self._budgets))]
+            bucket = self._budgets[peer] = Bucket(SUBMITS_PER_S, SUBMIT_BURST, now)
+        if not bucket.take(now):
+            return f"this producer submits over {SUBMITS_PER_S:g} per second (SUBMITS_PER_S)"
+        return None
+
+    def _ended(self, key: tuple[bytes, str]) -> _Flight | None:
+        """Forgets a request (answered, cancelled or dropped): its producer may send one
+        more."""
+        flight = self._flights.pop(key, None)
+        if flight is not None:
+            left = self._in_flight.get(key[0], 0) - 1
+            if left > 0:
+                self._in_flight[key[0]] = left
+            else:
+                self._in_flight.pop(key[0], None)
+        return flight
+
     async def _start(self, peer: bytes, rid: str, msg: Q.Submit, flight: _Flight) -> None:
         try:
             stream = self.core.submit(await self._request(msg))  # core.check runs inside
         except RequestError as e:
-            self._flights.pop((peer, rid), None)
+            self._ended((peer, rid))
             self._send_error(peer, rid, e.code, e.message)
             return
         except Exception as e:
-            self._flights.pop((peer, rid), None)
+            self._ended((peer, rid))
             self.core.metrics.internal_error("router.ingress.submit", log)
             self._send_error(peer, rid, INTERNAL, f"internal error: {e}")
             return
@@ -185,7 +232,7 @@ class Ingress:
     def _cancel(self, peer: bytes, rid: str) -> None:
         """Ends the request with done/abort now; an id not in flight is ignored, since its
         terminal message is already on its way."""
-        flight = self._flights.pop((peer, rid), None)
+        flight = self._ended((peer, rid))
         if flight is None:
             return
         self._abort(flight)
@@ -215,7 +262,7 @@ class Ingress:
             flight.stream.sink = None   # its abort event goes nowhere
             flight.stream.cancel()
             self._send(peer, _error(rid, INTERNAL, f"internal error: {e}"))
-        del self._flights[(peer, rid)]
+        self._ended((peer, rid))
 
     def _send(self, peer: bytes, msg: Q.Tokens | Q.Done | Q.Error) -> None:
         """Queues one message; each producer's messages of this loop turn leave together as
@@ -257,7 +304,7 @@ class Ingress:
                     len(mine))
         current = asyncio.current_task()
         for key in mine:
-            flight = self._flights.pop(key)
+            flight = self._ended(key)
             if flight.stream is not None:
                 flight.stream.cancel()
             if flight.task is not None and flight.task is not current:
@@ -273,7 +320,12 @@ class Ingress:
         self._send_error(peer, rid, BAD_REQUEST, message)
 
     def _send_error(self, peer: bytes, rid: str | None, code: str, message: str) -> None:
-        log.warning("ingress: %s from %r (id %r): %s", code, peer, rid, message)
+        # One line per producer and reason per period: a flood's refusals were 95,923
+        # lines (16 MB) of log.
+        suppressed = self._refusal_log((peer, code))
+        if suppressed is not None:
+            more = f" (and {suppressed} more refused since the last line)" if suppressed else ""
+            log.warning("ingress: %s from %r (id %r): %s%s", code, peer, rid, message, more)
         self._send(peer, _error(rid, code, message))
 
     @staticmethod

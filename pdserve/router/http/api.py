@@ -56,6 +56,7 @@ from pdserve.router.http.openai_schema import (  # noqa: F401 (re-exported: the 
     stream_options,
     usage,
 )
+from pdserve.router.http.structured import vet_guide
 from pdserve.router.http.tokens import add_token_routes
 from pdserve.router.http.wait import ClientWatch, EventStream
 from pdserve.router.streams import (
@@ -258,6 +259,7 @@ async def serve(core, authorize, request: Request, chat: bool) -> Response:
         body = await read_json(request)
         model = check_model(body, core.model_name)
         refuse_unsupported(body, chat)
+        await vet_guide(body, core.guides)
         stream_on, include_usage = stream_options(body)
         opts = choice_options(body, chat)
         prompt_list = await prompts(core, body, chat)

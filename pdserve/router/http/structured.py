@@ -55,8 +55,38 @@ def _logit_bias(raw) -> dict:
     return bias
 
 
+# The body's own note that its guide was checked off the event loop (vet_guide): an
+# object, so that no JSON key can forge it.
+_VETTED = object()
+
+
+async def vet_guide(body: dict, checker) -> None:
+    """Checks the body's guide in ``checker`` (router/guide_check.py: child processes
+    under a deadline), before the synchronous parse, which then trusts the verdict."""
+    found = _find_guide(body)
+    if found is not None:
+        param, kind, spec = found
+        problem = await checker.problem(kind, spec)
+        if problem:
+            raise _bad(f"{param} cannot be used: {problem}", param)
+        body[_VETTED] = (kind, spec)
+
+
 def _guide(body: dict) -> tuple[str, str] | None:
     """The request's one structured-output constraint as (kind, spec), checked."""
+    found = _find_guide(body)
+    if found is None:
+        return None
+    param, kind, spec = found
+    if body.get(_VETTED) != (kind, spec):
+        problem = guide_problem(kind, spec)
+        if problem:
+            raise _bad(f"{param} cannot be used: {problem}", param)
+    return kind, spec
+
+
+def _find_guide(body: dict) -> tuple[str, str, str] | None:
+    """The request's one structured-output constraint as (param, kind, spec), unchecked."""
     found = []  # (param, kind, value)
     fmt = body.get("response_format")
     if fmt is not None:
@@ -84,11 +114,7 @@ def _guide(body: dict) -> tuple[str, str] | None:
         raise _bad("only one structured output constraint is allowed per request; got "
                    + ", ".join(param for param, _, _ in found), found[1][0])
     param, kind, value = found[0]
-    spec = _spec_text(param, kind, value)
-    problem = guide_problem(kind, spec)
-    if problem:
-        raise _bad(f"{param} cannot be used: {problem}", param)
-    return kind, spec
+    return param, kind, _spec_text(param, kind, value)
 
 
 def _response_format(fmt) -> list[tuple[str, str, object]]:
