@@ -23,7 +23,8 @@ def test_distinct_large_schemas_stay_within_the_cache_budget(tiny_model, monkeyp
     model = Path(tiny_model("llama"))
     cfg = ModelConfig.from_dir(model)
     backend = GrammarBackend(model, cfg.vocab_size, cfg.eos_token_ids)
-    monkeypatch.setattr(grammar, "CACHE_MAX_BYTES", 8 * 2**20, raising=False)  # about two such schemas
+    # about two such schemas
+    monkeypatch.setattr(grammar, "CACHE_MAX_BYTES", 8 * 2**20, raising=False)
     for tag in range(2):
         backend.matcher(("json", wide_schema(tag)))
     before = rss_mb()
