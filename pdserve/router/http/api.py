@@ -13,7 +13,6 @@ import hmac
 import json
 import logging
 import time
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,16 +21,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from pdserve.common.errors import REQUEST_TOO_LARGE, UNAUTHORIZED
-from pdserve.common.logprobs import empty, join
 from pdserve.common.metrics import metrics_endpoint
-from pdserve.router.http.choices import (
-    Choice,
-    Choices,
-    TokenTexts,
-    choice_logprobs,
-    prompts,
-    submit_choices,
-)
+from pdserve.router.http.answers import Answer, ChunkStream, ClientGone, collect, ended_early
+from pdserve.router.http.choices import TokenTexts, prompts, submit_choices
 from pdserve.router.http.openai_schema import (  # noqa: F401 (re-exported: the app's API)
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_BODY_BYTES,
@@ -59,11 +51,7 @@ from pdserve.router.http.openai_schema import (  # noqa: F401 (re-exported: the 
 from pdserve.router.http.structured import vet_guide
 from pdserve.router.http.tokens import add_token_routes
 from pdserve.router.http.wait import ClientWatch, EventStream
-from pdserve.router.streams import (
-    INTERNAL,
-    RequestError,
-    StreamEvent,
-)
+from pdserve.router.streams import INTERNAL, RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -109,118 +97,11 @@ async def read_json(request: Request) -> dict:
     return body
 
 
-def _ended_early() -> RequestError:
-    return RequestError(INTERNAL, "the request's stream ended without a final event")
-
-
-@dataclass
-class Answer:
-    """What shapes the response of one request: its reply head, options and counts."""
-    reply: Reply
-    opts: ChoiceOptions
-    texts: TokenTexts
-    num_prompt: int           # prompt tokens, counted once per prompt (not per choice)
-
-    def logprobs(self, choice: Choice, token_ids: list[int], lp, offset: int,
-                 with_prompt: bool) -> dict | None:
-        if self.opts.logprobs is None:
-            return None
-        if self.opts.echo_only:
-            token_ids, lp = [], empty()
-        return choice_logprobs(self.reply.chat, self.texts, choice, self.opts.echo, token_ids,
-                               lp, offset, with_prompt)
-
-
-async def collect(answer: Answer, choices: Choices, watch: ClientWatch) -> Response:
-    """A non-streaming response: every event of every choice gathered into one body."""
-    while not choices.done:
-        item = await watch.next(choices)
-        if item is None:
-            if watch.gone:  # nobody will read this
-                return Response(status_code=499)
-            return error_response(_ended_early())
-        choice, event = item
-        if event.error is not None:
-            return error_response(event.error)
-        choice.add(event)
-    bodies, opts = [], answer.opts
-    for c in choices.choices:
-        text = "" if opts.echo_only else "".join(c.parts)
-        lp = answer.logprobs(c, c.token_ids, join(c.logprobs), 0, with_prompt=True)
-        bodies.append(answer.reply.choice(c.index, c.prompt_text + text, c.finish_reason, lp))
-    completion = 0 if opts.echo_only else choices.completion_tokens()
-    return JSONResponse(answer.reply.full(bodies, answer.num_prompt, completion))
-
-
-def _stream_chunk(answer: Answer, choice: Choice, event: StreamEvent,
-                  progress: dict) -> dict | None:
-    """The chunk of one event (its finish reason aside), or None when it shows nothing."""
-    opts, echoing = answer.opts, not choice.num_chars and choice.prompt_text
-    ids, text = ([], "") if opts.echo_only else (event.token_ids, event.text)
-    lp = answer.logprobs(choice, ids, event.logprobs, choice.num_chars, bool(echoing))
-    if echoing:
-        text = choice.prompt_text + text
-    choice.num_chars += len(text)
-    if not text and not (lp and (ids or echoing)):
-        return None
-    return answer.reply.chunk(text, index=choice.index, logprobs=lp, progress=progress)
-
-
-async def sse_events(answer: Answer, choices: Choices, watch: ClientWatch, first):
+async def sse_events(stream: ChunkStream):
     """The SSE body, one write per turn: the chunks of each event taken (its text, finish,
-    usage, [DONE]) leave together. ``first`` (choice, event) is known not to be an error."""
-    item, reply = first, answer.reply
-    out: list[bytes] = []
-    try:
-        if reply.chat:
-            out += [sse(reply.chunk(role=True, index=c.index,
-                                    progress=usage(answer.num_prompt, 0)))
-                    for c in choices.choices]
-        while True:
-            if item is None:
-                if not watch.gone:
-                    out += [sse(error_body(_ended_early())), SSE_DONE]
-                    yield b"".join(out)
-                return
-            if _event_chunks(answer, choices, item, out):
-                break
-            yield b"".join(out)
-            out = []
-            item = await watch.next(choices)
-        out.append(SSE_DONE)
-        yield b"".join(out)
-    except Exception:
-        logger.exception("request %s failed while streaming", choices.request_id)
-        yield sse(error_body(RequestError(INTERNAL, "internal error while streaming; see the "
-                                                    "router's log"))) + SSE_DONE
-    finally:
-        watch.close(choices)
-
-
-def _event_chunks(answer: Answer, choices: Choices, item, out: list[bytes]) -> bool:
-    """Appends the SSE chunks of one (choice, event) to ``out``; True when the stream ends
-    (failed, or every choice finished)."""
-    choice, event = item
-    reply = answer.reply
-    choice.add(event)
-    progress = usage(answer.num_prompt, choices.completion_tokens())
-    chunk = _stream_chunk(answer, choice, event, progress)
-    if chunk is not None:  # an event may carry the last tokens and the end together
-        out.append(sse(chunk))
-    if event.error is not None:
-        logger.warning("request %s failed mid-stream (%s): %s", choices.request_id,
-                       event.error.code, event.error.message)
-        out.append(sse(error_body(event.error)))
-        return True
-    if event.finish_reason is not None:
-        out.append(sse(reply.chunk(finish_reason=event.finish_reason, index=choice.index,
-                                   progress=progress)))
-    if choices.done:
-        if reply.include_usage:
-            completion = 0 if answer.opts.echo_only else choices.completion_tokens()
-            out.append(sse(reply.usage_chunk(answer.num_prompt, completion)))
-        return True
-    return False
+    usage, [DONE]) leave together."""
+    async for turn, ended in stream.turns():
+        yield b"".join(map(sse, turn)) + (SSE_DONE if ended else b"")
 
 
 def make_authorize(api_key: str | None):
@@ -252,11 +133,13 @@ def add_error_handlers(app: FastAPI, core) -> None:
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
-async def serve(core, authorize, request: Request, chat: bool) -> Response:
-    """One completions (``chat`` False) or chat completions request, from body to answer."""
+async def run(core, body: dict, request: Request, chat: bool) -> dict | ChunkStream:
+    """One completions (``chat`` False) or chat completions request from its body to its
+    answer: the full response body, or with ``stream`` a ChunkStream (its first event
+    waited for, so that an early failure gets its own HTTP status). The one path every
+    generating endpoint takes (/v1/responses and /v1/messages translate into a chat body).
+    Raises RequestError (counted once in pdserve_request_errors_total) or ClientGone."""
     try:
-        authorize(request)
-        body = await read_json(request)
         model = check_model(body, core.model_name)
         refuse_unsupported(body, chat)
         await vet_guide(body, core.guides)
@@ -265,12 +148,13 @@ async def serve(core, authorize, request: Request, chat: bool) -> Response:
         prompt_list = await prompts(core, body, chat)
         choices = submit_choices(core, body, chat, opts, prompt_list)
     except RequestError as e:
-        return refuse(core, e)
-    except ClientDisconnect:
-        return Response(status_code=499)
+        core.refused(e)
+        raise
     except Exception:
         logger.exception("request failed before it was submitted")
-        return refuse(core, RequestError(INTERNAL, "internal error; see the router's log"))
+        err = RequestError(INTERNAL, "internal error; see the router's log")
+        core.refused(err)
+        raise err from None
 
     reply = Reply(chat, ("chatcmpl-" if chat else "cmpl-") + choices.request_id,
                   int(choices.choices[0].stream.created), model, include_usage,
@@ -281,22 +165,47 @@ async def serve(core, authorize, request: Request, chat: bool) -> Response:
     try:
         if not stream_on:
             return await collect(answer, choices, watch)
-        # Wait for the first event so that an early failure gets its own HTTP status.
         first = await watch.next(choices)
         if first is None:
-            return Response(status_code=499) if watch.gone else error_response(_ended_early())
+            raise ClientGone() if watch.gone else ended_early()
         if first[1].error is not None:
-            return error_response(first[1].error)
+            raise first[1].error
         handed_over = True
-        return EventStream(sse_events(answer, choices, watch, first),
-                           {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                           lambda: watch.close(choices), SSE_DONE)
+        return ChunkStream(answer, choices, watch, first)
+    except (RequestError, ClientGone):
+        raise
     except Exception:
         logger.exception("request %s failed", choices.request_id)
-        return error_response(RequestError(INTERNAL, "internal error; see the router's log"))
+        raise RequestError(INTERNAL, "internal error; see the router's log") from None
     finally:
         if not handed_over:
             watch.close(choices)
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def serve(core, authorize, request: Request, chat: bool) -> Response:
+    """One completions (``chat`` False) or chat completions request, from HTTP to HTTP."""
+    try:
+        authorize(request)
+        body = await read_json(request)
+    except RequestError as e:
+        return refuse(core, e)
+    except ClientDisconnect:
+        return Response(status_code=499)
+    except Exception:
+        logger.exception("request failed before it was read")
+        return refuse(core, RequestError(INTERNAL, "internal error; see the router's log"))
+    try:
+        result = await run(core, body, request, chat)
+    except RequestError as e:
+        return error_response(e)
+    except ClientGone:
+        return Response(status_code=499)
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return EventStream(sse_events(result), SSE_HEADERS, result.close, SSE_DONE)
 
 
 class HotRoutes:
