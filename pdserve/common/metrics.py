@@ -156,6 +156,9 @@ class RouterMetrics(_Metrics):
         self.errors = self._counter("pdserve_request_errors_total", "Requests that failed "
                                     "or were refused (the HTTP edge's 400/401/404/413 too), "
                                     "by error code.", "code")
+        self.responses_stored = self._gauge("pdserve_responses_stored", "Responses held "
+                                            "for previous_response_id and GET "
+                                            "/v1/responses/{id} (--responses-store-*).")
         # Every series exists from the start, so rate() and ratios have data at once.
         for reason in FINISH_REASONS:
             self.requests.labels(finish_reason=reason, **self.labels)

@@ -49,6 +49,11 @@ class RouterConfig:
                                   min=1)
     max_tokenizing: int = flag(64, "Requests tokenizing or waiting to; past this, new "
                                "requests are refused (429).", min=1)
+    responses_store_max_entries: int = flag(
+        1024, "Responses kept for GET /v1/responses/{id} and previous_response_id (the "
+        "oldest dropped first); 0 stores none.", min=0)
+    responses_store_ttl_s: float = flag(3600.0, "Seconds a stored response is kept.",
+                                        name="--responses-store-ttl", min=0, min_open=True)
     curve_dir: str | None = flag(None, "CurveZMQ key folder (pdserve keys generate): "
                                  "encrypt and authenticate the control, ingress and KV "
                                  "sockets.", kind="dir", default_text="off")

@@ -24,6 +24,7 @@ from pdserve.common.errors import REQUEST_TOO_LARGE, UNAUTHORIZED
 from pdserve.common.metrics import metrics_endpoint
 from pdserve.router.http.answers import Answer, ChunkStream, ClientGone, collect, ended_early
 from pdserve.router.http.choices import TokenTexts, prompts, submit_choices
+from pdserve.router.http.messages import add_messages_routes
 from pdserve.router.http.openai_schema import (  # noqa: F401 (re-exported: the app's API)
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_BODY_BYTES,
@@ -48,9 +49,10 @@ from pdserve.router.http.openai_schema import (  # noqa: F401 (re-exported: the 
     stream_options,
     usage,
 )
+from pdserve.router.http.responses import add_responses_routes
 from pdserve.router.http.structured import vet_guide
 from pdserve.router.http.tokens import add_token_routes
-from pdserve.router.http.wait import ClientWatch, EventStream
+from pdserve.router.http.wait import SSE_HEADERS, ClientWatch, EventStream
 from pdserve.router.streams import INTERNAL, RequestError
 
 logger = logging.getLogger(__name__)
@@ -105,14 +107,19 @@ async def sse_events(stream: ChunkStream):
 
 
 def make_authorize(api_key: str | None):
-    """A check of ``Authorization: Bearer <key>`` (none when ``api_key`` is None)."""
+    """A check of ``Authorization: Bearer <key>``, or ``x-api-key: <key>`` (what the
+    Anthropic clients send); none when ``api_key`` is None."""
     def authorize(request: Request) -> None:
         if api_key is None:
             return
         given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise RequestError(UNAUTHORIZED, "a valid API key is required: send "
-                               "'Authorization: Bearer <key>'")
+        if hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            return
+        if hmac.compare_digest(request.headers.get("x-api-key", "").encode(),
+                               api_key.encode()):
+            return
+        raise RequestError(UNAUTHORIZED, "a valid API key is required: send "
+                           "'Authorization: Bearer <key>' (or 'x-api-key: <key>')")
     return authorize
 
 
@@ -180,9 +187,6 @@ async def run(core, body: dict, request: Request, chat: bool) -> dict | ChunkStr
     finally:
         if not handed_over:
             watch.close(choices)
-
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def serve(core, authorize, request: Request, chat: bool) -> Response:
@@ -277,6 +281,8 @@ def build_app(core, api_key: str | None = None) -> HotRoutes:
         return JSONResponse(model_card())
 
     add_token_routes(app, core, authorize, read_json, lambda e: refuse(core, e))
+    add_responses_routes(app, core, authorize, read_json, run, error_response)
+    add_messages_routes(app, core, authorize, read_json, run)
 
     @app.get("/health")
     async def health() -> Response:

@@ -49,16 +49,20 @@ class ClientWatch:
         choices.cancel()  # a no-op once the streams ended
 
 
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
 class EventStream(Response):
     """A text/event-stream response from an async iterator of bytes, each sent as it comes.
     Starlette's StreamingResponse would also run a task group listening for the disconnect
     (ClientWatch already does) and ``background`` in a thread pool; ``on_close`` runs here,
     on the loop, whether or not the body was ever iterated. A piece ending with ``last``
-    (the stream's final event) closes the body in the same write."""
+    (the stream's final event) closes the body in the same write; with ``last`` None
+    (a stream with no fixed last bytes) an empty write closes it."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, body, headers: dict, on_close, last: bytes):
+    def __init__(self, body, headers: dict, on_close, last: bytes | None):
         self.body_iterator, self.on_close, self.last = body, on_close, last
         self.status_code, self.background = 200, None
         self.init_headers(headers)
@@ -69,7 +73,7 @@ class EventStream(Response):
                         "headers": self.raw_headers})
             more = True
             async for chunk in self.body_iterator:
-                more = not chunk.endswith(self.last)
+                more = self.last is None or not chunk.endswith(self.last)
                 await send({"type": "http.response.body", "body": chunk, "more_body": more})
             if more:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
