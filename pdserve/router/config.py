@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from pdserve.common.config_fields import check_fields, flag
 from pdserve.router.dispatch import policies
+from pdserve.router.http.tool_parsers import PARSERS
 
 POLICIES = tuple(policies.POLICIES)  # the names --policy takes (dispatch/policies.py defines them)
 
@@ -49,6 +50,9 @@ class RouterConfig:
                                   min=1)
     max_tokenizing: int = flag(64, "Requests tokenizing or waiting to; past this, new "
                                "requests are refused (429).", min=1)
+    tool_call_parser: str | None = flag(
+        None, "How the model writes tool calls (docs/http-api.md, tools).", choices=PARSERS,
+        default_text="read from the chat template: hermes for one that knows no tools")
     curve_dir: str | None = flag(None, "CurveZMQ key folder (pdserve keys generate): "
                                  "encrypt and authenticate the control, ingress and KV "
                                  "sockets.", kind="dir", default_text="off")

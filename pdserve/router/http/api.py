@@ -58,6 +58,8 @@ from pdserve.router.http.openai_schema import (  # noqa: F401 (re-exported: the 
 )
 from pdserve.router.http.structured import vet_guide
 from pdserve.router.http.tokens import add_token_routes
+from pdserve.router.http.tool_parsers import finish_reason
+from pdserve.router.http.tools import prepare_tools
 from pdserve.router.http.wait import ClientWatch, EventStream
 from pdserve.router.streams import (
     INTERNAL,
@@ -145,25 +147,36 @@ async def collect(answer: Answer, choices: Choices, watch: ClientWatch) -> Respo
         choice.add(event)
     bodies, opts = [], answer.opts
     for c in choices.choices:
-        text = "" if opts.echo_only else "".join(c.parts)
+        text, calls = "" if opts.echo_only else "".join(c.parts), None
+        if c.tools is not None:
+            text, calls = c.tools.feed(text, final=True)[0], c.tools.calls
         lp = answer.logprobs(c, c.token_ids, join(c.logprobs), 0, with_prompt=True)
-        bodies.append(answer.reply.choice(c.index, c.prompt_text + text, c.finish_reason, lp))
+        bodies.append(answer.reply.choice(c.index, c.prompt_text + text, finish_reason(
+            c.finish_reason, c.tools), lp, calls))
     completion = 0 if opts.echo_only else choices.completion_tokens()
     return JSONResponse(answer.reply.full(bodies, answer.num_prompt, completion))
 
 
-def _stream_chunk(answer: Answer, choice: Choice, event: StreamEvent,
-                  progress: dict) -> dict | None:
-    """The chunk of one event (its finish reason aside), or None when it shows nothing."""
+def _stream_chunks(answer: Answer, choice: Choice, event: StreamEvent,
+                   progress: dict) -> list[dict]:
+    """The chunks of one event (its finish reason aside): its text, then its tool-call
+    deltas (tool_parsers.ToolStream holds back what may open a call)."""
     opts, echoing = answer.opts, not choice.num_chars and choice.prompt_text
     ids, text = ([], "") if opts.echo_only else (event.token_ids, event.text)
     lp = answer.logprobs(choice, ids, event.logprobs, choice.num_chars, bool(echoing))
     if echoing:
         text = choice.prompt_text + text
     choice.num_chars += len(text)
-    if not text and not (lp and (ids or echoing)):
-        return None
-    return answer.reply.chunk(text, index=choice.index, logprobs=lp, progress=progress)
+    out, calls = [], None
+    if choice.tools is not None:
+        text, calls = choice.tools.feed(text, final=event.finish_reason is not None)
+    if text or (lp and (ids or echoing)):
+        out.append(answer.reply.chunk(text, index=choice.index, logprobs=lp,
+                                      progress=progress))
+    if calls:
+        out.append(answer.reply.chunk(index=choice.index, progress=progress,
+                                      tool_calls=calls))
+    return out
 
 
 async def sse_events(answer: Answer, choices: Choices, watch: ClientWatch, first):
@@ -204,17 +217,17 @@ def _event_chunks(answer: Answer, choices: Choices, item, out: list[bytes]) -> b
     reply = answer.reply
     choice.add(event)
     progress = usage(answer.num_prompt, choices.completion_tokens())
-    chunk = _stream_chunk(answer, choice, event, progress)
-    if chunk is not None:  # an event may carry the last tokens and the end together
-        out.append(sse(chunk))
+    # an event may carry the last tokens and the end together
+    out += [sse(chunk) for chunk in _stream_chunks(answer, choice, event, progress)]
     if event.error is not None:
         logger.warning("request %s failed mid-stream (%s): %s", choices.request_id,
                        event.error.code, event.error.message)
         out.append(sse(error_body(event.error)))
         return True
     if event.finish_reason is not None:
-        out.append(sse(reply.chunk(finish_reason=event.finish_reason, index=choice.index,
-                                   progress=progress)))
+        out.append(sse(reply.chunk(finish_reason=finish_reason(choice.finish_reason,
+                                                               choice.tools),
+                                   index=choice.index, progress=progress)))
     if choices.done:
         if reply.include_usage:
             completion = 0 if answer.opts.echo_only else choices.completion_tokens()
@@ -259,11 +272,14 @@ async def serve(core, authorize, request: Request, chat: bool) -> Response:
         body = await read_json(request)
         model = check_model(body, core.model_name)
         refuse_unsupported(body, chat)
+        plan = await prepare_tools(body, core) if chat else None
         await vet_guide(body, core.guides)
         stream_on, include_usage = stream_options(body)
         opts = choice_options(body, chat)
-        prompt_list = await prompts(core, body, chat)
+        prompt_list = await prompts(core, body, chat, plan)
         choices = submit_choices(core, body, chat, opts, prompt_list)
+        for c in choices.choices if plan is not None else ():
+            c.tools = plan.stream()
     except RequestError as e:
         return refuse(core, e)
     except ClientDisconnect:
