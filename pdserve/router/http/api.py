@@ -173,9 +173,9 @@ def _stream_chunks(answer: Answer, choice: Choice, event: StreamEvent,
     if text or (lp and (ids or echoing)):
         out.append(answer.reply.chunk(text, index=choice.index, logprobs=lp,
                                       progress=progress))
-    if calls:
-        out.append(answer.reply.chunk(index=choice.index, progress=progress,
-                                      tool_calls=calls))
+    # One entry a chunk, as OpenAI streams them: a call's head, then its argument pieces.
+    out += [answer.reply.chunk(index=choice.index, progress=progress, tool_calls=[entry])
+            for entry in calls or ()]
     return out
 
 

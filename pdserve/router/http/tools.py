@@ -89,7 +89,9 @@ def tool_plan(body: dict, parser: str | None, chat_template: str | None) -> Tool
     family = FAMILIES[parser] if parser else default_family(chat_template)
     schemas = [(t["function"]["name"], t["function"].get("parameters") or NO_PARAMETERS)
                for t in tools]
-    return ToolPlan(tools, schemas, choice, forced, parallel is not False, family)
+    # More than one call only when asked for: a small model left free to go on repeats
+    # its call until max_tokens (OpenAI's default is true; docs/http-api.md says so).
+    return ToolPlan(tools, schemas, choice, forced, parallel is True, family)
 
 
 def _tools(raw) -> list[dict]:
