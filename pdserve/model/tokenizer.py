@@ -104,14 +104,15 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         if not self.chat_template:
             if self.chat_templates:
                 raise ValueError(f"this model has chat templates named "
                                  f"{sorted(self.chat_templates)} but no default one")
             raise ValueError("this model has no chat template (neither chat_template.jinja "
                              "nor a chat_template in tokenizer_config.json)")
-        return _render(self.chat_template, messages=messages,
+        return _render(self.chat_template, messages=messages, tools=tools,
                        add_generation_prompt=add_generation_prompt,
                        bos_token=_token_text(self.config.get("bos_token")),
                        eos_token=_token_text(self.config.get("eos_token")))
@@ -121,6 +122,11 @@ def _raise_exception(message):
     raise jinja2.TemplateError(message)
 
 
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
 def _render(template: str, **context) -> str:
     """Renders a chat template in the environment transformers gives it: sandboxed (the
     template comes with the model), loop controls, and raise_exception for templates that
@@ -128,6 +134,8 @@ def _render(template: str, **context) -> str:
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = _raise_exception
+    # transformers' tojson: plain JSON, not jinja2's HTML-escaped one (tool schemas, calls)
+    env.filters["tojson"] = _tojson
     return env.from_string(template).render(**context)
 
 

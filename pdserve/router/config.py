@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from pdserve.common.config_fields import check_fields, flag
 from pdserve.router.dispatch import policies
+from pdserve.router.http.tool_parsers import PARSERS
 
 POLICIES = tuple(policies.POLICIES)  # the names --policy takes (dispatch/policies.py defines them)
 
@@ -54,6 +55,9 @@ class RouterConfig:
         "oldest dropped first); 0 stores none.", min=0)
     responses_store_ttl_s: float = flag(3600.0, "Seconds a stored response is kept.",
                                         name="--responses-store-ttl", min=0, min_open=True)
+    tool_call_parser: str | None = flag(
+        None, "How the model writes tool calls (docs/http-api.md, tools).", choices=PARSERS,
+        default_text="read from the chat template: hermes for one that knows no tools")
     curve_dir: str | None = flag(None, "CurveZMQ key folder (pdserve keys generate): "
                                  "encrypt and authenticate the control, ingress and KV "
                                  "sockets.", kind="dir", default_text="off")

@@ -15,6 +15,7 @@ from pdserve.router.http.choices import (
     choice_logprobs,
 )
 from pdserve.router.http.openai_schema import ChoiceOptions, Reply, error_body, usage
+from pdserve.router.http.tool_parsers import finish_reason
 from pdserve.router.http.wait import ClientWatch
 from pdserve.router.streams import INTERNAL, RequestError, StreamEvent
 
@@ -62,25 +63,36 @@ async def collect(answer: Answer, choices: Choices, watch: ClientWatch) -> dict:
         choice.add(event)
     bodies, opts = [], answer.opts
     for c in choices.choices:
-        text = "" if opts.echo_only else "".join(c.parts)
+        text, calls = "" if opts.echo_only else "".join(c.parts), None
+        if c.tools is not None:
+            text, calls = c.tools.feed(text, final=True)[0], c.tools.calls
         lp = answer.logprobs(c, c.token_ids, join(c.logprobs), 0, with_prompt=True)
-        bodies.append(answer.reply.choice(c.index, c.prompt_text + text, c.finish_reason, lp))
+        bodies.append(answer.reply.choice(c.index, c.prompt_text + text, finish_reason(
+            c.finish_reason, c.tools), lp, calls))
     completion = 0 if opts.echo_only else choices.completion_tokens()
     return answer.reply.full(bodies, answer.num_prompt, completion)
 
 
-def _stream_chunk(answer: Answer, choice: Choice, event: StreamEvent,
-                  progress: dict) -> dict | None:
-    """The chunk of one event (its finish reason aside), or None when it shows nothing."""
+def _stream_chunks(answer: Answer, choice: Choice, event: StreamEvent,
+                   progress: dict) -> list[dict]:
+    """The chunks of one event (its finish reason aside): its text, then its tool-call
+    deltas (tool_parsers.ToolStream holds back what may open a call)."""
     opts, echoing = answer.opts, not choice.num_chars and choice.prompt_text
     ids, text = ([], "") if opts.echo_only else (event.token_ids, event.text)
     lp = answer.logprobs(choice, ids, event.logprobs, choice.num_chars, bool(echoing))
     if echoing:
         text = choice.prompt_text + text
     choice.num_chars += len(text)
-    if not text and not (lp and (ids or echoing)):
-        return None
-    return answer.reply.chunk(text, index=choice.index, logprobs=lp, progress=progress)
+    out, calls = [], None
+    if choice.tools is not None:
+        text, calls = choice.tools.feed(text, final=event.finish_reason is not None)
+    if text or (lp and (ids or echoing)):
+        out.append(answer.reply.chunk(text, index=choice.index, logprobs=lp,
+                                      progress=progress))
+    # One entry a chunk, as OpenAI streams them: a call's head, then its argument pieces.
+    out += [answer.reply.chunk(index=choice.index, progress=progress, tool_calls=[entry])
+            for entry in calls or ()]
+    return out
 
 
 @dataclass
@@ -137,17 +149,17 @@ def _event_chunks(answer: Answer, choices: Choices, item, out: list[dict]) -> bo
     reply = answer.reply
     choice.add(event)
     progress = usage(answer.num_prompt, choices.completion_tokens())
-    chunk = _stream_chunk(answer, choice, event, progress)
-    if chunk is not None:  # an event may carry the last tokens and the end together
-        out.append(chunk)
+    # an event may carry the last tokens and the end together
+    out += _stream_chunks(answer, choice, event, progress)
     if event.error is not None:
         logger.warning("request %s failed mid-stream (%s): %s", choices.request_id,
                        event.error.code, event.error.message)
         out.append(error_body(event.error))
         return True
     if event.finish_reason is not None:
-        out.append(reply.chunk(finish_reason=event.finish_reason, index=choice.index,
-                               progress=progress))
+        out.append(reply.chunk(finish_reason=finish_reason(choice.finish_reason,
+                                                           choice.tools),
+                               index=choice.index, progress=progress))
     if choices.done:
         if reply.include_usage:
             completion = 0 if answer.opts.echo_only else choices.completion_tokens()

@@ -52,6 +52,7 @@ from pdserve.router.http.openai_schema import (  # noqa: F401 (re-exported: the 
 from pdserve.router.http.responses import add_responses_routes
 from pdserve.router.http.structured import vet_guide
 from pdserve.router.http.tokens import add_token_routes
+from pdserve.router.http.tools import prepare_tools
 from pdserve.router.http.wait import SSE_HEADERS, ClientWatch, EventStream
 from pdserve.router.streams import INTERNAL, RequestError
 
@@ -149,11 +150,14 @@ async def run(core, body: dict, request: Request, chat: bool) -> dict | ChunkStr
     try:
         model = check_model(body, core.model_name)
         refuse_unsupported(body, chat)
+        plan = await prepare_tools(body, core) if chat else None
         await vet_guide(body, core.guides)
         stream_on, include_usage = stream_options(body)
         opts = choice_options(body, chat)
-        prompt_list = await prompts(core, body, chat)
+        prompt_list = await prompts(core, body, chat, plan)
         choices = submit_choices(core, body, chat, opts, prompt_list)
+        for c in choices.choices if plan is not None else ():
+            c.tools = plan.stream()
     except RequestError as e:
         core.refused(e)
         raise

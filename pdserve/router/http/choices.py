@@ -108,6 +108,7 @@ class Choice:
     finish_reason: str | None = None
     completion_tokens: int = 0
     num_chars: int = 0                  # text sent so far (streaming), for text_offset
+    tools: object = None                # a ToolStream (tool_parsers.py) when calls may come
 
     def add(self, event: StreamEvent) -> None:
         self.parts.append(event.text)
@@ -191,13 +192,17 @@ class Choices:
         return sum(c.completion_tokens for c in self.choices)
 
 
-async def prompts(core, body: dict, chat: bool) -> list[tuple[str | None, list[int]]]:
+async def prompts(core, body: dict, chat: bool,
+                  plan=None) -> list[tuple[str | None, list[int]]]:
     """Each prompt's (text or None, token ids). Text is checked for size, then templated and
-    tokenized in the core's bounded tokenizer pool, never on the event loop."""
+    tokenized in the core's bounded tokenizer pool, never on the event loop. ``plan``: the
+    chat's tools (tools.ToolPlan), rendered with the messages."""
     if chat:
         messages = chat_messages(body.get("messages"))
         check_prompt_bytes("".join(m["content"] for m in messages), core.config, "messages")
-        return [(None, await core.tokenizing.run(chat_prompt_ids, core.tokenizer, messages))]
+        tools, family = (plan.tools, plan.family) if plan is not None else (None, None)
+        return [(None, await core.tokenizing.run(chat_prompt_ids, core.tokenizer, messages,
+                                                 tools, family))]
     out = []
     for prompt in completion_prompts(body.get("prompt")):
         if isinstance(prompt, list):

@@ -31,6 +31,7 @@ from pdserve.router.http.chat_reading import (
 from pdserve.router.http.choices import prompts
 from pdserve.router.http.messages_input import chat_body, error_body
 from pdserve.router.http.openai_schema import check_model
+from pdserve.router.http.tools import prepare_tools
 from pdserve.router.http.wait import SSE_HEADERS, EventStream
 from pdserve.router.streams import INTERNAL, RequestError
 
@@ -160,7 +161,8 @@ def add_messages_routes(app: FastAPI, core, authorize, read_json, run) -> None:
             body = await read(request)
             chat = chat_body(body, "count_tokens", count_only=True)
             check_model(chat, core.model_name)
-            ((_, ids),) = await prompts(core, chat, True)
+            plan = await prepare_tools(chat, core)  # the tools are rendered in the prompt
+            ((_, ids),) = await prompts(core, chat, True, plan)
         except RequestError as e:
             return refuse(e)
         except ClientDisconnect:

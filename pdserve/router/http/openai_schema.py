@@ -13,6 +13,7 @@ import orjson
 from pdserve.common.limits import MAX_LOGPROBS, MAX_SEED
 from pdserve.common.sampling import SamplingParams
 from pdserve.router.http.structured import logits_processing
+from pdserve.router.http.tools import for_template, tool_message
 from pdserve.router.streams import BAD_REQUEST, NOT_FOUND, RequestError
 
 MAX_BODY_BYTES = 4 << 20
@@ -27,8 +28,7 @@ _UNSUPPORTED_COMMON = {
 }
 _UNSUPPORTED_COMPLETIONS = {"suffix": ("",)}
 _UNSUPPORTED_CHAT = {
-    "echo": (False,), "tools": ([],), "functions": ([],),
-    "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
+    "echo": (False,), "functions": ([],), "function_call": ("none", "auto"),
     "audio": (), "prediction": (),
     "modalities": (["text"],),
 }
@@ -45,11 +45,11 @@ _UNSUPPORTED_VLLM = {
 _UNSUPPORTED_VLLM_CHAT = {
     "add_generation_prompt": (True,), "continue_final_message": (False,),
     "add_special_tokens": (False,), "chat_template": (), "chat_template_kwargs": ({},),
-    "documents": (), "mm_processor_kwargs": (), "parallel_tool_calls": (True, False),
+    "documents": (), "mm_processor_kwargs": (),
     "reasoning_effort": (), "include_reasoning": (True,),
 }
 _UNSUPPORTED_VLLM_COMPLETIONS = {"add_special_tokens": (True,)}
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _KINDS = {
     "an integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
     "a number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
@@ -241,11 +241,12 @@ def completion_prompt_ids(tokenizer, prompt) -> list[int]:
 
 
 def chat_messages(messages) -> list[dict]:
-    """The messages as [{role, content: str}]; text parts are joined with newlines."""
+    """The messages as [{role, content: str}] (text parts joined with newlines), and
+    assistant tool calls and tool results checked against each other (tools.py)."""
     if not isinstance(messages, list) or not messages:
         raise bad("messages is required: a non-empty array of {role, content} objects",
                   "messages")
-    out = []
+    out, call_ids = [], set()
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(msg, dict):
@@ -254,9 +255,6 @@ def chat_messages(messages) -> list[dict]:
         if role not in CHAT_ROLES:
             raise bad(f"{where}.role must be one of {', '.join(CHAT_ROLES)}; got {_show(role)}",
                       f"{where}.role")
-        if msg.get("tool_calls"):
-            raise bad(f"{where}.tool_calls is not supported: this server has no tool calling",
-                      f"{where}.tool_calls")
         if isinstance(content, list):
             for j, part in enumerate(content):
                 if not (isinstance(part, dict) and part.get("type") == "text"
@@ -265,19 +263,27 @@ def chat_messages(messages) -> list[dict]:
                               f"string}}: only text content is supported; got {_show(part)}",
                               f"{where}.content")
             content = "\n".join(part["text"] for part in content)
-        if not isinstance(content, str):
+        calls = msg.get("tool_calls") is not None
+        if not isinstance(content, str) and not (content is None and calls):
             raise bad(f"{where}.content must be a string or an array of text parts; got "
                       f"{_show(content)}", f"{where}.content")
-        out.append({"role": role, "content": content})
+        if calls or role == "tool":
+            out.append(tool_message(msg, where, content, call_ids))
+        else:
+            out.append({"role": role, "content": content})
     return out
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                    family=None) -> list[int]:
     """Renders the chat template and encodes it without adding special tokens, as
     transformers' apply_chat_template(tokenize=True) does: the template itself writes
-    any BOS it wants (the bundled one writes none)."""
+    any BOS it wants (the bundled one writes none). ``tools`` go to a template that knows
+    them; for one that does not, tools.for_template writes the default rendering."""
+    messages, tools = for_template(messages, tools, tokenizer.chat_template, family)
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tools=tools)
     except (ValueError, jinja2.TemplateError) as e:
         raise bad(f"cannot render the chat template for these messages: {e}",
                   "messages") from None
@@ -334,10 +340,13 @@ class Reply:
 
     def chunk(self, text: str = "", finish_reason: str | None = None,
               role: bool = False, index: int = 0, logprobs: dict | None = None,
-              progress: dict | None = None) -> dict:
+              progress: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": text} if role else \
-                ({"content": text} if text or finish_reason is None else {})
+                ({"content": text} if text or finish_reason is None and not tool_calls
+                 else {})
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {"index": index, "delta": delta, "logprobs": logprobs,
                       "finish_reason": finish_reason}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
@@ -355,11 +364,15 @@ class Reply:
                                                                   completion_tokens)}
 
     def choice(self, index: int, text: str, finish_reason: str,
-               logprobs: dict | None = None) -> dict:
-        """One choice of a full (non-streamed) response."""
+               logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+        """One choice of a full (non-streamed) response; content is null when the answer
+        is only tool calls, as OpenAI's is."""
         if self.chat:
-            return {"index": index, "message": {"role": "assistant", "content": text},
-                    "logprobs": logprobs, "finish_reason": finish_reason}
+            message = {"role": "assistant", "content": text}
+            if tool_calls:
+                message.update(content=text or None, tool_calls=tool_calls)
+            return {"index": index, "message": message, "logprobs": logprobs,
+                    "finish_reason": finish_reason}
         return {"index": index, "text": text, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 

@@ -63,7 +63,7 @@ _VETTED = object()
 async def vet_guide(body: dict, checker) -> None:
     """Checks the body's guide in ``checker`` (router/guide_check.py: child processes
     under a deadline), before the synchronous parse, which then trusts the verdict."""
-    found = _find_guide(body)
+    found = find_guide(body)
     if found is not None:
         param, kind, spec = found
         problem = await checker.problem(kind, spec)
@@ -74,7 +74,7 @@ async def vet_guide(body: dict, checker) -> None:
 
 def _guide(body: dict) -> tuple[str, str] | None:
     """The request's one structured-output constraint as (kind, spec), checked."""
-    found = _find_guide(body)
+    found = find_guide(body)
     if found is None:
         return None
     param, kind, spec = found
@@ -85,7 +85,7 @@ def _guide(body: dict) -> tuple[str, str] | None:
     return kind, spec
 
 
-def _find_guide(body: dict) -> tuple[str, str, str] | None:
+def find_guide(body: dict) -> tuple[str, str, str] | None:
     """The request's one structured-output constraint as (param, kind, spec), unchecked."""
     found = []  # (param, kind, value)
     fmt = body.get("response_format")
