@@ -1,0 +1,157 @@
+"""Anthropic's Messages API as its users see it against `pdserve launch` (1 prefill + 1
+decode) on the default model, SmolLM2-135M-Instruct: the anthropic client's
+messages.create and messages.stream (text equal to chat completions', token for
+token), tool use (tool_choice any and tool, a tool_result turn), count_tokens equal to
+what a request is billed, and bad input answered in Anthropic's error shape while the
+server goes on serving."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from pdserve.model.default_model import bundled_model
+from pdserve.model.loader import model_name
+from tests.cluster import launched
+
+anthropic = pytest.importorskip("anthropic")
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+           "required": ["city"], "additionalProperties": False}
+TOOL = {"name": "get_weather", "description": "The weather of a city.",
+        "input_schema": WEATHER}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    path, why = bundled_model()
+    if path is None:
+        pytest.skip(f"the bundled model is not installed: {why}")
+    with launched(path, 1, 1, log_dir=tmp_path_factory.mktemp("launch")) as c:
+        c.model = model_name(path)
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return anthropic.Anthropic(base_url=cluster.http_url, api_key="none", max_retries=0,
+                               timeout=120)
+
+
+def test_text_equals_chat_created_and_streamed(cluster, client):
+    system, user = "Answer in one sentence.", "Name three primary colors."
+    chat = openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="none", max_retries=0,
+                         timeout=120).chat.completions.create(
+        model=cluster.model, messages=[{"role": "system", "content": system},
+                                       {"role": "user", "content": user}],
+        max_tokens=16, temperature=0)
+    # temperature is not a parameter of this anthropic client: sent as the API's field.
+    greedy = {"extra_body": {"temperature": 0}}
+    m = client.messages.create(model=cluster.model, max_tokens=16, system=system,
+                               messages=[{"role": "user", "content": user}], **greedy)
+    assert m.type == "message" and m.role == "assistant"
+    assert [b.type for b in m.content] == ["text"]
+    assert m.content[0].text == chat.choices[0].message.content != ""
+    assert m.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[
+        chat.choices[0].finish_reason]
+    assert (m.usage.input_tokens, m.usage.output_tokens) == (
+        chat.usage.prompt_tokens, chat.usage.completion_tokens)
+
+    kinds, deltas = [], []
+    with client.messages.stream(model=cluster.model, max_tokens=16, system=system,
+                                messages=[{"role": "user", "content": user}],
+                                **greedy) as stream:
+        for event in stream:
+            kinds.append(event.type)
+            if event.type == "content_block_delta":
+                deltas.append(event.delta.text)
+        final = stream.get_final_message()
+    assert kinds[:2] == ["message_start", "content_block_start"]
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert len(deltas) > 1 and "".join(deltas) == final.content[0].text == m.content[0].text
+    assert final.stop_reason == m.stop_reason and final.usage.output_tokens == \
+        m.usage.output_tokens and final.usage.input_tokens == m.usage.input_tokens
+
+
+def test_tool_use_created_streamed_and_answered(client, cluster):
+    m = client.messages.create(model=cluster.model, max_tokens=60, tools=[TOOL],
+                               tool_choice={"type": "any"}, messages=QUESTION)
+    assert m.stop_reason == "tool_use"
+    (use,) = [b for b in m.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and use.id
+    jsonschema.validate(use.input, WEATHER)
+
+    # The tool's result as the next user turn: answered with text.
+    follow = client.messages.create(
+        model=cluster.model, max_tokens=24, tools=[TOOL], messages=QUESTION + [
+            {"role": "assistant", "content": [b.model_dump() for b in m.content]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                          "content": "Sunny, 21 C"}]}])
+    assert follow.content and follow.stop_reason in ("end_turn", "max_tokens", "tool_use")
+
+    pieces, starts = [], []
+    with client.messages.stream(model=cluster.model, max_tokens=60, tools=[TOOL],
+                                tool_choice={"type": "tool", "name": "get_weather"},
+                                messages=[{"role": "user", "content": "Weather in Oslo?"}]
+                                ) as stream:
+        for event in stream:
+            if event.type == "content_block_start":
+                starts.append(event.content_block)
+            if event.type == "content_block_delta" and event.delta.type == "input_json_delta":
+                pieces.append(event.delta.partial_json)
+        final = stream.get_final_message()
+    assert starts[-1].type == "tool_use" and starts[-1].name == "get_weather"
+    assert len(pieces) > 1   # streamed in pieces, not one blob
+    (block,) = [b for b in final.content if b.type == "tool_use"]
+    assert json.loads("".join(pieces)) == block.input and block.id == starts[-1].id
+    assert final.stop_reason == "tool_use"
+    jsonschema.validate(block.input, WEATHER)
+
+
+def test_count_tokens_is_what_a_request_is_billed(client, cluster):
+    for extra in ({}, {"tools": [TOOL], "system": "Be brief."}):
+        counted = client.messages.count_tokens(model=cluster.model, messages=QUESTION,
+                                               **extra)
+        m = client.messages.create(model=cluster.model, max_tokens=1, messages=QUESTION,
+                                   **extra)
+        assert counted.input_tokens == m.usage.input_tokens > 0
+
+
+@pytest.mark.parametrize("body, status, kind, says", [
+    ({"model": "nope"}, 404, "not_found_error", "nope"),
+    ({"max_tokens": None}, 400, "invalid_request_error", "max_tokens"),
+    ({"tools": [TOOL], "tool_choice": {"type": "tool", "name": "nope"}}, 400,
+     "invalid_request_error", "nope"),
+    ({"tools": [{**TOOL, "input_schema": {"type": "strnig"}}], "tool_choice": {"type": "any"}},
+     400, "invalid_request_error", "strnig"),
+    ({"messages": QUESTION + [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_x", "content": "hi"}]}]}, 400,
+     "invalid_request_error", "toolu_x"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
+     "invalid_request_error", "image"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "invalid_request_error",
+     "thinking"),
+])
+def test_bad_input_in_anthropic_shape(cluster, body, status, kind, says):
+    request = {"model": cluster.model, "max_tokens": 8, "messages": QUESTION, **body}
+    r = httpx.post(cluster.http_url + "/v1/messages", timeout=60,
+                   json={k: v for k, v in request.items() if v is not None})
+    assert r.status_code == status, r.text
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == kind
+    assert says in r.json()["error"]["message"], r.json()
+    # ... and the server goes on serving.
+    ok = httpx.post(cluster.http_url + "/v1/messages", timeout=60, json={
+        "model": cluster.model, "max_tokens": 2, "messages": QUESTION})
+    assert ok.status_code == 200 and ok.json()["type"] == "message"
+
+
+def test_body_that_is_not_json(cluster, client):
+    r = httpx.post(cluster.http_url + "/v1/messages", content=b"{not json", timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.NotFoundError) as e:
+        client.messages.create(model="nope", max_tokens=8, messages=QUESTION)
+    assert e.value.body["error"]["type"] == "not_found_error"
