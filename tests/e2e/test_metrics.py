@@ -30,6 +30,7 @@ ROUTER = {
     "pdserve_request_errors": "counter",
     "pdserve_requests_running": "gauge",
     "pdserve_nodes": "gauge",
+    "pdserve_responses_stored": "gauge",
     "pdserve_internal_errors": "counter",
 }
 NODE = {"pdserve_kv_cache_usage_ratio": "gauge", "pdserve_requests_waiting": "gauge",
