@@ -155,3 +155,17 @@ def test_body_that_is_not_json(cluster, client):
     with pytest.raises(anthropic.NotFoundError) as e:
         client.messages.create(model="nope", max_tokens=8, messages=QUESTION)
     assert e.value.body["error"]["type"] == "not_found_error"
+
+
+def test_10000_tools_or_a_schema_1000_deep_is_a_400(cluster):
+    many = [{**TOOL, "name": f"f{i}"} for i in range(10_000)]
+    deep = '{"type": "object", "properties": {"a": ' * 1000 + '{"type": "string"}' + \
+        "}}" * 1000
+    head = {"model": cluster.model, "max_tokens": 8, "messages": QUESTION}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        for content in (json.dumps({**head, "tools": many}),
+                        json.dumps(head)[:-1] + ', "tools": [{"name": "f", "input_schema": '
+                        + deep + "}]}"):
+            r = httpx.post(cluster.http_url + path, content=content, timeout=60)
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["type"] == "invalid_request_error", r.text

@@ -192,3 +192,14 @@ def test_openai_agents_through_responses_and_chat(cluster):
         final = asyncio.run(run(model_class))
         assert len(calls) == 1, (model_class.__name__, calls)
         assert isinstance(final, str) and final.strip(), (model_class.__name__, final)
+
+
+def test_10000_tools_or_a_schema_1000_deep_is_a_400(cluster):
+    many = [{**TOOL, "name": f"f{i}"} for i in range(10_000)]
+    deep = '{"type": "object", "properties": {"a": ' * 1000 + '{"type": "string"}' + \
+        "}}" * 1000
+    for content in (json.dumps({"model": cluster.model, "input": "Hi", "tools": many}),
+                    '{"model": "%s", "input": "Hi", "tools": [{"type": "function", '
+                    '"name": "f", "parameters": %s}]}' % (cluster.model, deep)):
+        r = httpx.post(cluster.http_url + "/v1/responses", content=content, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", r.text
