@@ -85,7 +85,7 @@ def test_unsupported_fields_refused_not_ignored():
     api.refuse_unsupported({"logprobs": False, "tool_choice": "none", "echo": False,
                             "response_format": {"type": "text"}}, chat=True)
     for body, chat in (({"prompt_logprobs": 1}, False), ({"best_of": 3}, False),
-                       ({"echo": True}, True), ({"tools": [{"type": "function"}]}, True),
+                       ({"echo": True}, True), ({"functions": [{"name": "f"}]}, True),
                        ({"min_p": 0.5}, True)):
         assert refused(api.refuse_unsupported, body, chat).param == next(iter(body))
 
