@@ -134,7 +134,9 @@ def test_chat_messages():
             ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
              "messages[0].content", "only text content"),
             ([{"role": "assistant", "content": "", "tool_calls": [{}]}],
-             "messages[0].tool_calls", "tool calling")):
+             "messages[0].tool_calls[0]", '"function": {"name", "arguments": JSON text}'),
+            ([{"role": "user", "content": "x", "tool_calls": []}],
+             "messages[0].tool_calls", "on an assistant message")):
         err = refused(api.chat_messages, messages)
         assert err.param == param and words in err.message, err.message
 
