@@ -85,7 +85,7 @@ def test_unsupported_fields_refused_not_ignored():
     api.refuse_unsupported({"logprobs": False, "tool_choice": "none", "echo": False,
                             "response_format": {"type": "text"}}, chat=True)
     for body, chat in (({"prompt_logprobs": 1}, False), ({"best_of": 3}, False),
-                       ({"echo": True}, True), ({"tools": [{"type": "function"}]}, True),
+                       ({"echo": True}, True), ({"functions": [{"name": "f"}]}, True),
                        ({"min_p": 0.5}, True)):
         assert refused(api.refuse_unsupported, body, chat).param == next(iter(body))
 
@@ -134,7 +134,9 @@ def test_chat_messages():
             ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
              "messages[0].content", "only text content"),
             ([{"role": "assistant", "content": "", "tool_calls": [{}]}],
-             "messages[0].tool_calls", "tool calling")):
+             "messages[0].tool_calls[0]", '"function": {"name", "arguments": JSON text}'),
+            ([{"role": "user", "content": "x", "tool_calls": []}],
+             "messages[0].tool_calls", "on an assistant message")):
         err = refused(api.chat_messages, messages)
         assert err.param == param and words in err.message, err.message
 

@@ -90,7 +90,9 @@ async def read_json(request: Request) -> dict:
                                f"{MAX_BODY_BYTES} bytes, the most accepted")
     try:
         body = json.loads(bytes(data))
-    except (ValueError, RecursionError) as e:  # RecursionError: hostile nesting ([[[[...)
+    except RecursionError:  # hostile nesting ([[[[...): valid JSON, too deep to read
+        raise bad("the request body nests arrays/objects too deep to read") from None
+    except ValueError as e:
         raise bad(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
@@ -155,9 +157,7 @@ async def run(core, body: dict, request: Request, chat: bool) -> dict | ChunkStr
         stream_on, include_usage = stream_options(body)
         opts = choice_options(body, chat)
         prompt_list = await prompts(core, body, chat, plan)
-        choices = submit_choices(core, body, chat, opts, prompt_list)
-        for c in choices.choices if plan is not None else ():
-            c.tools = plan.stream()
+        choices = submit_choices(core, body, chat, opts, prompt_list, plan)
     except RequestError as e:
         core.refused(e)
         raise

@@ -214,9 +214,10 @@ async def prompts(core, body: dict, chat: bool,
 
 
 def submit_choices(core, body: dict, chat: bool, opts: ChoiceOptions,
-                   prompt_list: list[tuple[str | None, list[int]]]) -> Choices:
+                   prompt_list: list[tuple[str | None, list[int]]], plan=None) -> Choices:
     """One core request per choice (prompt-major: index = prompt_i * n + j); when one is
-    refused, those already submitted are cancelled."""
+    refused, those already submitted are cancelled. ``plan``: the chat's tools
+    (tools.ToolPlan): each choice gets its own parser."""
     if len(prompt_list) * opts.n > MAX_CHOICES:
         raise bad(f"{len(prompt_list)} prompts x n={opts.n} make {len(prompt_list) * opts.n} "
                   f"choices; at most {MAX_CHOICES} are accepted", "n")
@@ -245,7 +246,8 @@ def submit_choices(core, body: dict, chat: bool, opts: ChoiceOptions,
                 stream = core.submit(req)  # runs core.check: context, vocabulary, params
                 echo = "" if not opts.echo else \
                     text if text is not None else core.tokenizer.decode(ids, False)
-                choices.append(Choice(index, stream, echo))
+                choices.append(Choice(index, stream, echo,
+                                      tools=plan.stream() if plan is not None else None))
     except BaseException:
         for c in choices:
             c.stream.cancel()

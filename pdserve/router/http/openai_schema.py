@@ -291,16 +291,23 @@ def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = 
 
 
 def json_depth_problem(body, limit: int = MAX_JSON_DEPTH) -> str | None:
-    """Why ``body`` nests too deep, or None (iterative: no recursion on hostile input)."""
-    todo = [(body, 1)]
+    """Why ``body`` nests too deep, naming where (a tool's schema, say), or None
+    (iterative: no recursion on hostile input; the path is kept per level, not per
+    value, so a wide body costs no more than before)."""
+    todo, path = [(body, 1, None)], []
     while todo:
-        value, depth = todo.pop()
+        value, depth, key = todo.pop()
+        del path[depth - 1:]
+        path.append(key)
         if depth > limit:
-            return f"the request body nests arrays/objects deeper than {limit} levels"
+            where = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path[1:])
+            where = where.lstrip(".")
+            return (f"the request body nests arrays/objects deeper than {limit} levels, at "
+                    f"{where[:80] + '...' if len(where) > 80 else where}")
         if isinstance(value, dict):
-            todo.extend((v, depth + 1) for v in value.values())
+            todo.extend((v, depth + 1, k) for k, v in value.items())
         elif isinstance(value, list):
-            todo.extend((v, depth + 1) for v in value)
+            todo.extend((v, depth + 1, i) for i, v in enumerate(value))
     return None
 
 
