@@ -217,14 +217,14 @@ async def serve(core, authorize, request: Request, chat: bool) -> Response:
 
 
 class HotRoutes:
-    """The ASGI app uvicorn serves: POST /v1/completions and /v1/chat/completions go
-    straight to ``serve``, every other request to the FastAPI app. FastAPI's layers
-    (middleware, routing, dependencies, telemetry, a wrapper around every ``send``) cost
-    about an eighth of the router's CPU per streamed request (an A/B in
-    benchmarks/RESULTS.md) and do nothing for these two: ``serve`` reads and checks the
-    body itself and answers every failure with its own OpenAI error. ``fastapi``: the app
-    behind, where other routes are added (these two are there too, so that another
-    method gets its 405)."""
+    """The ASGI app uvicorn serves: POST /v1/completions, /v1/chat/completions,
+    /v1/responses and /v1/messages go straight to their handler, every other request to
+    the FastAPI app. FastAPI's layers (middleware, routing, dependencies, telemetry, a
+    wrapper around every ``send``) cost about an eighth of the router's CPU per streamed
+    request (an A/B in benchmarks/RESULTS.md) and do nothing for these: each handler
+    reads and checks the body itself and answers every failure with its own API's error.
+    ``fastapi``: the app behind, where other routes are added (these are there too, so
+    that another method gets its 405)."""
 
     def __init__(self, fastapi: FastAPI, routes: dict):
         self.fastapi = fastapi
@@ -285,8 +285,8 @@ def build_app(core, api_key: str | None = None) -> HotRoutes:
         return JSONResponse(model_card())
 
     add_token_routes(app, core, authorize, read_json, lambda e: refuse(core, e))
-    add_responses_routes(app, core, authorize, read_json, run, error_response)
-    add_messages_routes(app, core, authorize, read_json, run)
+    responses = add_responses_routes(app, core, authorize, read_json, run, error_response)
+    messages = add_messages_routes(app, core, authorize, read_json, run)
 
     @app.get("/health")
     async def health() -> Response:
@@ -300,4 +300,5 @@ def build_app(core, api_key: str | None = None) -> HotRoutes:
 
     app.add_route("/metrics", metrics_endpoint(core.metrics.registry), methods=["GET"])
     return HotRoutes(app, {"/v1/completions": completions,
-                           "/v1/chat/completions": chat_completions})
+                           "/v1/chat/completions": chat_completions,
+                           "/v1/responses": responses, "/v1/messages": messages})

@@ -96,8 +96,12 @@ async def stream_events(stream, head: dict):
                 out += _event("content_block_delta", {"index": index, "delta": delta})
             if out:
                 yield out
-    except ChatFailed as e:
-        yield _event("error", {"error": error_body(e.error)["error"]})
+    except Exception as e:  # ChatFailed: the chat stream's error; else a bug, logged
+        if not isinstance(e, ChatFailed):
+            logger.exception("message %s failed while streaming", head["id"])
+        err = e.error if isinstance(e, ChatFailed) else RequestError(
+            INTERNAL, "internal error while streaming; see the router's log")
+        yield _event("error", {"error": error_body(err)["error"]})
         return
     out = b""
     if open_kind is None:  # nothing was written: still one (empty) text block
@@ -124,8 +128,9 @@ def failure(err: RequestError) -> JSONResponse:
     return JSONResponse(error_body(err), status_code=status, headers=headers)
 
 
-def add_messages_routes(app: FastAPI, core, authorize, read_json, run) -> None:
-    """POST /v1/messages and /v1/messages/count_tokens on ``app``; ``run`` is api.run."""
+def add_messages_routes(app: FastAPI, core, authorize, read_json, run):
+    """POST /v1/messages and /v1/messages/count_tokens on ``app``; returns the
+    /v1/messages handler (api.HotRoutes serves it directly). ``run`` is api.run."""
     def refuse(err: RequestError) -> Response:
         core.refused(err)
         return failure(err)
@@ -144,6 +149,9 @@ def add_messages_routes(app: FastAPI, core, authorize, read_json, run) -> None:
             return refuse(e)
         except ClientDisconnect:
             return Response(status_code=499)
+        except Exception:
+            logger.exception("message %s failed before it was submitted", message_id)
+            return refuse(RequestError(INTERNAL, "internal error; see the router's log"))
         try:
             result = await run(core, chat, request, True)
         except RequestError as e:
@@ -171,3 +179,5 @@ def add_messages_routes(app: FastAPI, core, authorize, read_json, run) -> None:
             logger.exception("count_tokens failed")
             return refuse(RequestError(INTERNAL, "internal error; see the router's log"))
         return JSONResponse({"input_tokens": len(ids)})
+
+    return create

@@ -9,6 +9,7 @@ response object, or Responses' named SSE events (``response.created``,
 (responses_store.py). Errors are OpenAI's error body."""
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
@@ -33,7 +34,9 @@ from pdserve.router.http.openai_schema import bad
 from pdserve.router.http.responses_input import chat_body
 from pdserve.router.http.responses_store import ResponsesStore
 from pdserve.router.http.wait import SSE_HEADERS, EventStream
-from pdserve.router.streams import RequestError
+from pdserve.router.streams import INTERNAL, RequestError
+
+logger = logging.getLogger(__name__)
 
 
 def _id(prefix: str) -> str:
@@ -171,8 +174,13 @@ async def stream_events(stream, head: dict, on_done):
                                     **writer._where(), delta=step[2])
             if out:
                 yield out
-    except ChatFailed as e:
-        err = e.error
+    except Exception as e:  # ChatFailed: the chat stream's error; else a bug, logged
+        if isinstance(e, ChatFailed):
+            err = e.error
+        else:
+            logger.exception("response %s failed while streaming", head["id"])
+            err = RequestError(INTERNAL, "internal error while streaming; see the router's "
+                                         "log")
         failed = {**head, "status": "failed", "error": {"code": err.code,
                                                         "message": err.message}}
         yield writer.event("error", code=err.code, message=err.message, param=err.param) + \
@@ -188,10 +196,10 @@ async def stream_events(stream, head: dict, on_done):
     yield out + writer.event("response.completed", response=response)
 
 
-def add_responses_routes(app: FastAPI, core, authorize, read_json, run,
-                         error_response) -> ResponsesStore:
-    """POST /v1/responses and GET /v1/responses/{id} on ``app``. ``run`` is api.run, the
-    chat path; ``error_response`` answers a RequestError in OpenAI's shape."""
+def add_responses_routes(app: FastAPI, core, authorize, read_json, run, error_response):
+    """POST /v1/responses and GET /v1/responses/{id} on ``app``; returns the POST handler
+    (api.HotRoutes serves it directly). ``run`` is api.run, the chat path;
+    ``error_response`` answers a RequestError in OpenAI's shape."""
     config = core.config
     store = ResponsesStore(config.responses_store_max_entries, config.responses_store_ttl_s,
                            core.metrics.responses_stored.set)
@@ -224,6 +232,9 @@ def add_responses_routes(app: FastAPI, core, authorize, read_json, run,
             return refuse(e)
         except ClientDisconnect:
             return Response(status_code=499)
+        except Exception:
+            logger.exception("response %s failed before it was submitted", response_id)
+            return refuse(RequestError(INTERNAL, "internal error; see the router's log"))
         head = shell(body, response_id)
 
         def keep(response: dict, turn: Turn) -> None:
@@ -256,4 +267,4 @@ def add_responses_routes(app: FastAPI, core, authorize, read_json, run,
             return refuse(e)
         return JSONResponse(stored.response)
 
-    return store
+    return create
