@@ -150,7 +150,10 @@ def test_a_conversation_with_a_tool_result_goes_on_in_text(client, model):
 @pytest.mark.parametrize("extra, param, why", [
     ({"tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "strnig"}}}]},
-     "tools[0].function.parameters", "JSON schema"),
+     "tools[0].function.parameters", "Invalid type: strnig"),
+    ({"tools": [TOOLS[1], {"type": "function", "function": {
+        "name": "g", "parameters": {"type": "object", "required": "city"}}}]},
+     "tools[1].function.parameters", "Expected array for 'required'"),
     ({"tool_choice": named("nope")}, "tool_choice", "not in tools"),
     ({"messages": ASK + [{"role": "tool", "tool_call_id": "call_x", "content": "1"}]},
      "messages[1].tool_call_id", "matches no tool call"),
