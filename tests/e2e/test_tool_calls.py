@@ -137,7 +137,7 @@ def test_auto_answers_text_or_a_valid_call_streamed_as_not(cluster, client, mode
         assert streamed == (msg.content or "")
 
 
-def test_a_conversation_with_a_tool_result_goes_on_in_text(client, model):
+def test_a_conversation_with_a_tool_result_goes_on_in_text(cluster, client, model):
     call = ask(client, model, tool_choice=named("get_weather")).choices[0].message
     messages = ASK + [call.model_dump(exclude_none=True),
                       {"role": "tool", "tool_call_id": call.tool_calls[0].id,
@@ -145,6 +145,12 @@ def test_a_conversation_with_a_tool_result_goes_on_in_text(client, model):
     r = ask(client, model, messages=messages, tool_choice="none", max_tokens=40)
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
     assert r.choices[0].finish_reason in ("stop", "length")
+    # /tokenize counts the prompt as the request rendered it: the tools included.
+    count = httpx.post(cluster.http_url + "/tokenize", json={
+        "messages": messages, "tools": TOOLS}).json()["count"]
+    assert count == r.usage.prompt_tokens
+    assert httpx.post(cluster.http_url + "/tokenize", json={
+        "messages": messages}).json()["count"] < count
 
 
 @pytest.mark.parametrize("extra, param, why", [
