@@ -1,10 +1,11 @@
 """Tool calling on /v1/chat/completions as the clients people use see it, against `pdserve
 launch` on the bundled SmolLM2-135M-Instruct (1 prefill, 2 decode nodes): the openai
 client's tools streamed and not, in OpenAI's exact stream shape; LangChain's bind_tools and
-with_structured_output; LiteLLM with tools; a conversation with a tool result; bad tools
-refused with an error naming the field while the server goes on serving; and a decode node
-SIGKILLed while a call's arguments stream, which still gives the arguments whole, once,
-equal to a run without the fault. Greedy decoding throughout, so runs are comparable."""
+with_structured_output; LiteLLM with tools; an openai-agents Agent through chat
+completions; a conversation with a tool result; bad tools refused with an error naming
+the field while the server goes on serving; and a decode node SIGKILLed while a call's
+arguments stream, which still gives the arguments whole, once, equal to a run without the
+fault. Greedy decoding throughout, so runs are comparable."""
 from __future__ import annotations
 
 import json
@@ -243,6 +244,41 @@ def test_litellm_with_tools(cluster, model):
     args = "".join(d.function.arguments or "" for c in litellm.completion(**kw, stream=True)
                    for d in (c.choices[0].delta.tool_calls or []))
     assert args == call.function.arguments
+
+
+def test_openai_agents_through_chat_completions(cluster, model):
+    """An Agent with one function tool on OpenAIChatCompletionsModel: the first turn must
+    call (required; the SDK resets tool_choice to auto after the call), the tool runs
+    once, and the run ends with text."""
+    import asyncio
+
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)
+    cities = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        cities.append(city)
+        return f"It is sunny and 21 C in {city}."
+
+    client = openai.AsyncOpenAI(base_url=cluster.http_url + "/v1", api_key="none",
+                                max_retries=0)
+    agent = Agent(name="weather", instructions="Use the tool to answer.", tools=[get_weather],
+                  model=OpenAIChatCompletionsModel(model=model, openai_client=client),
+                  model_settings=ModelSettings(tool_choice="required", temperature=0,
+                                               max_tokens=80))
+    result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=4))
+    assert cities == ["Paris"]
+    assert isinstance(result.final_output, str) and result.final_output.strip()
 
 
 # Last: it leaves the cluster one decode node short.
