@@ -73,6 +73,10 @@ def test_named_and_required_calls(client, model):
         assert call.function.name == "get_weather"  # the one that fits the question
         jsonschema.validate(json.loads(call.function.arguments), WEATHER)
         assert r.usage.completion_tokens > 0 and r.usage.prompt_tokens > 0
+    # n choices: each its own parser and its own call.
+    r = ask(client, model, tool_choice="required", n=2)
+    assert [c.message.tool_calls[0].function.name for c in r.choices] == ["get_weather"] * 2
+    assert r.choices[0].message.tool_calls[0].id != r.choices[1].message.tool_calls[0].id
     # A tool without parameters is called with {} (never an empty or missing arguments).
     r = ask(client, model, tool_choice=named("get_time"))
     assert r.choices[0].message.tool_calls[0].function.arguments == "{}"
