@@ -1,10 +1,11 @@
 """Tool calling on /v1/chat/completions as the clients people use see it, against `pdserve
 launch` on the bundled SmolLM2-135M-Instruct (1 prefill, 2 decode nodes): the openai
 client's tools streamed and not, in OpenAI's exact stream shape; LangChain's bind_tools and
-with_structured_output; LiteLLM with tools; a conversation with a tool result; bad tools
-refused with an error naming the field while the server goes on serving; and a decode node
-SIGKILLed while a call's arguments stream, which still gives the arguments whole, once,
-equal to a run without the fault. Greedy decoding throughout, so runs are comparable."""
+with_structured_output; LiteLLM with tools; an openai-agents Agent through chat
+completions; a conversation with a tool result; bad tools refused with an error naming
+the field while the server goes on serving; and a decode node SIGKILLed while a call's
+arguments stream, which still gives the arguments whole, once, equal to a run without the
+fault. Greedy decoding throughout, so runs are comparable."""
 from __future__ import annotations
 
 import json
@@ -72,6 +73,10 @@ def test_named_and_required_calls(client, model):
         assert call.function.name == "get_weather"  # the one that fits the question
         jsonschema.validate(json.loads(call.function.arguments), WEATHER)
         assert r.usage.completion_tokens > 0 and r.usage.prompt_tokens > 0
+    # n choices: each its own parser and its own call.
+    r = ask(client, model, tool_choice="required", n=2)
+    assert [c.message.tool_calls[0].function.name for c in r.choices] == ["get_weather"] * 2
+    assert r.choices[0].message.tool_calls[0].id != r.choices[1].message.tool_calls[0].id
     # A tool without parameters is called with {} (never an empty or missing arguments).
     r = ask(client, model, tool_choice=named("get_time"))
     assert r.choices[0].message.tool_calls[0].function.arguments == "{}"
@@ -137,7 +142,7 @@ def test_auto_answers_text_or_a_valid_call_streamed_as_not(cluster, client, mode
         assert streamed == (msg.content or "")
 
 
-def test_a_conversation_with_a_tool_result_goes_on_in_text(client, model):
+def test_a_conversation_with_a_tool_result_goes_on_in_text(cluster, client, model):
     call = ask(client, model, tool_choice=named("get_weather")).choices[0].message
     messages = ASK + [call.model_dump(exclude_none=True),
                       {"role": "tool", "tool_call_id": call.tool_calls[0].id,
@@ -145,12 +150,21 @@ def test_a_conversation_with_a_tool_result_goes_on_in_text(client, model):
     r = ask(client, model, messages=messages, tool_choice="none", max_tokens=40)
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
     assert r.choices[0].finish_reason in ("stop", "length")
+    # /tokenize counts the prompt as the request rendered it: the tools included.
+    count = httpx.post(cluster.http_url + "/tokenize", json={
+        "messages": messages, "tools": TOOLS}).json()["count"]
+    assert count == r.usage.prompt_tokens
+    assert httpx.post(cluster.http_url + "/tokenize", json={
+        "messages": messages}).json()["count"] < count
 
 
 @pytest.mark.parametrize("extra, param, why", [
     ({"tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "strnig"}}}]},
-     "tools[0].function.parameters", "JSON schema"),
+     "tools[0].function.parameters", "Invalid type: strnig"),
+    ({"tools": [TOOLS[1], {"type": "function", "function": {
+        "name": "g", "parameters": {"type": "object", "required": "city"}}}]},
+     "tools[1].function.parameters", "Expected array for 'required'"),
     ({"tool_choice": named("nope")}, "tool_choice", "not in tools"),
     ({"messages": ASK + [{"role": "tool", "tool_call_id": "call_x", "content": "1"}]},
      "messages[1].tool_call_id", "matches no tool call"),
@@ -234,6 +248,41 @@ def test_litellm_with_tools(cluster, model):
     args = "".join(d.function.arguments or "" for c in litellm.completion(**kw, stream=True)
                    for d in (c.choices[0].delta.tool_calls or []))
     assert args == call.function.arguments
+
+
+def test_openai_agents_through_chat_completions(cluster, model):
+    """An Agent with one function tool on OpenAIChatCompletionsModel: the first turn must
+    call (required; the SDK resets tool_choice to auto after the call), the tool runs
+    once, and the run ends with text."""
+    import asyncio
+
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)
+    cities = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        cities.append(city)
+        return f"It is sunny and 21 C in {city}."
+
+    client = openai.AsyncOpenAI(base_url=cluster.http_url + "/v1", api_key="none",
+                                max_retries=0)
+    agent = Agent(name="weather", instructions="Use the tool to answer.", tools=[get_weather],
+                  model=OpenAIChatCompletionsModel(model=model, openai_client=client),
+                  model_settings=ModelSettings(tool_choice="required", temperature=0,
+                                               max_tokens=80))
+    result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=4))
+    assert cities == ["Paris"]
+    assert isinstance(result.final_output, str) and result.final_output.strip()
 
 
 # Last: it leaves the cluster one decode node short.

@@ -2,7 +2,8 @@
 
 - ``POST /tokenize``: ``{"prompt": text or token ids}`` (``add_special_tokens``, default
   true) or ``{"messages": [...]}`` (the chat template with the generation prompt, as a
-  chat request is tokenized) -> ``{"count", "max_model_len", "tokens", "token_strs"}``;
+  chat request is tokenized, with its ``tools`` if given) -> ``{"count", "max_model_len",
+  "tokens", "token_strs"}``;
   ``token_strs`` with ``return_token_strs: true``, else null.
 - ``POST /detokenize``: ``{"tokens": [ids]}`` -> ``{"prompt": text}``.
 - ``GET /tokenizer_info``: the tokenizer's config as vLLM serves it (tokenizer_config.json
@@ -29,11 +30,12 @@ from pdserve.router.http.openai_schema import (
     encode_text,
     get_field,
 )
+from pdserve.router.http.tools import tool_plan
 from pdserve.router.limits import check_prompt_bytes
 from pdserve.router.streams import RequestError
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "return_token_strs",
-                   "add_generation_prompt"}
+                   "add_generation_prompt", "tools"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
 
 
@@ -68,7 +70,10 @@ async def _tokenize(core, body: dict) -> dict:
     if "messages" in body:
         messages = chat_messages(body["messages"])
         check_prompt_bytes("".join(m["content"] for m in messages), core.config, "messages")
-        ids = await core.tokenizing.run(chat_prompt_ids, core.tokenizer, messages)
+        plan = tool_plan({"tools": body.get("tools")}, core.config.tool_call_parser,
+                         core.tokenizer.chat_template) if body.get("tools") else None
+        ids = await core.tokenizing.run(chat_prompt_ids, core.tokenizer, messages,
+                                        plan and plan.tools, plan and plan.family)
     else:
         prompt = completion_prompt(body["prompt"])
         if isinstance(prompt, list):

@@ -132,8 +132,7 @@ async def prepare_tools(body: dict, core) -> ToolPlan | None:
     """The request's plan; when calls are possible, its grammar becomes the request's
     guide (checked in the router's guide checker, off the event loop). A schema llguidance
     cannot use is a 400 naming that tool."""
-    plan = tool_plan(body, getattr(core.config, "tool_call_parser", None),
-                     core.tokenizer.chat_template)
+    plan = tool_plan(body, core.config.tool_call_parser, core.tokenizer.chat_template)
     if plan is None or plan.choice == "none":
         return plan
     found = find_guide(body)
