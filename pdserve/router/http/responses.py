@@ -115,7 +115,7 @@ class EventWriter:
         self.seq += 1
         return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
-    def _where(self) -> dict:
+    def where(self) -> dict:
         return {"item_id": self.open[0]["id"], "output_index": len(self.items) - 1}
 
     def add(self, item: dict, call: Call | None) -> bytes:
@@ -125,7 +125,7 @@ class EventWriter:
         out += self.event("response.output_item.added", output_index=len(self.items) - 1,
                           item=item)
         if call is None:
-            out += self.event("response.content_part.added", **self._where(),
+            out += self.event("response.content_part.added", **self.where(),
                               content_index=0, part=_text_part(""))
         return out
 
@@ -133,7 +133,7 @@ class EventWriter:
         """Ends the open item: ``text`` is the whole text of a message item."""
         if self.open is None:
             return b""
-        (item, call), where = self.open, self._where()
+        (item, call), where = self.open, self.where()
         if call is None:
             out = self.event("response.output_text.done", **where, content_index=0,
                              text=text, logprobs=[])
@@ -164,14 +164,14 @@ async def stream_events(stream, head: dict, on_done):
                     out += writer.close()
                     text_start = len(turn.text) - len(step[1])
                     out += writer.add(message_item(_id("msg"), "", "in_progress"), None)
-                out += writer.event("response.output_text.delta", **writer._where(),
+                out += writer.event("response.output_text.delta", **writer.where(),
                                     content_index=0, delta=step[1], logprobs=[])
             elif step[0] == CALL:
                 out += writer.close(turn.text[text_start:])
                 out += writer.add(call_item(_id("fc"), step[1], "in_progress"), step[1])
             elif step[0] == ARGS and writer.open and writer.open[1] is step[1]:
                 out += writer.event("response.function_call_arguments.delta",
-                                    **writer._where(), delta=step[2])
+                                    **writer.where(), delta=step[2])
             if out:
                 yield out
     except Exception as e:  # ChatFailed: the chat stream's error; else a bug, logged
