@@ -55,6 +55,9 @@ class RouterConfig:
         "oldest dropped first); 0 stores none.", min=0)
     responses_store_ttl_s: float = flag(3600.0, "Seconds a stored response is kept.",
                                         name="--responses-store-ttl", min=0, min_open=True)
+    responses_store_max_bytes: int = flag(
+        256 << 20, "JSON bytes of the stored responses and their conversations, all "
+        "together (the oldest dropped first).", min=1, default_text="256 MiB")
     tool_call_parser: str | None = flag(
         None, "How the model writes tool calls (docs/http-api.md, tools).", choices=PARSERS,
         default_text="read from the chat template: hermes for one that knows no tools")

@@ -44,3 +44,14 @@ def test_zero_entries_stores_nothing():
     store = ResponsesStore(0, 60.0)
     store.put({"id": "r"}, [])
     assert store.get("r") is None and len(store) == 0
+
+
+def test_bytes_bound_drops_the_oldest():
+    big = [{"role": "user", "content": "x" * 1000}]
+    store = ResponsesStore(100, 60.0, max_bytes=2500)
+    for i in range(3):
+        store.put({"id": f"r{i}"}, big)
+    assert store.get("r0") is None and store.get("r2") is not None
+    assert len(store) == 2 and store.num_bytes <= 2500
+    store.put({"id": "huge"}, [{"role": "user", "content": "x" * 5000}])  # over it alone
+    assert store.get("huge") is None and len(store) == 2

@@ -202,7 +202,8 @@ def add_responses_routes(app: FastAPI, core, authorize, read_json, run, error_re
     ``error_response`` answers a RequestError in OpenAI's shape."""
     config = core.config
     store = ResponsesStore(config.responses_store_max_entries, config.responses_store_ttl_s,
-                           core.metrics.responses_stored.set)
+                           core.metrics.responses_stored.set,
+                           config.responses_store_max_bytes)
 
     def refuse(err: RequestError) -> Response:
         core.refused(err)
