@@ -38,7 +38,10 @@ def cluster(tmp_path_factory):
     path, why = bundled_model()
     if path is None:
         pytest.skip(f"the bundled model is not installed: {why}")
-    with launched(path, 1, 2, log_dir=tmp_path_factory.mktemp("launch")) as c:
+    # Three SmolLM2 processes on a shared 2-core host: a 3 s heartbeat window, not 1.5 s
+    # (once, under a load of 8, every node was declared dead just after start).
+    with launched(path, 1, 2, log_dir=tmp_path_factory.mktemp("launch"),
+                  heartbeat=1.0) as c:
         yield c
 
 
