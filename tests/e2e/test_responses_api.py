@@ -38,8 +38,10 @@ def cluster(tmp_path_factory):
     path, why = bundled_model()
     if path is None:
         pytest.skip(f"the bundled model is not installed: {why}")
+    # Three SmolLM2 processes on a shared host: a 3 s heartbeat window, not 1.5 s, as
+    # test_tool_calls has (under load, nodes were once declared dead just after start).
     with launched(path, 1, 2, "--responses-store-max-entries", str(STORE_MAX),
-                  log_dir=tmp_path_factory.mktemp("launch")) as c:
+                  log_dir=tmp_path_factory.mktemp("launch"), heartbeat=1.0) as c:
         c.model = model_name(path)
         yield c
 
