@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import httpx
 import jsonschema
 import openai
@@ -16,8 +17,6 @@ import pytest
 from pdserve.model.default_model import bundled_model
 from pdserve.model.loader import model_name
 from tests.cluster import launched
-
-anthropic = pytest.importorskip("anthropic")
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
            "required": ["city"], "additionalProperties": False}
