@@ -17,6 +17,8 @@ import socket
 import threading
 import time
 
+import msgspec
+
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.common.gc_heap import freeze_startup_objects
@@ -260,6 +262,31 @@ class Node:
                                  "error while taking the request; see the node's log")
 
     def _wait_welcome(self) -> bool:
+        if not self._wait_welcome_once():
+            return False
+        welcome = self.io.welcome
+        if not welcome.accepted and welcome.code == E.NAME_TAKEN:
+            # Another connection holds this node id at the router (a stranger who said
+            # Hello with it first, or a twin with the same --node-id): serve under a fresh
+            # id rather than not at all. Metrics keep the configured id.
+            fresh = f"{self.node_id}-{self.io.hello.incarnation[:6]}"
+            log.warning("router refused node id %s (%s); registering as %s", self.node_id,
+                        welcome.reason, fresh)
+            self.node_id = fresh
+            self.io.hello = msgspec.structs.replace(self.io.hello, node_id=fresh)
+            self.io.welcome = None
+            self.io.welcomed.clear()
+            self.io.send_control(self.io.hello)
+            if not self._wait_welcome_once():
+                return False
+        welcome = self.io.welcome
+        if not welcome.accepted:
+            log.error("router refused this node: %s", welcome.reason)
+            return False
+        self.io.heartbeat_interval_s = welcome.heartbeat_interval_s
+        return True
+
+    def _wait_welcome_once(self) -> bool:
         timeout = self.config.welcome_timeout_s
         while not self.io.welcomed.wait(0.1):
             timeout -= 0.1
@@ -272,11 +299,6 @@ class Node:
         if self.io.failure is not None:
             log.error("node I/O failed before registering: %s", self.io.failure)
             return False
-        welcome = self.io.welcome
-        if not welcome.accepted:
-            log.error("router refused this node: %s", welcome.reason)
-            return False
-        self.io.heartbeat_interval_s = welcome.heartbeat_interval_s
         return True
 
     def _take_inbox(self, block: bool) -> None:
