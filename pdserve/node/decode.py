@@ -63,16 +63,29 @@ class DecodeNode(Node):
     def handle(self, item: InboxItem) -> None:
         msg = item.msg
         if isinstance(msg, P.Reserve):  # one reply for all the router's turn reserved here
-            self.io.send_control(P.ReserveReply(items=[self._reserve(r) for r in msg.items]))
+            items = [self._reserve(r) for r in msg.items if not self._park(r)]
+            if items:
+                self.io.send_control(P.ReserveReply(items=items))
         elif isinstance(msg, P.KVChunk):
             self._place(item.peer, msg)
         elif isinstance(msg, P.Abort):
             for req_id in msg.req_ids:
+                self.unpark(req_id)
                 self.drop(req_id, "abort")
         elif isinstance(msg, P.Error):
             log.warning("error from %s: %s %s", item.channel, msg.code, msg.message)
         elif isinstance(msg, P.Drain):
             log.info("asked to drain: %s", msg.reason)
+
+    def _park(self, msg: P.ReserveRequest) -> bool:
+        """The reservation waits for its guide to compile (its reply comes alone, then)."""
+        def reply(result: P.ReserveResult) -> None:
+            self.io.send_control(P.ReserveReply(items=[result]))
+
+        return self.park_for_guide(
+            msg.req_id, msg.sampling, lambda: reply(self._reserve(msg)),
+            lambda why: reply(P.ReserveResult(req_id=msg.req_id, ok=False, num_blocks=0,
+                                              reason=f"{E.BAD_MESSAGE}: {why}")))
 
     def _reserve(self, msg: P.ReserveRequest) -> P.ReserveResult:
         def refuse(reason: str) -> P.ReserveResult:
