@@ -29,7 +29,6 @@ from pdserve.router.http.openai_schema import (
     encode_text,
     sampling_params,
 )
-from pdserve.router.limits import check_prompt_bytes
 from pdserve.router.streams import GenerationRequest, RequestStream, StreamEvent
 
 LOWEST = -9999.0
@@ -195,15 +194,15 @@ async def prompts(core, body: dict, chat: bool) -> list[tuple[str | None, list[i
     """Each prompt's (text or None, token ids). Text is checked for size, then templated and
     tokenized in the core's bounded tokenizer pool, never on the event loop."""
     if chat:
-        messages = chat_messages(body.get("messages"))
-        check_prompt_bytes("".join(m["content"] for m in messages), core.config, "messages")
+        messages = chat_messages(body.get("messages"), core.max_model_len)
+        core.prompt_bound.check_messages(messages)
         return [(None, await core.tokenizing.run(chat_prompt_ids, core.tokenizer, messages))]
     out = []
     for prompt in completion_prompts(body.get("prompt")):
         if isinstance(prompt, list):
             out.append((None, prompt))
             continue
-        check_prompt_bytes(prompt, core.config)
+        core.prompt_bound.check(prompt)
         out.append((prompt, await core.tokenizing.run(encode_text, core.tokenizer, prompt)))
     return out
 
