@@ -35,6 +35,7 @@ from pdserve.engine.types import EngineStats, Logprobs
 from pdserve.node.config import NodeConfig
 from pdserve.node.io import InboxItem, NodeIO
 from pdserve.node.kv import segment as shm
+from pdserve.node.membership import Membership
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class Node:
                         kv_layout=self.layout, capacity=self.stats(), pid=os.getpid(),
                         compute=config.engine.compute, incarnation=os.urandom(8).hex(),
                         host_id=self.host_id)
-        self.io = NodeIO(config.router, hello,
+        self.io = NodeIO(config.routers, hello,
                          kv_bind=config.kv_bind if self.role == "decode" else None,
                          advertise_host=config.advertise_host,
                          heartbeat_interval_s=config.heartbeat_interval_s,
@@ -253,6 +254,7 @@ class Node:
                                               self.config.metrics_port) \
             if self.config.metrics_port else None
         self.io.start()
+        membership = Membership(self) if self.config.discovery else None
         try:
             if self.kv_events is not None:
                 self.kv_events.start_and_wait()
@@ -261,9 +263,11 @@ class Node:
                          if self.kv_events.replay_endpoint else "")
             if not self._wait_welcome():
                 return 1
+            if membership is not None:
+                membership.register()
             freeze_startup_objects()
             log.info("%s node %s registered with router %s%s", self.role, self.node_id,
-                     self.config.router,
+                     ", ".join(self.io.links.wanted),
                      f", KV socket {self.io.hello.kv_address}" if self.io.hello.kv_address else "")
             while not self._stop.is_set():
                 if self._drain_asked and not self.draining:
@@ -285,6 +289,8 @@ class Node:
                     self.kv_events.publish(self.engine.allocator.drain_events())
             return 0
         finally:
+            if membership is not None:
+                membership.stop()
             if self.kv_events is not None:
                 self.kv_events.stop()
             self.io.stop()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from pdserve.common.config import ROLES
 from pdserve.common.config_fields import check_fields, flag
+from pdserve.common.discovery import check_discovery, cluster_flag, discovery_flag, ttl_flag
 from pdserve.common.kv_events import KVEventsConfig
 from pdserve.engine.config import EngineConfig
 
@@ -15,7 +16,11 @@ from pdserve.engine.config import EngineConfig
 class NodeConfig:
     role: str
     engine: EngineConfig
-    router: str = flag("tcp://127.0.0.1:5556", "The router's control socket.")
+    router: str = flag("tcp://127.0.0.1:5556", "The router's control socket; several, "
+                       "comma-separated: this node serves each.")
+    discovery: str | None = discovery_flag()
+    cluster: str = cluster_flag()
+    discovery_ttl_s: int = ttl_flag()
     node_id: str | None = flag(None, "This node's name.", default_text="ROLE-HOST-PID")
     kv_bind: str = flag("tcp://127.0.0.1:*", "Where prefill nodes send KV (tcp://*:PORT to "
                         "accept other machines).", roles=("decode",))
@@ -55,5 +60,15 @@ class NodeConfig:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         check_fields(self)
-        if not self.router.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ValueError(f"router address {self.router!r} must look like tcp://HOST:PORT")
+        check_discovery(self.discovery)
+        for router in self.routers:
+            if not router.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"router address {router!r} must look like tcp://HOST:PORT")
+
+    @property
+    def routers(self) -> list[str]:
+        """The routers to serve from the start: --router's, or none with --discovery (etcd
+        says which)."""
+        if self.discovery:
+            return []
+        return [r.strip() for r in self.router.split(",") if r.strip()]

@@ -7,7 +7,8 @@ from here on their own clock, so they keep flowing while a long forward runs
 (torch releases the GIL).
 
 Channels (the first item of each inbox entry):
-- ``control``: the DEALER to the router's control socket.
+- ``control``: a DEALER to each router's control socket (routers.py); entries carry the
+               router's endpoint as the peer.
 - ``kv_in``:   the ROUTER a decode node binds for KV; entries carry the peer.
 - ``kv_out``:  DEALERs a prefill node opens to decode nodes' KV sockets;
                entries carry the decode node's KV address as the peer.
@@ -17,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import socket as pysocket
 import threading
 import time
 from dataclasses import dataclass
@@ -28,6 +28,7 @@ import zmq
 
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
+from pdserve.common.discovery import advertised
 from pdserve.common.logs import LogThrottle
 from pdserve.common.rate_limit import PeerBudgets
 from pdserve.common.security import (
@@ -47,6 +48,7 @@ from pdserve.common.transport import (
     send_message,
     send_routed,
 )
+from pdserve.node.routers import Link, RouterLinks
 
 log = logging.getLogger(__name__)
 
@@ -72,19 +74,8 @@ class InboxItem:
     msg: P.Message
 
 
-def advertised(endpoint: str, host: str | None) -> str:
-    """The address other machines use for a bound endpoint (``tcp://0.0.0.0:5600`` is
-    no address to connect to)."""
-    if not endpoint.startswith("tcp://"):
-        return endpoint
-    bound_host, port = endpoint[len("tcp://"):].rsplit(":", 1)
-    if host is None:
-        host = pysocket.gethostname() if bound_host in ("0.0.0.0", "*", "[::]") else bound_host
-    return f"tcp://{host}:{port}"
-
-
 class NodeIO(threading.Thread):
-    def __init__(self, router: str, hello: P.Hello, *, kv_bind: str | None = None,
+    def __init__(self, routers: list[str], hello: P.Hello, *, kv_bind: str | None = None,
                  advertise_host: str | None = None, heartbeat_interval_s: float = 1.0,
                  welcome_timeout_s: float = 30.0, curve: NodeCurves | None = None,
                  dropped: Callable[[str], None] | None = None):
@@ -99,7 +90,7 @@ class NodeIO(threading.Thread):
             burst=KV_PEER_BURST, stranger_rate=KV_STRANGER_MSGS_PER_S,
             stranger_burst=KV_STRANGER_BURST)
         self._throttled_log = LogThrottle(period_s=10.0)
-        self.router = router
+        self.links = RouterLinks(routers)
         self.hello = hello
         self.kv_bind = kv_bind
         self.advertise_host = advertise_host
@@ -117,7 +108,6 @@ class NodeIO(threading.Thread):
         self._woken = False  # the pipe was written since the thread last read it
         self._kv_used: dict[str, float] = {}  # KV address -> last send
         self._stopping = threading.Event()
-        self.last_router_message = time.monotonic()
 
     # -- called from the compute thread ------------------------------------------------
     def send_control(self, msg: P.Message) -> None:
@@ -133,6 +123,11 @@ class NodeIO(threading.Thread):
         """This node's identity on every socket it connects (the router's control socket,
         decode nodes' KV sockets): what the router names it by to decode nodes."""
         return P.peer_identity(self.hello.node_id, self.hello.incarnation)
+
+    def set_routers(self, endpoints: list[str]) -> None:
+        """The routers to serve from now on (any thread: the etcd watch calls it)."""
+        self.links.set_wanted(endpoints)
+        self._wake()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -165,15 +160,6 @@ class NodeIO(threading.Thread):
         ctx = zmq.Context()
         socks: list[zmq.Socket] = []
         try:
-            # The control queue holds what the outbox holds: a step's burst of messages
-            # (a thousand requests' tokens, say) sent NOBLOCK must not meet libzmq's
-            # default high-water mark of 1,000 and fail requests while the router reads.
-            control = make_socket(ctx, zmq.DEALER, connect=self.router,
-                                  identity=self.peer_identity(), linger_ms=1000,
-                                  sndhwm=OUTBOX_MAX,
-                                  max_msg_size=CONTROL_MAX_MSG_BYTES,
-                                  curve=self.curve.control if self.curve else None)
-            socks.append(control)
             kv_in = None
             if self.kv_bind:
                 limit = kv_max_msg_size(self.hello.kv_layout,
@@ -186,11 +172,10 @@ class NodeIO(threading.Thread):
                 self.hello = msgspec.structs.replace(self.hello, kv_address=address)
             kv_out: dict[str, zmq.Socket] = {}
             poller = zmq.Poller()
-            poller.register(control, zmq.POLLIN)
             if kv_in is not None:
                 poller.register(kv_in, zmq.POLLIN)
             poller.register(self._wake_r, zmq.POLLIN)
-            send_message(control, self.hello)
+            self._sync_links(ctx, poller, socks)
             next_beat = time.monotonic() + self.heartbeat_interval_s
             paused = zmq.Poller()  # while the inbox is full: only the wake pipe
             paused.register(self._wake_r, zmq.POLLIN)
@@ -207,25 +192,25 @@ class NodeIO(threading.Thread):
                     # (or the poll's timeout, up to 500 ms) to be sent.
                     os.read(self._wake_r, 4096)
                     self._woken = False
-                if control in events:
-                    self._drain(control, CONTROL, CONTROL_IN)
+                    if self.links.stale():
+                        self._sync_links(ctx, poller, socks)
+                self._drain_controls(events)
                 if kv_in is not None and kv_in in events:
                     self._drain(kv_in, KV_IN, KV_IN_TYPES, routed=True)
                 for address, sock in list(kv_out.items()):
                     if sock in events:
                         self._drain(sock, KV_OUT, KV_OUT_TYPES, peer=address)
-                self._flush(control, kv_in, kv_out, ctx, poller, socks)
+                self._flush(kv_in, kv_out, ctx, poller, socks)
                 if time.monotonic() >= next_beat:
-                    self._heartbeat(control)
+                    self.links.broadcast(P.Heartbeat(node_id=self.hello.node_id,
+                                                     stats=self.stats))
                     next_beat = time.monotonic() + self.heartbeat_interval_s
-                    self._check_router(control)
+                    self.links.check(self.hello, self.heartbeat_interval_s)
+                    if self.links.stale():  # a router etcd dropped may have gone silent
+                        self._sync_links(ctx, poller, socks)
                     self._close_idle(kv_out, poller, socks)
-            # Tell the router we are going, if it is still there.
-            try:
-                send_message(control, P.Bye(node_id=self.hello.node_id, reason="shutdown"),
-                             flags=zmq.NOBLOCK)
-            except SendError:
-                pass
+            # Tell the routers we are going, if they are still there.
+            self.links.broadcast(P.Bye(node_id=self.hello.node_id, reason="shutdown"))
         except BaseException as exc:  # surfaced to the compute loop, which stops the node
             log.exception("node I/O thread failed")
             self.failure = exc
@@ -253,28 +238,36 @@ class NodeIO(threading.Thread):
                 sock.close()
                 log.info("closed the idle KV socket to %s", address)
 
-    def _check_router(self, control: zmq.Socket) -> None:
-        """A router silent for ``liveness`` intervals is gone (or restarted): say Hello again,
-        once per such window, so a restarted router gets this node back by itself."""
-        if self.welcome is None:
-            return
-        silent = time.monotonic() - self.last_router_message
-        if silent > self.welcome.liveness * self.heartbeat_interval_s:
-            log.warning("router %s silent for %.1f s; saying hello again", self.router, silent)
-            self.last_router_message = time.monotonic()
-            try:
-                send_message(control, self.hello, flags=zmq.NOBLOCK)
-            except SendError as exc:
-                log.warning("hello to router not sent: %s", exc)
+    def _sync_links(self, ctx, poller, socks) -> None:
+        """Opens a control socket to each router newly wanted (and says Hello on it);
+        closes those of routers gone, ending the requests they gave (nobody waits now)."""
+        def open_control(endpoint: str) -> zmq.Socket:
+            # The control queue holds what the outbox holds: a step's burst of messages
+            # (a thousand requests' tokens, say) sent NOBLOCK must not meet libzmq's
+            # default high-water mark of 1,000 and fail requests while the router reads.
+            return make_socket(ctx, zmq.DEALER, connect=endpoint,
+                               identity=self.peer_identity(), linger_ms=1000,
+                               sndhwm=OUTBOX_MAX, max_msg_size=CONTROL_MAX_MSG_BYTES,
+                               curve=self.curve.control if self.curve else None)
 
-    def _heartbeat(self, control: zmq.Socket) -> None:
-        try:
-            send_message(control, P.Heartbeat(node_id=self.hello.node_id, stats=self.stats),
-                         flags=zmq.NOBLOCK)
-        except SendError as exc:
-            log.warning("heartbeat to router not sent: %s", exc)
+        for endpoint, abort in self.links.sync(open_control, poller, socks, self.hello,
+                                           self.heartbeat_interval_s):
+            self._inbox_put(InboxItem(CONTROL, endpoint, abort))
 
-    def _drain(self, sock, channel, expected, routed=False, peer=None) -> None:
+    def _drain_controls(self, events) -> None:
+        """One message from each router with something to read, in turn, until none has
+        more (or the inbox is full): every router's requests get the same share."""
+        ready = [link for link in self.links.in_turn() if link.sock in events]
+        while ready and not self.inbox.full():
+            ready = [link for link in ready if self._drain(link.sock, CONTROL, CONTROL_IN,
+                                                           link=link, one=True)]
+
+    def _drain(self, sock, channel, expected, routed=False, peer=None, link=None,
+               one=False) -> bool:
+        """Reads what ``sock`` holds (one message, with ``one``); True when it may hold
+        more."""
+        if link is not None:
+            peer = link.endpoint
         while True:
             try:
                 if routed:
@@ -283,7 +276,7 @@ class NodeIO(threading.Thread):
                 else:
                     msg = recv_message(sock, expected, flags=zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return False
             except Throttled as err:
                 if self.dropped is not None:
                     self.dropped("rate_limit")
@@ -293,23 +286,39 @@ class NodeIO(threading.Thread):
             except P.ProtocolError as err:
                 log.warning("bad message on %s from %r: %s", channel, err.peer or peer, err)
                 self._answer_error(sock, channel, err)
+                if one:
+                    return True
                 continue
-            if channel == CONTROL:
-                self.last_router_message = time.monotonic()
-                if isinstance(msg, P.Welcome):
-                    before = self.welcome
-                    self.welcome = msg
-                    self.welcomed.set()
-                    if before is None or (msg.accepted and msg.router_incarnation
-                                          and msg.router_incarnation == before.router_incarnation):
-                        continue  # first welcome, or the same router after a stall: resync
-                    # Registered anew (the router restarted): the compute loop must drop
-                    # the work the old router gave it, which nobody is waiting for now.
-                if isinstance(msg, P.Heartbeat):
-                    continue
-            self._inbox_put(InboxItem(channel, peer, msg))
-            if self.inbox.full():
-                return  # the rest waits in the socket (backpressure)
+            if link is not None:
+                msg = self._from_router(link, msg)
+            if msg is not None:
+                self._inbox_put(InboxItem(channel, peer, msg))
+            if one or self.inbox.full():
+                return True  # the rest waits in the socket (backpressure, or its turn)
+
+    def _from_router(self, link: Link, msg: P.Message) -> P.Message | None:
+        """What the compute loop gets of a router's message (None: nothing)."""
+        link.last_message = time.monotonic()
+        if isinstance(msg, P.Welcome):
+            before = link.welcome
+            link.welcome = msg
+            if self.welcome is None or not self.welcome.accepted:
+                self.welcome = msg  # the node's own: the first router's answer
+            self.welcomed.set()
+            if before is None or (msg.accepted and msg.router_incarnation
+                                  and msg.router_incarnation == before.router_incarnation):
+                return None  # first welcome, or the same router after a stall: resync
+            # Registered anew (the router restarted): the compute loop drops the work the
+            # old router gave it, which nobody is waiting for now; other routers' goes on.
+            owned = sorted(link.owned)
+            self.links.took(link, P.Abort(req_ids=owned, reason=""))
+            log.warning("router %s restarted: dropping its %d requests", link.endpoint,
+                        len(owned))
+            return P.Abort(req_ids=owned, reason="router restarted") if owned else None
+        if isinstance(msg, P.Heartbeat):
+            return None
+        self.links.took(link, msg)
+        return msg
 
     def _inbox_put(self, item: InboxItem) -> None:
         """Never blocks the I/O thread: the bound is kept by not reading the sockets while
@@ -328,7 +337,7 @@ class NodeIO(threading.Thread):
         except SendError:
             pass
 
-    def _flush(self, control, kv_in, kv_out, ctx, poller, socks) -> None:
+    def _flush(self, kv_in, kv_out, ctx, poller, socks) -> None:
         while True:
             try:
                 channel, peer, msg = self._outbox.get_nowait()
@@ -336,7 +345,8 @@ class NodeIO(threading.Thread):
                 return
             try:
                 if channel == CONTROL:
-                    send_message(control, msg, flags=zmq.NOBLOCK)
+                    for link, part in self.links.route(msg):
+                        send_message(link.sock, part, flags=zmq.NOBLOCK)
                 elif channel == KV_IN:
                     send_routed(kv_in, peer, msg)
                 else:

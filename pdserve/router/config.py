@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.common.config_fields import check_fields, flag
+from pdserve.common.discovery import check_discovery, cluster_flag, discovery_flag, ttl_flag
 from pdserve.router.dispatch import policies
 from pdserve.router.http.tool_parsers import PARSERS
 
@@ -30,6 +31,9 @@ class RouterConfig:
                         default_text="tcp://HOST:5556")
     ingress: str | None = flag("tcp://127.0.0.1:5557", "Queue-producer socket, or 'none'.",
                                default_text="tcp://HOST:5557")
+    discovery: str | None = discovery_flag()
+    cluster: str = cluster_flag()
+    discovery_ttl_s: int = ttl_flag()
     policy: str = flag("round_robin", "How nodes are picked.", choices=POLICIES)
     heartbeat_interval_s: float = flag(1.0, "Seconds between heartbeats.",
                                        name="--heartbeat-interval", min=0, min_open=True)
@@ -72,3 +76,4 @@ class RouterConfig:
 
     def __post_init__(self):
         check_fields(self)
+        check_discovery(self.discovery)

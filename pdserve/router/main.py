@@ -86,6 +86,12 @@ async def _serve(config: RouterConfig, http_socket: socket.socket) -> None:
         loop.add_signal_handler(sig, stop.set)
     while not server.started and not tasks[0].done():  # listening, not only bound
         await asyncio.sleep(0.01)
+    membership = None
+    if config.discovery:
+        from pdserve.router.membership import RouterMembership
+
+        membership = RouterMembership(config, core, loop)
+        membership.start()  # nodes find this router only now, when it serves
     freeze_startup_objects()
     log.info("router ready: http://%s:%d (OpenAI API), control %s, ingress %s",
              config.host, config.http_port, config.control, config.ingress or "off")
@@ -104,6 +110,8 @@ async def _serve(config: RouterConfig, http_socket: socket.socket) -> None:
                 raise t.exception()
     finally:
         server.should_exit = True
+        if membership is not None:
+            membership.stop()
         for t in tasks[1:]:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 
 import msgspec
 
@@ -78,6 +79,9 @@ class Dispatch:
         self.batcher = Batcher()
         self.node_messages = NodeMessages(registry, self.placement, vocab_size, self)
         self._ids = itertools.count()
+        # Nodes serve several routers (--discovery, --router A,B): a request id made here
+        # must not be another router's too.
+        self._id_prefix = f"req-{os.urandom(4).hex()}-"
         self._out = Output()
 
     def take(self) -> Output:
@@ -138,7 +142,7 @@ class Dispatch:
             raise S.RequestError(S.OVERLOADED, (
                 f"{len(self.requests)} requests in flight, the limit is "
                 f"{self.config.max_pending_requests}: retry later"))
-        req_id = req.request_id or f"req-{next(self._ids)}"
+        req_id = req.request_id or f"{self._id_prefix}{next(self._ids)}"
         if req_id in self.requests or req_id in self.flights:
             raise S.RequestError(S.BAD_REQUEST, f"request id {req_id!r} is already in flight")
         out = RequestOutputState(self.tokenizer, req.prompt_token_ids, req.params,

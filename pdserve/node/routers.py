@@ -1,0 +1,192 @@
+"""A node's links to its routers: one control socket per router, and whose request is whose.
+
+A node serves every router of its cluster (--router A,B or --discovery): each router
+says Hello/Welcome and heartbeats with it on a socket of its own, and gives it work. A
+message about a request goes back to the router that sent the request (``owner``);
+one about the node (Hello, Heartbeat, Drain, Bye) goes to every router. The compute
+loop sees one stream of work and never names a router: arbitration between routers is
+what it does already (a decode node's Reserve says yes or no from its free blocks,
+whoever asks; a prefill node batches what it has).
+
+Owned by the node's I/O thread, except ``set_wanted``, which any thread may call (the
+etcd watch does): it replaces the wanted list whole and wakes the I/O thread.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import zmq
+
+from pdserve.common import protocol as P
+from pdserve.common.transport import SendError, send_message
+
+log = logging.getLogger(__name__)
+
+MAX_OWNED = 200_000  # requests whose router is remembered; past it the oldest are forgotten
+ITEMS = (P.FirstTokens, P.ReserveReply, P.TokenBatch)  # one message, many requests
+
+
+@dataclass
+class Link:
+    endpoint: str
+    sock: zmq.Socket
+    welcome: P.Welcome | None = None
+    last_message: float = 0.0   # anything heard from the router
+    next_hello: float = 0.0     # a silent router is said Hello again once per window
+    owned: set = field(default_factory=set)
+
+
+class RouterLinks:
+    def __init__(self, wanted: list[str]):
+        self.wanted: tuple[str, ...] = tuple(wanted)
+        self.links: dict[str, Link] = {}
+        self.by_sock: dict[zmq.Socket, Link] = {}
+        self.owner: OrderedDict[str, str] = OrderedDict()  # req_id -> router endpoint
+        self._turn = 0  # round-robin start between routers' sockets
+
+    def set_wanted(self, endpoints: list[str]) -> None:
+        self.wanted = tuple(sorted(set(endpoints)))
+
+    def stale(self) -> bool:
+        return set(self.wanted) != set(self.links)
+
+    # -- the set of sockets ------------------------------------------------------------------
+    def added(self) -> list[str]:
+        return [e for e in self.wanted if e not in self.links]
+
+    def open(self, endpoint: str, sock: zmq.Socket, now: float) -> Link:
+        link = Link(endpoint, sock, last_message=now)
+        self.links[endpoint] = link
+        self.by_sock[sock] = link
+        log.info("connected to router %s", endpoint)
+        return link
+
+    def removed(self, interval_s: float) -> list[Link]:
+        """Links to routers no longer wanted and silent past their liveness window, taken
+        out; the caller closes their sockets and ends the requests they owned (nobody
+        waits for them now). A router whose record left etcd but which still talks to
+        this node keeps its link: etcd says who exists, the heartbeats on the socket say
+        who is alive, and etcd stalled past the leases' TTL (whose records then vanish
+        until re-registered) must not cut a node off from routers that serve."""
+        now = time.monotonic()
+        gone = [link for e, link in self.links.items() if e not in self.wanted and (
+            link.welcome is None or now - link.last_message > link.welcome.liveness * interval_s)]
+        for link in gone:
+            del self.links[link.endpoint]
+            del self.by_sock[link.sock]
+            for req_id in link.owned:
+                self.owner.pop(req_id, None)
+            log.info("router %s left the cluster: %d of its requests end", link.endpoint,
+                     len(link.owned))
+        return gone
+
+    def in_turn(self) -> list[Link]:
+        """Every link, starting one further each call: reading sockets in this order, one
+        message from each in turn, no router's backlog starves another's (prefill fairness)."""
+        links = list(self.links.values())
+        if not links:
+            return links
+        self._turn = (self._turn + 1) % len(links)
+        return links[self._turn:] + links[:self._turn]
+
+    def sync(self, open_control, poller, socks, hello: P.Hello,
+             interval_s: float) -> list[tuple[str, P.Abort]]:
+        """Closes the sockets of routers no longer wanted and opens (and says Hello on) one
+        to each router newly wanted. The Aborts of the requests the routers gone gave,
+        for the compute loop: nobody waits for them now."""
+        aborts = []
+        for link in self.removed(interval_s):
+            if link.owned:
+                aborts.append((link.endpoint, P.Abort(
+                    req_ids=sorted(link.owned), reason="its router left the cluster")))
+            poller.unregister(link.sock)
+            socks.remove(link.sock)
+            link.sock.close(linger=0)
+        for endpoint in self.added():
+            sock = open_control(endpoint)
+            socks.append(sock)
+            poller.register(sock, zmq.POLLIN)
+            self.send(self.open(endpoint, sock, time.monotonic()), hello)
+        return aborts
+
+    def send(self, link: Link, msg: P.Message) -> None:
+        try:
+            send_message(link.sock, msg, flags=zmq.NOBLOCK)
+        except SendError as exc:
+            log.warning("%s to router %s not sent: %s", type(msg).__name__, link.endpoint, exc)
+
+    def broadcast(self, msg: P.Message) -> None:
+        for link in self.links.values():
+            self.send(link, msg)
+
+    def check(self, hello: P.Hello, interval_s: float) -> None:
+        """A router silent for ``liveness`` intervals is gone (or restarted): say Hello
+        again, once per such window, so a restarted router gets this node back by itself."""
+        now = time.monotonic()
+        for link in self.links.values():
+            if link.welcome is None:
+                continue
+            silent, window = now - link.last_message, link.welcome.liveness * interval_s
+            if silent > window and now >= link.next_hello:
+                log.warning("router %s silent for %.1f s; saying hello again", link.endpoint,
+                            silent)
+                link.next_hello = now + window
+                self.send(link, hello)
+
+    # -- whose request -------------------------------------------------------------------------
+    def took(self, link: Link, msg: P.Message) -> None:
+        """Records the requests a router's message gives this node."""
+        if isinstance(msg, P.PrefillBatch):
+            ids = [r.req_id for r in msg.requests]
+        elif isinstance(msg, P.Reserve):
+            ids = [r.req_id for r in msg.items]
+        elif isinstance(msg, P.Abort):
+            for req_id in msg.req_ids:
+                self._forget(req_id)
+            return
+        else:
+            return
+        for req_id in ids:
+            self._forget(req_id)  # an id a router reuses moves to the end
+            self.owner[req_id] = link.endpoint
+            link.owned.add(req_id)
+        while len(self.owner) > MAX_OWNED:
+            self._forget(next(iter(self.owner)))
+
+    def owned_by(self, endpoint: str) -> list[str]:
+        link = self.links.get(endpoint)
+        return list(link.owned) if link else []
+
+    def _forget(self, req_id: str) -> None:
+        endpoint = self.owner.pop(req_id, None)
+        link = self.links.get(endpoint) if endpoint else None
+        if link is not None:
+            link.owned.discard(req_id)
+
+    def route(self, msg: P.Message) -> list[tuple[Link, P.Message]]:
+        """Where a message from the compute loop goes: about requests, to their routers
+        (a batch split by router); about the node, to every router."""
+        if isinstance(msg, ITEMS):
+            parts: dict[str, list] = {}
+            for item in msg.items:
+                parts.setdefault(self._owner_of(item.req_id), []).append(item)
+                if getattr(item, "finish_reason", None) is not None and \
+                        isinstance(msg, P.TokenBatch):
+                    self._forget(item.req_id)
+            return [(self.links[e], type(msg)(items=items)) for e, items in parts.items()
+                    if e in self.links]
+        req_id = getattr(msg, "req_id", None)
+        if isinstance(msg, P.Error) and req_id is not None:
+            endpoint = self._owner_of(req_id)
+            return [(self.links[endpoint], msg)] if endpoint in self.links else []
+        return [(link, msg) for link in self.links.values()]
+
+    def _owner_of(self, req_id: str) -> str:
+        """The router that gave this request; one we forgot (or never knew): the first."""
+        endpoint = self.owner.get(req_id)
+        if endpoint is None and self.links:
+            return next(iter(self.links))
+        return endpoint or ""

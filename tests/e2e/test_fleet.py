@@ -1,0 +1,152 @@
+"""Membership on etcd with several routers (issue #31), black-box over real processes:
+etcd, 2 routers, prefill and decode nodes started with --discovery and no --router, each
+a process the test signals by PID (tests/fleet.py)."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.fleet import fleet, healthy, wait_for
+
+TTL_S = 3  # --discovery-ttl of every process in tests/fleet.py
+# How a router says it dropped prefill-1: by its heartbeats, its socket or its lease.
+DROPPED = re.compile(r"node prefill-1 (missed|is not connected|left etcd)")
+
+
+def complete(router, model, prompt="Routers share nodes", max_tokens=6) -> dict:
+    r = httpx.post(router.http_url + "/v1/completions", timeout=60, json={
+        "model": os.path.basename(str(model)), "prompt": prompt, "max_tokens": max_tokens,
+        "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory):
+    """etcd + 2 routers + 2 prefill + 1 decode, --compute none (the model is not under
+    test here: membership is)."""
+    model = tiny_model("llama")
+    with fleet(tmp_path_factory.mktemp("fleet"), model) as f:
+        routers = [f.router("router-a"), f.router("router-b")]
+        nodes = [f.node("prefill", "prefill-0", "--compute", "none"),
+                 f.node("prefill", "prefill-1", "--compute", "none"),
+                 f.node("decode", "decode-0", "--compute", "none")]
+        for r in routers:
+            wait_for(lambda r=r: healthy(r), 120, f"{r.name} not healthy", r, *nodes)
+        wait_for(lambda: len(f.records("nodes")) == 3 and len(f.records("routers")) == 2,
+                 60, "records missing from etcd", *routers, *nodes)
+        # Every node serves both routers: each router's log has each node's Hello.
+        for r in routers:
+            for n in nodes:
+                wait_for(lambda r=r, n=n: f"node {n.name}" in r.log() or n.name in r.log(),
+                         60, f"{n.name} never joined {r.name}", r, n)
+        yield f, model, routers, nodes
+
+
+def test_both_routers_serve_the_same_nodes(cluster):
+    f, model, routers, nodes = cluster
+    for r in routers:
+        out = complete(r, model)
+        assert out["usage"]["completion_tokens"] == 6
+    records = f.records("nodes")
+    roles = sorted(rec["role"] for rec, _epoch in records.values())
+    assert roles == ["decode", "prefill", "prefill"]
+    decode = next(rec for rec, _ in records.values() if rec["role"] == "decode")
+    assert decode["kv_address"].startswith("tcp://127.0.0.1:")
+    assert decode["kv_layout"]["block_size"] > 0
+    controls = {rec["control"] for rec, _ in f.records("routers").values()}
+    assert len(controls) == 2
+
+
+def test_the_decode_node_arbitrates_between_routers(cluster):
+    """Both routers at once on one decode node: every request completes, none twice."""
+    f, model, routers, nodes = cluster
+    jobs = [(routers[i % 2], f"prompt {i} " * (1 + i % 5)) for i in range(24)]
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda j: complete(j[0], model, j[1], 8), jobs))
+    assert [o["usage"]["completion_tokens"] for o in outs] == [8] * len(jobs)
+    assert len({o["id"] for o in outs}) == len(jobs)
+
+
+def test_etcd_stopped_for_5s_drops_no_node(cluster):
+    f, model, routers, nodes = cluster
+    epochs = {k: epoch for k, (_rec, epoch) in f.records("nodes").items()}
+    os.kill(f.etcd.popen.pid, signal.SIGSTOP)
+    try:
+        stopped_at = time.monotonic()
+        served = 0
+        while time.monotonic() - stopped_at < 5.0:  # requests go on being served meanwhile
+            complete(routers[served % 2], model, f"during the stop {served}")
+            served += 1
+    finally:
+        os.kill(f.etcd.popen.pid, signal.SIGCONT)
+    assert served >= 2
+    for r in routers:
+        assert "missed" not in r.log() and "left etcd" not in r.log(), r.log()[-3000:]
+        complete(r, model, "after the stop")
+    # The stop outlasted the leases (3 s): etcd expired them on waking, and each node
+    # wrote its record again under a new lease, a later epoch.
+    wait_for(lambda: f.records("nodes").keys() == epochs.keys(), 30,
+             "a node did not register again", *nodes)
+    assert all(e >= epochs[k] for k, (_r, e) in f.records("nodes").items())
+    wait_for(lambda: len(f.records("routers")) == 2, 30, "a router did not register again",
+             *routers)
+    for n in nodes:
+        assert "left the cluster" not in n.log(), n.log()[-3000:]
+
+
+def test_a_node_sigkilled_leaves_etcd_within_its_lease(cluster):
+    f, model, routers, nodes = cluster
+    victim = nodes[1]  # prefill-1: prefill-0 and decode-0 go on serving
+    os.kill(victim.popen.pid, signal.SIGKILL)
+    victim.popen.wait()
+    killed_at = time.monotonic()
+    key = "/pdserve/default/nodes/prefill-1"
+    wait_for(lambda: key not in f.records("nodes"), 4 * TTL_S,
+             "the killed node's record outlived its lease", f.etcd)
+    gone_after = time.monotonic() - killed_at
+    assert gone_after < 4 * TTL_S  # the lease (3 s) and etcd's expiry check, not forever
+    for r in routers:
+        wait_for(lambda r=r: DROPPED.search(r.log()), 30,
+                 f"{r.name} still counts the killed node", r)
+        for i in range(4):  # round robin would pick the dead node every other request
+            complete(r, model, f"after the kill {i}")
+
+
+def test_a_router_sigkilled_the_other_keeps_serving(cluster):
+    f, model, routers, nodes = cluster
+    dead, alive = routers
+    os.kill(dead.popen.pid, signal.SIGKILL)
+    dead.popen.wait()
+    wait_for(lambda: len(f.records("routers")) == 1, 4 * TTL_S,
+             "the killed router's record outlived its lease", f.etcd)
+    for n in (nodes[0], nodes[2]):
+        wait_for(lambda n=n: "left the cluster" in n.log(), 30,
+                 f"{n.name} kept the dead router", n)
+    for i in range(6):
+        assert complete(alive, model, f"new request {i}")["usage"]["completion_tokens"] == 6
+
+
+def test_token_exact_through_either_router(tiny_model, tmp_path):
+    """The real model (a tiny random checkpoint): each router's greedy tokens are the
+    offline engine's."""
+    from pdserve import LLM, SamplingParams
+
+    model = tiny_model("llama")
+    want = LLM(model=model).generate(["Two routers"], SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True))[0].text
+    with fleet(tmp_path, model) as f:
+        routers = [f.router("router-a"), f.router("router-b")]
+        nodes = [f.node("prefill", "prefill-0"), f.node("decode", "decode-0")]
+        for r in routers:
+            wait_for(lambda r=r: healthy(r), 120, f"{r.name} not healthy", r, *nodes)
+        for r in routers:
+            got = complete(r, model, "Two routers", 8)
+            assert got["usage"]["completion_tokens"] == 8
+            assert got["choices"][0]["text"] == want, (r.name, got, want)
