@@ -37,7 +37,7 @@ def count_wakes(io: NodeIO) -> list:
 @pytest.fixture
 def io_and_router():
     driver = RouterDriver()
-    io = NodeIO(driver.address, hello())
+    io = NodeIO([driver.address], hello())
     try:
         yield io, driver
     finally:

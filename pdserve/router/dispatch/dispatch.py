@@ -78,10 +78,8 @@ class Dispatch:
         self.policy = make_policy(policy, registry, self.placement)
         self.batcher = Batcher()
         self.node_messages = NodeMessages(registry, self.placement, vocab_size, self)
-        self._ids = itertools.count()
-        # Nodes serve several routers (--discovery, --router A,B): a request id made here
-        # must not be another router's too.
-        self._id_prefix = f"req-{os.urandom(4).hex()}-"
+        # Nodes serve several routers: an id made here must not be another router's too.
+        self._ids = map(f"req-{os.urandom(4).hex()}-{{}}".format, itertools.count())
         self._out = Output()
 
     def take(self) -> Output:
@@ -142,7 +140,7 @@ class Dispatch:
             raise S.RequestError(S.OVERLOADED, (
                 f"{len(self.requests)} requests in flight, the limit is "
                 f"{self.config.max_pending_requests}: retry later"))
-        req_id = req.request_id or f"{self._id_prefix}{next(self._ids)}"
+        req_id = req.request_id or next(self._ids)
         if req_id in self.requests or req_id in self.flights:
             raise S.RequestError(S.BAD_REQUEST, f"request id {req_id!r} is already in flight")
         out = RequestOutputState(self.tokenizer, req.prompt_token_ids, req.params,
