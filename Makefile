@@ -28,9 +28,11 @@ ARGS ?=
 serve: $(VENV)/.installed
 	exec $(VENV)/bin/pdserve launch $(if $(MODEL),--model '$(MODEL)') $(ARGS)
 
-# Prometheus (Debian's package) backs tests/e2e/test_prometheus.py; the script never fails.
+# Prometheus and etcd (Debian's packages) back tests/e2e/test_prometheus.py and
+# test_fleet.py; the scripts never fail.
 test: $(VENV)/.installed
 	sh .ci/install-prometheus.sh
+	sh .ci/install-etcd.sh
 	$(PY) -m pytest
 
 clean:

@@ -34,6 +34,9 @@ STOP_TIMEOUT_S = 10.0
 @dataclass(frozen=True)
 class LaunchConfig:
     router: RouterConfig
+    num_routers: int = flag(1, "Routers to start, every node serving each: the first on "
+                            "--http-port, --control and --ingress, the others on free "
+                            "ports (the table prints them).", name="--routers", min=1)
     num_prefill: int = flag(1, "Prefill nodes to start.", name="--prefill", min=1)
     num_decode: int = flag(1, "Decode nodes to start.", name="--decode", min=1)
     colocated: bool = flag(False, "Start one colocated node (prefill + decode in one "
@@ -74,7 +77,8 @@ def _child(role: str) -> list[str]:
     return [sys.executable, "-m", "pdserve.cli", role, "--config-env"]
 
 
-def _node_config(cfg: LaunchConfig, role: str, index: int, k: int) -> tuple[NodeConfig, str]:
+def _node_config(cfg: LaunchConfig, role: str, index: int, k: int,
+                 routers: list[RouterConfig]) -> tuple[NodeConfig, str]:
     """(config, log level) of one node: what its --node-arg flags say, and what the launcher
     decides unless they say it (model, threads, metrics and KV ports, CURVE keys, KV
     events). ``index``: its number in its role; ``k``: among all nodes (prefill first)."""
@@ -84,7 +88,8 @@ def _node_config(cfg: LaunchConfig, role: str, index: int, k: int) -> tuple[Node
         engine["model"] = cfg.router.model
     if "threads" not in given:
         engine["threads"] = max(1, (os.cpu_count() or 1) // len(_roles(cfg)))
-    node = {"router": connect_address(cfg.router.control), "node_id": f"{role}-{index}",
+    node = {"router": ",".join(connect_address(r.control) for r in routers),
+            "node_id": f"{role}-{index}",
             "heartbeat_interval_s": cfg.router.heartbeat_interval_s}
     if cfg.router.curve_dir and "curve_dir" not in given:
         node["curve_dir"] = cfg.router.curve_dir
@@ -100,6 +105,20 @@ def _node_config(cfg: LaunchConfig, role: str, index: int, k: int) -> tuple[Node
         node["kv_events"] = _node_kv_events(cfg)
     return (replace(base, engine=replace(base.engine, **engine), **node),
             log_level if "log_level" in given else cfg.log_level)
+
+
+def _routers(cfg: LaunchConfig) -> list[RouterConfig]:
+    """Each router's config: the first as given, the others on free ports."""
+    return [cfg.router, *(replace(cfg.router, http_port=free_port(), metrics_port=None,
+                                  control=_free_like(cfg.router.control),
+                                  ingress=_free_like(cfg.router.ingress)
+                                  if cfg.router.ingress else None)
+                          for _ in range(cfg.num_routers - 1))]
+
+
+def _free_like(endpoint: str) -> str:
+    """``endpoint`` with its port replaced by a free one (tcp://HOST:PORT)."""
+    return f"{endpoint.rsplit(':', 1)[0]}:{free_port()}"
 
 
 def _open(cfg: LaunchConfig) -> bool:
@@ -189,21 +208,25 @@ def run_launch(cfg: LaunchConfig) -> int:
         return bool(requested) or make_interrupted()
     children: dict[str, subprocess.Popen] = {}
     host = "127.0.0.1" if _open(cfg) else cfg.router.host
-    http = f"http://{host}:{cfg.router.http_port}"
+    routers = _routers(cfg)  # once: every node must name the same ones
+    https = [f"http://{host}:{r.http_port}" for r in routers]
+    http = https[0]
     metrics = {"router": _metrics_url(cfg.router.metrics_port, host)
                if cfg.router.metrics_port else f"{http}/metrics"}
+    metrics.update({f"router-{i}": f"{url}/metrics" for i, url in enumerate(https) if i})
     events = ""
     try:
-        children["router"] = subprocess.Popen(_child("router"),
-                                              env=child_env(cfg.router, cfg.log_level))
+        for i, router in enumerate(routers):
+            children[f"router-{i}" if i else "router"] = subprocess.Popen(
+                _child("router"), env=child_env(router, cfg.log_level))
         for k, (role, i) in enumerate(_roles(cfg)):
-            node, log_level = _node_config(cfg, role, i, k)
+            node, log_level = _node_config(cfg, role, i, k, routers)
             children[f"{role}-{i}"] = subprocess.Popen(_child(role),
                                                        env=child_env(node, log_level))
             metrics[f"{role}-{i}"] = _metrics_url(node.metrics_port, host)
             events += _kv_events_line(node, f"{role}-{i}")
         deadline = time.monotonic() + cfg.ready_timeout_s
-        while not _healthy(f"{http}/health"):
+        while not all(_healthy(f"{url}/health") for url in https):
             dead = [n for n, p in children.items() if p.poll() is not None]
             if dead or stop_requested():
                 why = f"{', '.join(dead)} exited during start-up" if dead else "stopped"
@@ -223,6 +246,10 @@ def run_launch(cfg: LaunchConfig) -> int:
               f"  OpenAI API     {http}/v1   (health: {http}/health)\n"
               f"  queue ingress  {ingress}\n"
               f"  control        {connect_address(cfg.router.control)}   ({nodes})\n"
+              + "".join(f"  router {i:<7} {url}/v1, ingress "
+                        f"{connect_address(r.ingress) if r.ingress else 'off'}, control "
+                        f"{connect_address(r.control)}\n"
+                        for i, (url, r) in enumerate(zip(https, routers)) if i)
               + "".join(f"  {'metrics' if i == 0 else '':<14} {url}   ({name})\n"
                         for i, (name, url) in enumerate(metrics.items())) +
               f"{events}{mode}Ctrl-C stops everything.", flush=True)
@@ -231,6 +258,7 @@ def run_launch(cfg: LaunchConfig) -> int:
             if children["router"].poll() is not None:
                 print("pdserve launch: the router exited; stopping", file=sys.stderr)
                 return 1
+            # (another router exiting is reported below: the nodes serve the others)
             for name, proc in children.items():
                 if proc.poll() is not None and name not in reported:
                     reported.add(name)

@@ -150,3 +150,25 @@ def test_token_exact_through_either_router(tiny_model, tmp_path):
             got = complete(r, model, "Two routers", 8)
             assert got["usage"]["completion_tokens"] == 8
             assert got["choices"][0]["text"] == want, (r.name, got, want)
+
+
+def test_launch_routers_2_needs_no_etcd(tiny_model, tmp_path):
+    """Static discovery: `pdserve launch --routers 2` starts two routers on one machine,
+    every node connected to both, and no etcd anywhere."""
+    from tests.cluster import launched
+
+    model = tiny_model("llama")
+    with launched(model, 1, 1, "--routers", "2", "--compute", "none",
+                  log_dir=tmp_path) as c:
+        c.metrics_urls()  # waits for the ready table
+        second = re.search(r"router 1\s+(http://\S+)/v1, ingress (\S+), control", c.log())
+        assert second, c.log()[-3000:]
+        urls = [c.http_url, second.group(1)]
+        assert urls[0] != urls[1]
+        for url in urls:
+            r = httpx.post(url + "/v1/completions", timeout=60, json={
+                "model": os.path.basename(str(model)), "prompt": "Static routers",
+                "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 4
+        assert "etcd" not in c.log()
