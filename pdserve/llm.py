@@ -8,12 +8,15 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 
 from pdserve.common.sampling import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.types import Logprobs
+
+log = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 
@@ -90,4 +93,7 @@ class LLM:
                 r.prompt_logprobs = out.prompt_logprobs or r.prompt_logprobs
                 r.text += out.new_text
                 r.finish_reason = out.finish_reason
+            for req_id, why in self.engine.take_rejected().items():  # its grammar failed
+                log.warning("request %s ended: %s", req_id, why)
+                results[req_id].finish_reason = "error"
         return list(results.values())

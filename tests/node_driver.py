@@ -36,6 +36,9 @@ class RouterDriver:
         self.beats: dict[str, list[float]] = defaultdict(list)
         self.byes: list[P.Bye] = []
         self.inbox: list[tuple[str, P.Message]] = []
+        # A node's socket identity is not its id (P.peer_identity): the id is its Hello's.
+        self.routes: dict[str, bytes] = {}
+        self.names: dict[bytes, str] = {}
         self.lock = threading.RLock()
         self._outbox: queue.Queue = queue.Queue()
         self._stop = threading.Event()
@@ -62,7 +65,7 @@ class RouterDriver:
                 except queue.Empty:
                     break
                 try:
-                    send_routed(self.sock, node.encode(), msg)
+                    send_routed(self.sock, self.routes.get(node, node.encode()), msg)
                 except SendError:
                     pass  # a node that is gone; tests look at what arrives
             if self.sock.poll(10):
@@ -74,8 +77,10 @@ class RouterDriver:
                 peer, msg = recv_routed(self.sock, flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            node = peer.decode()
             with self.lock:
+                if isinstance(msg, P.Hello):
+                    self.routes[msg.node_id], self.names[peer] = peer, msg.node_id
+                node = self.names.get(peer, peer.decode())
                 if isinstance(msg, P.Hello):
                     ok, reason = self.accept(msg)
                     if ok:

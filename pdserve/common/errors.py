@@ -19,9 +19,11 @@ TIMEOUT = "timeout"
 ABORTED = "aborted"
 INTERNAL = "internal"
 UNREACHABLE = "unreachable"  # a peer's address cannot be connected to
+NAME_TAKEN = "name_taken"    # Welcome.code: another live connection holds this node id
+BAD_GUIDE = "bad_guide"      # a request's structured-output guide failed on the node (400)
 WIRE_CODES = (BAD_MESSAGE, VERSION_MISMATCH, UNKNOWN_TYPE, UNEXPECTED_TYPE, TOO_LARGE,
               LAYOUT_MISMATCH, MODEL_MISMATCH, CHECKSUM_MISMATCH, NO_CAPACITY,
-              LEASE_EXPIRED, TIMEOUT, ABORTED, INTERNAL, UNREACHABLE)
+              LEASE_EXPIRED, TIMEOUT, ABORTED, INTERNAL, UNREACHABLE, NAME_TAKEN, BAD_GUIDE)
 
 # To clients, with the HTTP status in brackets.
 BAD_REQUEST = "bad_request"              # [400] the request itself is wrong

@@ -18,6 +18,7 @@ Rules the helpers enforce:
 
 Sockets belong to one thread (or one asyncio loop); never share them.
 """
+import asyncio
 import errno
 import logging
 from typing import Callable, Optional
@@ -213,3 +214,8 @@ class PlainTwin:
                 except zmq.ZMQError:  # EAGAIN: nothing queued
                     break
                 yield frames
+            else:
+                # More is queued. pyzmq's awaited receive takes a queued message at once,
+                # without a turn of the event loop: under a flood this loop would never
+                # yield, and the clock (heartbeats, deadlines) and HTTP would starve.
+                await asyncio.sleep(0)

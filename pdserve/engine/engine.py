@@ -64,6 +64,9 @@ class Engine(Worker):
         # Where on_layer_group fires; one group (the whole model) unless the owner splits it.
         self.layer_groups = [(0, self.model_config.num_hidden_layers)]
         self._requests: dict[str, tuple[Sequence, RequestOutputState]] = {}
+        # Requests a step ended because they cannot go on (their grammar failed), with why;
+        # the owner takes them (take_rejected) and fails each.
+        self.rejected: dict[str, str] = {}
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, req_id: str, prompt_token_ids: list[int],
@@ -94,6 +97,10 @@ class Engine(Worker):
         state = RequestOutputState(self.tokenizer, seq.prompt_token_ids, seq.params,
                                    self.model_config.eos_token_ids, self.max_model_len)
         self._requests[seq.seq_id] = (seq, state)
+
+    def take_rejected(self) -> dict[str, str]:
+        rejected, self.rejected = self.rejected, {}
+        return rejected
 
     def finish(self, req_id: str, reason: str = "abort") -> bool:
         """Ends a request wherever it is and frees its blocks; False if it is not here."""
@@ -159,8 +166,13 @@ class Engine(Worker):
                 on_layer = self._layer_callback(prompts, on_layer_group)
         sampled = self.runner.execute(batch, on_layer)
         self.scheduler.postprocess(batch, sampled)
+        failed = self.runner.logits_processors.failed
         outputs = []
         for seq, token in zip(batch.seqs, sampled):
+            if seq.seq_id in failed:  # its grammar failed: it ends here, its token unsent
+                self.finish(seq.seq_id, "error")
+                self.rejected[seq.seq_id] = failed.pop(seq.seq_id)
+                continue
             if token is None:
                 continue  # a prompt chunk short of its end, or a preempted sequence's recompute
             delta = self._requests[seq.seq_id][1].add([token])

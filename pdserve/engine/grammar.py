@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -28,6 +29,9 @@ CACHE_MAX_BYTES = 512 * 2**20  # ... and about this much memory in them
 # 10,000-property one about 25 MB on SmolLM2's 49,152. 256 of those were 6 GB per node.
 COST_PER_SPEC_BYTE = 160
 COST_BASE_BYTES = 64 * 1024
+# Threads that compile guides off the compute loop (llguidance releases the GIL while it
+# compiles: the loop steps on). Two, so one slow guide does not hold up every other.
+COMPILE_WORKERS = 2
 
 
 def guide_cost(guide: tuple[str, str]) -> int:
@@ -55,6 +59,40 @@ class GrammarBackend:
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._cache_bytes = 0          # guide_cost of what _cache holds
         self._lock = threading.Lock()
+        self._compiling: dict[tuple[str, str], Future] = {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    def compiled(self, guide: tuple[str, str]) -> bool:
+        with self._lock:
+            return guide in self._cache
+
+    def compile_soon(self, guide: tuple[str, str]) -> Future:
+        """The guide compiled into the cache on a worker thread; the Future's exception
+        (a ValueError for a guide llguidance refuses) says why not. One compile per
+        distinct guide, however many requests wait for it."""
+        with self._lock:
+            future = self._compiling.get(guide)
+            if future is None:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(COMPILE_WORKERS,
+                                                    thread_name_prefix="guide-compile")
+                future = self._compiling[guide] = self._pool.submit(self._compile, guide)
+                future.add_done_callback(self._cancelled)
+        return future
+
+    def _cancelled(self, future: Future) -> None:
+        """A compile cancelled before it started is forgotten (the next asks anew)."""
+        if future.cancelled():
+            with self._lock:
+                for guide in [g for g, f in self._compiling.items() if f is future]:
+                    del self._compiling[guide]
+
+    def _compile(self, guide: tuple[str, str]) -> None:
+        try:
+            self.matcher(guide)
+        finally:
+            with self._lock:
+                self._compiling.pop(guide, None)
 
     def matcher(self, guide: tuple[str, str]):
         """A fresh matcher at the start of the guide; ValueError saying why there is none."""

@@ -30,6 +30,9 @@ class LogitsProcessors:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self._grammar: GrammarBackend | None = None
+        # Requests whose grammar failed while decoding (llguidance's lexer budget, say),
+        # with why: the engine ends them after the step, the rest of the batch goes on.
+        self.failed: dict[str, str] = {}
 
     @property
     def grammar(self) -> GrammarBackend:
@@ -46,6 +49,13 @@ class LogitsProcessors:
                              f"{bad[:5]}")
         if params.guide is not None:
             self.grammar.matcher(params.guide)
+
+    def guide_compiling(self, params):
+        """A Future of the request's guide compiling on a worker thread; None when there is
+        nothing to wait for (no guide, or compiled already)."""
+        if params.guide is None or self.grammar.compiled(params.guide):
+            return None
+        return self.grammar.compile_soon(params.guide)
 
     def stop_ids(self, seq: Sequence) -> list[int]:
         p = seq.params
@@ -85,15 +95,30 @@ class LogitsProcessors:
         return logits
 
     def _apply_guides(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]):
-        states = []
-        for seq in seqs:
-            if seq.guide_state is None:
-                seq.guide_state = GuideState(self.grammar.matcher(seq.params.guide))
-            seq.guide_state.catch_up(_output_ids(seq))
+        states, kept, kept_seqs = [], [], []
+        for seq, row in zip(seqs, rows):
+            try:
+                if seq.guide_state is None:
+                    seq.guide_state = GuideState(self.grammar.matcher(seq.params.guide))
+                seq.guide_state.catch_up(_output_ids(seq))
+                if seq.guide_state.matcher.is_error():  # (a mask it cannot compute)
+                    raise RuntimeError(f"structured output: "
+                                       f"{seq.guide_state.matcher.get_error()}")
+            except (RuntimeError, ValueError) as exc:  # this request fails, not the batch
+                self.failed[seq.seq_id] = _first_line(str(exc))
+                continue
             states.append(seq.guide_state)
-        allowed = allowed_mask(states, [self.stop_ids(s) for s in seqs], self.vocab_size,
-                               logits.device)                             # [R, V]
-        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+            kept.append(row)
+            kept_seqs.append(seq)
+        if not kept:
+            return
+        allowed = allowed_mask(states, [self.stop_ids(s) for s in kept_seqs],
+                               self.vocab_size, logits.device)            # [R, V]
+        failed = [i for i, st in enumerate(states) if st.matcher.is_error()]
+        for i in failed:  # the mask itself failed (a lexer budget hit while computing it)
+            self.failed[kept_seqs[i].seq_id] = _first_line(
+                f"structured output: {states[i].matcher.get_error()}")
+        logits[kept] = logits[kept].masked_fill(~allowed, float("-inf"))
 
     def _penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """logits [R, V] of the rows with a penalty -> penalised, all rows at once. Only the
@@ -130,3 +155,8 @@ def _padded(token_lists: list[list[int]], pad: int | None) -> torch.Tensor:
     return torch.tensor([t + [t[0] if pad is None else pad] * (width - len(t)) if t
                          else [0 if pad is None else pad] * width for t in token_lists],
                         dtype=torch.long)
+
+
+def _first_line(why: str) -> str:
+    """llguidance's errors end in a dump of its state: the first line says what failed."""
+    return why.split("\n", 1)[0][:1000]

@@ -73,6 +73,11 @@ class Worker:
                            num_waiting=self.scheduler.num_waiting,
                            queued_prompt_tokens=queued_prompt_tokens)
 
+    def guide_compiling(self, params: SamplingParams):
+        """A Future of the request's structured-output guide compiling off the caller's
+        thread, or None when check_request need not wait for one (LogitsProcessors)."""
+        return self.runner.logits_processors.guide_compiling(params)
+
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
                       what: str = "prompt") -> None:
         """Raises ValueError with the reason when a request cannot be served."""

@@ -95,6 +95,13 @@ class Tokenizer:
                                                               ensure_ascii=False) + "\n")
         return out
 
+    def longest_token_chars(self) -> int:
+        """The most characters of text one token stands for, bounded by its spelling (a
+        byte-level token spells each byte of its text as one character, a SentencePiece
+        token each character as one): a text of n characters has at least n / this
+        many tokens."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1) or 1
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 

@@ -16,6 +16,11 @@ import signal
 import socket
 import threading
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
+
+import msgspec
 
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
@@ -32,6 +37,15 @@ from pdserve.node.io import InboxItem, NodeIO
 from pdserve.node.kv import segment as shm
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Parked:
+    """A request waiting for its guide to compile (Node.park_for_guide)."""
+    future: Future
+    deadline: float
+    resume: Callable[[], None]
+    fail: Callable[[str], None]
 
 IDLE_WAIT_S = 0.05  # longest block on the inbox when idle: bounds lease-expiry lag
 
@@ -84,6 +98,7 @@ class Node:
         self._drain_asked = False   # set by the signal handler, acted on by the loop
         self.drain_deadline = 0.0
         self.jobs: dict = {}    # the role's requests by wire id
+        self._parked: dict[str, Parked] = {}  # requests whose guide compiles meanwhile
         self.kv_events = None
         if config.kv_events is not None and config.kv_events.active:
             if config.engine.enable_prefix_caching:
@@ -127,6 +142,52 @@ class Node:
         decoded); ValueError saying why this model cannot serve them."""
         self.engine.check_request(prompt, params, what=f"prompt of {req_id}")
         return params
+
+    def park_for_guide(self, req_id: str, params: SamplingParams,
+                       resume: Callable[[], None], fail: Callable[[str], None]) -> bool:
+        """True when the request's structured-output guide is compiling on a worker thread:
+        ``resume()`` runs on a later turn of this loop once it has compiled (everything is
+        then as if it had been compiled all along), ``fail(why)`` if it did not compile or
+        took longer than --guide-timeout. False: nothing to wait for, go on now. A guide
+        compiled in this loop stalled every running stream for as long as it took."""
+        future = self.engine.guide_compiling(params)
+        if future is None:
+            return False
+        self._parked[req_id] = Parked(future, time.monotonic() + self.config.guide_timeout_s,
+                                      resume, fail)
+        return True
+
+    def unpark(self, req_id: str) -> None:
+        """An aborted request no longer waits for its guide."""
+        self._parked.pop(req_id, None)
+
+    def _resume_parked(self) -> None:
+        now = time.monotonic()
+        for req_id, parked in list(self._parked.items()):
+            if not parked.future.done() and now < parked.deadline:
+                continue
+            del self._parked[req_id]
+            try:
+                if not parked.future.done():
+                    # Not started yet: it never will be, unless another request waits for
+                    # the same guide. Started: it runs on (a thread cannot be stopped) and
+                    # its result is cached.
+                    if not any(p.future is parked.future for p in self._parked.values()):
+                        parked.future.cancel()
+                    parked.fail(f"its structured-output guide did not compile within "
+                                f"{self.config.guide_timeout_s:g} s (--guide-timeout)")
+                elif parked.future.exception() is not None:
+                    exc = parked.future.exception()
+                    parked.fail(str(exc) if isinstance(exc, ValueError) else
+                                f"its structured-output guide failed to compile: "
+                                f"{type(exc).__name__}: {exc}")
+                else:
+                    parked.resume()
+            except Exception:  # that request fails, no other
+                self.metrics.internal_error(f"{self.role}.resume", log)
+                self.drop(req_id, "error")
+                self.error_to_router(req_id, E.INTERNAL, f"node {self.node_id} hit an "
+                                     "internal error while taking the request; see its log")
 
     def admit(self, req: P.PrefillRequest, known: bool) -> Sequence | None:
         """A sequence for a request to prefill here, or None after telling the router why not."""
@@ -236,9 +297,13 @@ class Node:
         """Expiry and one step. A failure here is a bug or input no check caught: the
         requests on this node fail with a reason, the node keeps serving."""
         try:
+            self._resume_parked()
             self.expire()
             if self.has_work():
                 self.step()
+            for req_id, why in self.engine.take_rejected().items():  # (their grammar)
+                self.drop(req_id, "error")
+                self.error_to_router(req_id, E.BAD_GUIDE, why)
         except Exception:
             self.metrics.internal_error(f"{self.role}.step", log)
             for req_id in list(self.jobs):
@@ -260,6 +325,31 @@ class Node:
                                  "error while taking the request; see the node's log")
 
     def _wait_welcome(self) -> bool:
+        if not self._wait_welcome_once():
+            return False
+        welcome = self.io.welcome
+        if not welcome.accepted and welcome.code == E.NAME_TAKEN:
+            # Another connection holds this node id at the router (a stranger who said
+            # Hello with it first, or a twin with the same --node-id): serve under a fresh
+            # id rather than not at all. Metrics keep the configured id.
+            fresh = f"{self.node_id}-{self.io.hello.incarnation[:6]}"
+            log.warning("router refused node id %s (%s); registering as %s", self.node_id,
+                        welcome.reason, fresh)
+            self.node_id = fresh
+            self.io.hello = msgspec.structs.replace(self.io.hello, node_id=fresh)
+            self.io.welcome = None
+            self.io.welcomed.clear()
+            self.io.send_control(self.io.hello)
+            if not self._wait_welcome_once():
+                return False
+        welcome = self.io.welcome
+        if not welcome.accepted:
+            log.error("router refused this node: %s", welcome.reason)
+            return False
+        self.io.heartbeat_interval_s = welcome.heartbeat_interval_s
+        return True
+
+    def _wait_welcome_once(self) -> bool:
         timeout = self.config.welcome_timeout_s
         while not self.io.welcomed.wait(0.1):
             timeout -= 0.1
@@ -272,11 +362,6 @@ class Node:
         if self.io.failure is not None:
             log.error("node I/O failed before registering: %s", self.io.failure)
             return False
-        welcome = self.io.welcome
-        if not welcome.accepted:
-            log.error("router refused this node: %s", welcome.reason)
-            return False
-        self.io.heartbeat_interval_s = welcome.heartbeat_interval_s
         return True
 
     def _take_inbox(self, block: bool) -> None:

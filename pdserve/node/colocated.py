@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.node.config import NodeConfig
 from pdserve.node.decode import DecodeJob, DecodeNode
@@ -28,14 +29,21 @@ class ColocatedNode(DecodeNode):
             super().handle(item)
             return
         for req in item.msg.requests:
-            if self.refuse_when_draining(req.req_id):
-                continue
-            seq = self.admit(req, known=req.req_id in self.jobs)
-            if seq is None:
-                continue
-            self.jobs[req.req_id] = DecodeJob(seq, transfer=None,
-                                              deadline=time.monotonic() + req.timeout_s)
-            self.engine.add(seq)
+            self._take(req)
+
+    def _take(self, req: P.PrefillRequest) -> None:
+        if self.refuse_when_draining(req.req_id):
+            return
+        if self.park_for_guide(req.req_id, req.sampling, lambda: self._take(req),
+                               lambda why: self.error_to_router(req.req_id, E.BAD_GUIDE,
+                                                                why)):
+            return
+        seq = self.admit(req, known=req.req_id in self.jobs)
+        if seq is None:
+            return
+        self.jobs[req.req_id] = DecodeJob(seq, transfer=None,
+                                          deadline=time.monotonic() + req.timeout_s)
+        self.engine.add(seq)
 
 
 def run_colocated(config: NodeConfig) -> int:

@@ -45,6 +45,9 @@ class NodeConfig:
         None, "Publish KV-cache events in vLLM's format, with vLLM's keys, e.g. "
         "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5560\"}' "
         "(docs/protocol.md).", name="--kv-events-config", kind="json", default_text="off")
+    guide_timeout_s: float = flag(10.0, "Seconds a structured-output guide may take to "
+                                  "compile (off the compute loop); past it its request "
+                                  "fails.", name="--guide-timeout", min=0, min_open=True)
     insecure: bool = flag(False, "Start even though the KV socket is open to other machines "
                           "without CURVE (warned every minute).")
 

@@ -40,6 +40,7 @@ class DecodeJob:
     lease_deadline: float = 0.0
     deadline: float = float("inf")       # the request's own: past it the job ends here
     sender: str = ""                     # the one prefill node whose KV is taken ("": any)
+    sender_peer: bytes = b""             # and its KV socket identity (P.peer_identity)
 
     @property
     def placed(self) -> bool:
@@ -62,16 +63,29 @@ class DecodeNode(Node):
     def handle(self, item: InboxItem) -> None:
         msg = item.msg
         if isinstance(msg, P.Reserve):  # one reply for all the router's turn reserved here
-            self.io.send_control(P.ReserveReply(items=[self._reserve(r) for r in msg.items]))
+            items = [self._reserve(r) for r in msg.items if not self._park(r)]
+            if items:
+                self.io.send_control(P.ReserveReply(items=items))
         elif isinstance(msg, P.KVChunk):
             self._place(item.peer, msg)
         elif isinstance(msg, P.Abort):
             for req_id in msg.req_ids:
+                self.unpark(req_id)
                 self.drop(req_id, "abort")
         elif isinstance(msg, P.Error):
             log.warning("error from %s: %s %s", item.channel, msg.code, msg.message)
         elif isinstance(msg, P.Drain):
             log.info("asked to drain: %s", msg.reason)
+
+    def _park(self, msg: P.ReserveRequest) -> bool:
+        """The reservation waits for its guide to compile (its reply comes alone, then)."""
+        def reply(result: P.ReserveResult) -> None:
+            self.io.send_control(P.ReserveReply(items=[result]))
+
+        return self.park_for_guide(
+            msg.req_id, msg.sampling, lambda: reply(self._reserve(msg)),
+            lambda why: reply(P.ReserveResult(req_id=msg.req_id, ok=False, num_blocks=0,
+                                              reason=f"{E.BAD_MESSAGE}: {why}")))
 
     def _reserve(self, msg: P.ReserveRequest) -> P.ReserveResult:
         def refuse(reason: str) -> P.ReserveResult:
@@ -91,6 +105,10 @@ class DecodeNode(Node):
             stats = self.engine.stats()
             return refuse(f"{E.NO_CAPACITY}: needs {self.engine.num_blocks_to_reserve(seq)} "
                           f"KV blocks, {stats.num_free_blocks} of {stats.num_total_blocks} free")
+        # The sender is told by its whole socket identity, incarnation included: a stranger
+        # who took the bare node id on this socket first is not the node.
+        peer = P.peer_identity(msg.prefill_node_id, msg.prefill_incarnation) \
+            if msg.prefill_node_id else b""
         cached = self.engine.reserve(seq)  # the cached blocks' KV need not cross the wire
         transfer = InboundTransfer(msg.req_id, torch.tensor(seq.block_table[cached:],
                                                             dtype=torch.int64),
@@ -98,9 +116,9 @@ class DecodeNode(Node):
         now = time.monotonic()
         self.jobs[msg.req_id] = DecodeJob(seq, transfer, msg.lease_s, now + msg.lease_s,
                                           now + msg.timeout_s if msg.timeout_s else float("inf"),
-                                          sender=msg.prefill_node_id)
-        if msg.prefill_node_id:
-            self.io.expected_kv_peers |= {msg.prefill_node_id.encode()}
+                                          sender=msg.prefill_node_id, sender_peer=peer)
+        if peer:
+            self.io.expected_kv_peers |= {peer}
         return P.ReserveResult(req_id=msg.req_id, ok=True, reason="",
                                num_blocks=len(seq.block_table), cached_blocks=cached)
 
@@ -115,7 +133,7 @@ class DecodeNode(Node):
                 results.append(P.KVResult(req_id=part.req_id, ok=False, reason=(
                     f"no reservation here for {part.req_id!r} (expired, aborted or never "
                     "made)")))
-            elif job.sender and peer != job.sender.encode():  # refused; the reservation stands
+            elif job.sender_peer and peer != job.sender_peer:  # refused; the reservation stands
                 log.warning("KV for %s from %r refused: the reservation names prefill node %s",
                             part.req_id, peer, job.sender)
                 results.append(P.KVResult(req_id=part.req_id, ok=False, reason=(
@@ -194,7 +212,7 @@ class DecodeNode(Node):
         if now >= self._senders_pruned + 1.0:  # KV budgets: who may still send KV here
             self._senders_pruned = now
             self.io.expected_kv_peers = frozenset(
-                j.sender.encode() for j in self.jobs.values() if j.sender and not j.placed)
+                j.sender_peer for j in self.jobs.values() if j.sender_peer and not j.placed)
         for job in [j for j in self.jobs.values() if now > j.deadline]:
             # Its Abort may have been lost: it must not run on to max_tokens.
             self.drop(job.seq.seq_id, "error")

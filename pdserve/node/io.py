@@ -129,6 +129,11 @@ class NodeIO(threading.Thread):
     def send_kv(self, address: str, msg: P.Message) -> None:
         self._put(KV_OUT, address, msg)
 
+    def peer_identity(self) -> bytes:
+        """This node's identity on every socket it connects (the router's control socket,
+        decode nodes' KV sockets): what the router names it by to decode nodes."""
+        return P.peer_identity(self.hello.node_id, self.hello.incarnation)
+
     def stop(self) -> None:
         self._stopping.set()
         self._wake()
@@ -164,7 +169,7 @@ class NodeIO(threading.Thread):
             # (a thousand requests' tokens, say) sent NOBLOCK must not meet libzmq's
             # default high-water mark of 1,000 and fail requests while the router reads.
             control = make_socket(ctx, zmq.DEALER, connect=self.router,
-                                  identity=self.hello.node_id, linger_ms=1000,
+                                  identity=self.peer_identity(), linger_ms=1000,
                                   sndhwm=OUTBOX_MAX,
                                   max_msg_size=CONTROL_MAX_MSG_BYTES,
                                   curve=self.curve.control if self.curve else None)
@@ -339,7 +344,7 @@ class NodeIO(threading.Thread):
                     if sock is None:
                         self._close_idle(kv_out, poller, socks, keep=MAX_KV_OUT - 1)
                         sock = make_socket(ctx, zmq.DEALER, connect=peer,
-                                           identity=self.hello.node_id,
+                                           identity=self.peer_identity(),
                                            max_msg_size=KV_ACK_MAX_MSG_BYTES,
                                            curve=self.curve.kv_client if self.curve else None)
                         kv_out[peer] = sock

@@ -93,6 +93,7 @@ class PrefillNode(Node):
                 self._admit(req)
         elif isinstance(msg, P.Abort):
             for req_id in msg.req_ids:
+                self.unpark(req_id)
                 self.drop(req_id)
         elif isinstance(msg, P.KVAck):
             for result in msg.results:
@@ -120,6 +121,10 @@ class PrefillNode(Node):
 
     def _admit(self, req: P.PrefillRequest) -> None:
         if self.refuse_when_draining(req.req_id):
+            return
+        if self.park_for_guide(req.req_id, req.sampling, lambda: self._admit(req),
+                               lambda why: self.error_to_router(req.req_id, E.BAD_GUIDE,
+                                                                why)):
             return
         most = (len(req.prompt_token_ids) - 1) // self.layout.block_size
         if not 0 <= req.skip_blocks <= most:

@@ -10,9 +10,14 @@ applied here (``apply``): its messages sent, its client events pushed into the r
 streams (``streams``, the table the core registers each request's stream in). The way is
 one way: core -> control -> dispatch, and back only as return values.
 
-Membership rules: a node speaks only for its own socket identity. The same node id with
-the same ``incarnation`` again (the router stalled, the node said Hello once more) is a
-resync: the node keeps its work. A new incarnation is a restart: its work moves. No
+Membership rules: a node id belongs to the connection (socket identity) whose Hello
+registered it, and a message speaks for the node its connection registered, never for the
+id it names. Another connection claiming a registered id is refused (``name_taken``) while
+the holder is still connected, and with CURVE whenever its key (ZAP's User-Id) differs
+from the holder's; a node that restarted (its old connection is gone) takes its id back.
+The same node id with the same ``incarnation`` again (the router stalled, the node said
+Hello once more) is a resync: the node keeps its work. A new incarnation is a restart:
+its work moves. No
 failure of one message or one tick stops a loop, and a router that was itself stalled
 (SIGSTOP, swapped out) does not blame the nodes for its own silence.
 """
@@ -26,6 +31,7 @@ import time
 import zmq
 import zmq.asyncio
 
+from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.common.logs import LogThrottle
 from pdserve.common.metrics import RouterMetrics
@@ -68,6 +74,11 @@ class Control:
         self._next_beat = 0.0
         self._refusal_log = LogThrottle(period_s=10.0)
         self._flush_scheduled = False
+        # Who is who: each registered node id and the connection its Hello came on (both
+        # ways), with that connection's CURVE key ("" when plain). Pruned on every tick.
+        self._routes: dict[str, bytes] = {}
+        self._names: dict[bytes, str] = {}
+        self._keys: dict[str, str] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._sock = None
 
@@ -143,8 +154,11 @@ class Control:
         return failed
 
     def _send(self, node_id: str | bytes, msg: P.Message) -> str | None:
-        """None when sent, else why not ("unreachable", "full", "unencodable")."""
-        peer = node_id if isinstance(node_id, bytes) else node_id.encode()
+        """None when sent, else why not ("unreachable", "full", "unencodable"). A str is a
+        node id (sent on the connection that registered it), bytes a socket identity."""
+        peer = node_id if isinstance(node_id, bytes) else self._routes.get(node_id)
+        if peer is None:
+            return "unreachable"
         try:
             self._twin.send_routed(peer, msg)
             return None
@@ -174,8 +188,8 @@ class Control:
 
     # -- receiving ------------------------------------------------------------------------
     def _message_budgets(self) -> PeerBudgets:
-        nodes = self.registry.nodes
-        return PeerBudgets(lambda peer: peer.decode(errors="replace") in nodes,
+        nodes, names = self.registry.nodes, self._names
+        return PeerBudgets(lambda peer: names.get(peer) in nodes,
                            rate=NODE_MSGS_PER_S, burst=NODE_BURST,
                            stranger_rate=STRANGER_MSGS_PER_S, stranger_burst=STRANGER_BURST)
 
@@ -206,7 +220,10 @@ class Control:
             return
         self.loop_ticks["receive"] += 1
         try:
-            self.handle(peer.decode(errors="replace"), msg)
+            if isinstance(msg, P.Hello):
+                self._hello(peer, _user_id(frames[1]), msg, time.monotonic())
+            else:  # a connection that registered no node speaks for nobody
+                self.handle(self._names.get(peer, f"(unregistered {_text(peer)})"), msg)
         except Exception:  # one bad message must not stop the router
             where = f"router.receive.{type(msg).__name__}"
             self.metrics.internal_error(where, log)
@@ -217,10 +234,8 @@ class Control:
             log.warning("%s for %s from node %s dropped: %s", what, req_id, node_id, why)
 
     def handle(self, node_id: str, msg: P.Message) -> None:
+        """A message from the node ``node_id`` (that of its connection; not a Hello)."""
         now = time.monotonic()
-        if isinstance(msg, P.Hello):
-            self._hello(node_id, msg, now)
-            return
         node = self.registry.seen(node_id, getattr(msg, "stats", None), now)
         if node is None:
             if not isinstance(msg, (P.Heartbeat, P.Bye)):
@@ -234,19 +249,25 @@ class Control:
         elif not isinstance(msg, P.Heartbeat):  # (a heartbeat only says: alive)
             self.apply(self.dispatch.node_message(node_id, msg, now))
 
-    def _hello(self, node_id: str, msg: P.Hello, now: float) -> None:
-        def welcome(ok: bool, reason: str) -> None:
-            self.apply(Output(sends=[(node_id, P.Welcome(
+    def _hello(self, peer: bytes, user: str, msg: P.Hello, now: float) -> None:
+        node_id = msg.node_id
+
+        def welcome(ok: bool, reason: str, code: str = "") -> None:
+            self.apply(Output(sends=[(peer, P.Welcome(
                 accepted=ok, reason=reason, liveness=self.config.liveness,
                 heartbeat_interval_s=self.config.heartbeat_interval_s,
-                router_incarnation=self.incarnation))]))
+                router_incarnation=self.incarnation, code=code))]))
 
-        if msg.node_id != node_id:  # one node may not speak for another
-            log.warning("hello refused: node_id %r differs from its socket identity %r",
-                        msg.node_id, node_id)
-            welcome(False, f"node_id {msg.node_id!r} must equal the socket identity "
-                    f"{node_id!r}")
+        taken = self._claim_refused(peer, user, node_id)
+        if taken is not None:
+            if self._refusal_log(("hello", peer, node_id)) is not None:
+                log.warning("hello from %r refused: %s", peer, taken)
+            welcome(False, taken, E.NAME_TAKEN)
             return
+        old = self._routes.get(node_id)
+        if old is not None and old != peer:
+            self._names.pop(old, None)  # the node's old connection is gone: it speaks no more
+        self._routes[node_id], self._names[peer], self._keys[node_id] = peer, node_id, user
         known = self.registry.nodes.get(node_id)
         resync = known is not None and bool(msg.incarnation) \
             and known.hello.incarnation == msg.incarnation
@@ -265,6 +286,29 @@ class Control:
             self.apply(self.dispatch.node_gone(
                 known, f"node {node_id} is not admitted any more: {reason}", now))
         welcome(ok, reason)
+
+    def _claim_refused(self, peer: bytes, user: str, node_id: str) -> str | None:
+        """Why the connection ``peer`` (CURVE key ``user``) may not register ``node_id``;
+        None if it may."""
+        mine = self._names.get(peer)
+        if mine is not None and mine != node_id and mine in self.registry.nodes:
+            return (f"this connection registered node {mine!r}; it cannot also be "
+                    f"{node_id!r}")
+        holder = self._routes.get(node_id)
+        if holder is None or holder == peer or node_id not in self.registry.nodes:
+            return None
+        if user != self._keys.get(node_id, ""):
+            return (f"node id {node_id!r} is registered with another CURVE key; it is free "
+                    "once that node leaves or misses its heartbeats")
+        try:  # is the holder still connected? (ROUTER_MANDATORY: a send says so at once)
+            self._twin.send_routed(holder, P.Heartbeat(node_id="router", stats=None))
+        except SendError as exc:
+            if exc.reason == "unreachable":  # it has gone (restarted): the id is free
+                return None
+        finally:
+            self._twin.rearm()
+        return (f"node id {node_id!r} is held by another connection that is still "
+                "connected; it is free once that one leaves or misses its heartbeats")
 
     # -- the clock --------------------------------------------------------------------------
     async def tick_loop(self) -> None:
@@ -286,6 +330,9 @@ class Control:
                         stalled)
             for node in self.registry.nodes.values():
                 node.last_seen = max(node.last_seen, now)
+        for name in [n for n in self._routes if n not in self.registry.nodes]:
+            self._names.pop(self._routes.pop(name), None)  # bindings of nodes gone
+            self._keys.pop(name, None)
         for node in self.registry.expire(now):
             self.apply(self.dispatch.node_gone(
                 node, f"node {node.node_id} missed {self.config.liveness} heartbeats", now))
@@ -294,6 +341,15 @@ class Control:
             beat = P.Heartbeat(node_id="router", stats=None)
             self.apply(Output(sends=[(node_id, beat) for node_id in self.registry.nodes]))
         self.apply(self.dispatch.tick(now))
+
+
+def _user_id(frame) -> str:
+    """The ZAP User-Id of a received frame (with CURVE, the peer's public key, Z85); ""
+    on a plain socket."""
+    try:
+        return frame.get("User-Id") or ""
+    except (zmq.ZMQError, AttributeError):
+        return ""
 
 
 def _text(node_id: str | bytes) -> str:

@@ -34,7 +34,7 @@ from pdserve.router.dispatch.dispatch import Dispatch
 from pdserve.router.dispatch.node_messages import CONTROL_IN  # noqa: F401 (part of this API)
 from pdserve.router.dispatch.registry import Registry
 from pdserve.router.guide_check import GuideChecker
-from pdserve.router.limits import check_request
+from pdserve.router.limits import PromptBound, check_request
 from pdserve.router.tokenizing import TokenizerPool
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,8 @@ class RouterCore:
             gguf.release_readers()
         self.model_name = config.served_model_name or model_name(model_dir)
         self.max_model_len = cfg.max_model_len
+        self.prompt_bound = PromptBound(config, cfg.max_model_len,
+                                        self.tokenizer.longest_token_chars())
         identity = P.ModelIdentity(name=model_name(model_dir),
                                    config_hash=model_identity_hash(model_dir))
         self.registry = Registry(identity, cfg.num_hidden_layers, cfg.num_key_value_heads,

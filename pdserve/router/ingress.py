@@ -39,7 +39,6 @@ from pdserve.common.rate_limit import Bucket
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.transport import CurveConfig, PlainTwin, endpoint_of, make_socket
 from pdserve.router.http.openai_schema import encode_text
-from pdserve.router.limits import check_prompt_bytes
 from pdserve.router.streams import (
     BAD_REQUEST,
     INTERNAL,
@@ -213,7 +212,7 @@ class Ingress:
             raise RequestError(BAD_REQUEST, "exactly one of 'prompt' (string) or "
                                "'prompt_token_ids' (list of integers) is required", "prompt")
         if has_text:
-            check_prompt_bytes(msg.prompt, self.core.config)
+            self.core.prompt_bound.check(msg.prompt)
             ids = await self.core.tokenizing.run(encode_text, self.core.tokenizer,
                                                  msg.prompt) if msg.prompt else []
         else:

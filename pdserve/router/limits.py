@@ -54,3 +54,28 @@ def check_prompt_bytes(text: str, cfg: RouterConfig, param: str = "prompt") -> N
                                             and len(text.encode()) > cfg.max_prompt_bytes):
         raise S.RequestError(S.BAD_REQUEST, f"the {param} text is over {cfg.max_prompt_bytes} "
                              "bytes (UTF-8), the most accepted", param)
+
+
+class PromptBound:
+    """What a prompt's text may be before it is tokenized: at most ``max_prompt_bytes``
+    (its UTF-8), and short enough that it could fit the context. A text longer than the
+    context times the longest token's characters has more tokens than the context holds,
+    whatever it says; it is refused without tokenizing it (a 3 MB chat message was
+    tokenized whole before the context check refused it, and the router kept 313 MB)."""
+
+    def __init__(self, cfg: RouterConfig, max_model_len: int, longest_token_chars: int):
+        self.cfg, self.max_model_len = cfg, max_model_len
+        self.longest = max(1, longest_token_chars)
+        self.max_chars = max_model_len * self.longest
+
+    def check(self, text: str, param: str = "prompt") -> None:
+        check_prompt_bytes(text, self.cfg, param)
+        if len(text) > self.max_chars:
+            raise bad(f"the {param} text has {len(text)} characters, so at least "
+                      f"{len(text) // self.longest} tokens, over the model's context of "
+                      f"{self.max_model_len} tokens", param)
+
+    def check_messages(self, messages: list[dict]) -> None:
+        """A chat's messages (checked in number by openai_schema.chat_messages): their
+        text as one."""
+        self.check("".join(m["content"] for m in messages), "messages")

@@ -124,6 +124,7 @@ class FakeNode:
                                  num_waiting=0, queued_prompt_tokens=0),
             incarnation=incarnation)
         self.node_id = node_id
+        self.peer = P.peer_identity(node_id, incarnation)  # its KV sockets' identity
         self.grant = grant
         self.ctx = zmq.Context()
         self.sock = make_socket(self.ctx, zmq.DEALER, connect=c.control, identity=node_id)
@@ -187,8 +188,9 @@ class FakeNode:
                                          first_token=first_token)])
 
 
-def kv_send(address: str, identity: str, msg: P.Message) -> P.Message:
-    """Sends to a decode node's KV socket as prefill node ``identity``; its answer."""
+def kv_send(address: str, identity: str | bytes, msg: P.Message) -> P.Message:
+    """Sends to a decode node's KV socket as ``identity`` (a prefill node's is
+    P.peer_identity(node_id, incarnation)); its answer."""
     ctx = zmq.Context()
     sock = make_socket(ctx, zmq.DEALER, connect=address, identity=identity)
     try:
@@ -392,7 +394,7 @@ def test_bad_first_token_in_an_open_reservation(cluster, model_dir):
                 replies = asyncio.create_task(go())
                 batch = await asyncio.to_thread(fake.wait_for, P.PrefillBatch)
                 req = batch.requests[0]
-                ack = await asyncio.to_thread(kv_send, req.kv_address, "fake-p",
+                ack = await asyncio.to_thread(kv_send, req.kv_address, fake.peer,
                                               fake.last_chunk(req, first_token))
                 return ack, await replies
             ack, replies = asyncio.run(attack())
@@ -473,7 +475,7 @@ def test_kv_inside_an_open_reservation(cluster, model_dir):
                     if refusal is None:  # a prefill node says its first token first
                         fake.send(P.FirstTokens(items=[P.FirstToken(req_id=req.req_id,
                                                                     token_id=7)]))
-                    ack = await asyncio.to_thread(kv_send, req.kv_address, "fake-kv",
+                    ack = await asyncio.to_thread(kv_send, req.kv_address, fake.peer,
                                                   make(req))
                     return ack, await replies
             ack, replies = asyncio.run(attack())
@@ -508,7 +510,7 @@ def test_kv_only_from_the_prefill_node_the_reservation_names(cluster, model_dir)
                 intruder = await asyncio.to_thread(kv_send, req.kv_address, "intruder",
                                                    fake.last_chunk(req, 7))
                 fake.send(P.FirstTokens(items=[P.FirstToken(req_id=req.req_id, token_id=7)]))
-                named = await asyncio.to_thread(kv_send, req.kv_address, "fake-named",
+                named = await asyncio.to_thread(kv_send, req.kv_address, fake.peer,
                                                 fake.last_chunk(req, 7))
                 return intruder, named, await replies
         intruder, named, replies = asyncio.run(attack())

@@ -204,3 +204,46 @@ def test_a_producers_flood_meets_back_pressure_not_a_stalled_clock(cluster):
     assert worst < 2.0, f"/health waited {worst:.1f} s during the flood"
     assert cluster.log().count("ingress: overloaded") - lines_before < 20
     served_within(cluster, 5.0)
+
+
+def test_a_flood_on_the_control_socket_lets_the_router_keep_time(cluster):
+    """Strangers send to the control socket as fast as they can (past their budget each
+    message is dropped unread, so the socket never runs dry). The receive loop yields to
+    the event loop every few hundred messages: /health, normal requests and the
+    heartbeats go on, and no node is dropped for silence."""
+    stop, sent = threading.Event(), [0]
+
+    def flood(k: int) -> None:
+        ctx = zmq.Context()
+        sock = make_socket(ctx, zmq.DEALER, connect=cluster.control, identity=f"flood-{k}")
+        try:
+            while not stop.is_set():
+                try:
+                    for _ in range(1000):
+                        sock.send(b"x", zmq.NOBLOCK)
+                        sent[0] += 1
+                except zmq.Again:  # the router's queue is full: it is being flooded
+                    time.sleep(0.001)
+        finally:
+            sock.close(0)
+            ctx.term()
+
+    log_before = cluster.log()
+    threads = [threading.Thread(target=flood, args=(k,), daemon=True) for k in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2.0)  # longer than a node's liveness (1.5 s): a starved clock drops it
+        for _ in range(3):
+            started = time.monotonic()
+            assert httpx.get(cluster.http_url + "/health", timeout=30).status_code == 200
+            assert time.monotonic() - started < 2.0
+            served_within(cluster, 5.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=10)
+    assert sent[0] > 10_000, sent
+    new = cluster.log()[len(log_before):]
+    for dropped in ("missed", "restarted", "stalled"):
+        assert dropped not in new, new[-3000:]

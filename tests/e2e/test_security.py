@@ -274,3 +274,25 @@ def test_node_with_unknown_key_is_refused_and_logged(cluster, rogue, tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def test_a_node_name_is_bound_to_the_key_that_registered_it(cluster, keys):
+    """With CURVE the identity is the key: a peer with an allowed key (prefill-2's) that
+    says Hello as the live decode-0 (registered with the ``node`` key) is refused, and
+    decode-0 keeps serving."""
+    from pdserve.common import errors as E
+    from tests.e2e.test_attack_first import claiming_hello
+
+    ctx = zmq.Context()
+    try:
+        sock = T.make_socket(ctx, zmq.DEALER, connect=cluster[1].control,
+                             curve=S.node_curves(keys, "decode", "prefill-2").control)
+        T.send_message(sock, claiming_hello("decode-0"))
+        assert poll_in(sock, 10_000), "no answer to the Hello"
+        welcome = T.recv_message(sock, (P.Welcome,))
+        sock.close(0)
+    finally:
+        ctx.term()
+    assert not welcome.accepted and welcome.code == E.NAME_TAKEN, welcome
+    assert "another CURVE key" in welcome.reason, welcome.reason
+    assert completion(cluster, {"Authorization": f"Bearer {API_KEY}"}).status_code == 200

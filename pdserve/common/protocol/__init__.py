@@ -74,5 +74,6 @@ from pdserve.common.protocol.messages import (  # noqa: F401 (this package's API
     TokenBatch,
     TokenItem,
     Welcome,
+    peer_identity,
 )
 from pdserve.common.sampling import SamplingParams  # noqa: F401 (PrefillRequest.sampling)

@@ -89,6 +89,13 @@ class TokenItem(Nested, kw_only=True):
 
 # ---------------------------------------------------------------- messages
 
+def peer_identity(node_id: str, incarnation: str) -> bytes:
+    """A node's socket identity on the control and KV sockets. The incarnation makes it
+    unguessable: with ROUTER_HANDOVER off an identity belongs to the first connection
+    that claims it, and a stranger must not be able to claim a node's before it connects."""
+    return f"{node_id}/{incarnation}".encode() if incarnation else node_id.encode()
+
+
 @_message
 class Hello(Message, tag="hello", kw_only=True):
     """node -> router: join the cluster (first message on the control socket)."""
@@ -123,6 +130,7 @@ class Welcome(Message, tag="welcome", kw_only=True):
     heartbeat_interval_s: float
     liveness: Count
     router_incarnation: Id = ""  # a node welcomed again by the same router keeps its work
+    code: Id = ""  # why not accepted, when a node can act on it (errors.NAME_TAKEN)
 
 
 @_message
@@ -150,6 +158,9 @@ class ReserveRequest(Nested, kw_only=True):
     prompt_token_ids: TokenIds
     sampling: SamplingParams  # without stop strings (SamplingParams.for_nodes)
     prefill_node_id: Id
+    # The named prefill node's Hello.incarnation: its KV socket identity is
+    # peer_identity(prefill_node_id, prefill_incarnation), and only that sender's KV is taken.
+    prefill_incarnation: Id = ""
     lease_s: float
     timeout_s: float = 0.0  # the request's time left; the node ends it past that (0: none)
 

@@ -257,7 +257,8 @@ class Dispatch:
         self.placement.place(node.node_id, flight.wire_id)
         self.batcher.reserve(node.node_id, P.ReserveRequest(
             req_id=flight.wire_id, prompt_token_ids=flight.wire_prompt, sampling=flight.spec,
-            prefill_node_id=prefill.node_id, lease_s=self.config.reserve_lease_s,
+            prefill_node_id=prefill.node_id, prefill_incarnation=prefill.hello.incarnation,
+            lease_s=self.config.reserve_lease_s,
             timeout_s=max(1.0, flight.deadline - now)))
 
     def _pick_prefill(self, flight: Flight, now: float) -> NodeInfo | None:

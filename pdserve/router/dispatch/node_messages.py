@@ -180,6 +180,8 @@ class NodeMessages:
             self._drop(node_id, "Error", msg.req_id, "the node does not serve it")
         elif msg.code in RETRYABLE:
             self.attempts.retry(flight, f"node {node_id}: {msg.message} ({msg.code})", now)
+        elif msg.code == E.BAD_GUIDE:  # the request's own grammar: no node will do better
+            self.attempts.fail_flight(flight, S.BAD_REQUEST, f"node {node_id}: {msg.message}")
         else:
             self.attempts.fail_flight(flight, S.NODE_ERROR,
                                       f"node {node_id}: {msg.message} ({msg.code})")

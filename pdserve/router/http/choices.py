@@ -29,7 +29,6 @@ from pdserve.router.http.openai_schema import (
     encode_text,
     sampling_params,
 )
-from pdserve.router.limits import check_prompt_bytes
 from pdserve.router.streams import GenerationRequest, RequestStream, StreamEvent
 
 LOWEST = -9999.0
@@ -198,8 +197,8 @@ async def prompts(core, body: dict, chat: bool,
     tokenized in the core's bounded tokenizer pool, never on the event loop. ``plan``: the
     chat's tools (tools.ToolPlan), rendered with the messages."""
     if chat:
-        messages = chat_messages(body.get("messages"))
-        check_prompt_bytes("".join(m["content"] for m in messages), core.config, "messages")
+        messages = chat_messages(body.get("messages"), core.max_model_len)
+        core.prompt_bound.check_messages(messages)
         tools, family = (plan.tools, plan.family) if plan is not None else (None, None)
         return [(None, await core.tokenizing.run(chat_prompt_ids, core.tokenizer, messages,
                                                  tools, family))]
@@ -208,7 +207,7 @@ async def prompts(core, body: dict, chat: bool,
         if isinstance(prompt, list):
             out.append((None, prompt))
             continue
-        check_prompt_bytes(prompt, core.config)
+        core.prompt_bound.check(prompt)
         out.append((prompt, await core.tokenizing.run(encode_text, core.tokenizer, prompt)))
     return out
 

@@ -240,12 +240,18 @@ def completion_prompt_ids(tokenizer, prompt) -> list[int]:
     return encode_text(tokenizer, prompt) if isinstance(prompt, str) else prompt
 
 
-def chat_messages(messages) -> list[dict]:
+def chat_messages(messages, context: int | None = None) -> list[dict]:
     """The messages as [{role, content: str}] (text parts joined with newlines), and
-    assistant tool calls and tool results checked against each other (tools.py)."""
+    assistant tool calls and tool results checked against each other (tools.py).
+    ``context``: the model's, in tokens; more messages than that cannot fit (a chat
+    template writes at least a token of its own per message), and are refused before
+    they are copied: 100,000 tiny messages were templated and tokenized, 128 MB kept."""
     if not isinstance(messages, list) or not messages:
         raise bad("messages is required: a non-empty array of {role, content} objects",
                   "messages")
+    if context is not None and len(messages) > context:
+        raise bad(f"{len(messages)} messages cannot fit the model's context of {context} "
+                  "tokens", "messages")
     out, call_ids = [], set()
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
