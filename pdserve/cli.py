@@ -27,9 +27,9 @@ from pdserve.common.config_fields import flags_of
 from pdserve.launch import LaunchConfig
 
 ARCHES = ("llama", "qwen2", "mistral")
-# Engine fields that launch does not take as engine flags: --model is the router's, handed
-# to the nodes.
-LAUNCH_NOT_ENGINE = ("model",)
+# Engine fields that launch does not take as engine flags: the router's flags of the same
+# name, handed to the nodes (--model: the checkpoint; --sim-*: what simulated nodes are).
+LAUNCH_NOT_ENGINE = ("model", "sim_profile", "sim_kv_bytes_scale")
 PRESETS = ("tiny", "small")
 
 
@@ -201,7 +201,11 @@ def launch_config(ctx: click.Context, kw: dict) -> LaunchConfig:
     engine_given = _given(ctx, kw, EngineConfig, skip=LAUNCH_NOT_ENGINE)
     (_, kv_spec, kv_type), = [f for f in flags_of(NodeConfig) if f[0].name == "kv_events"]
     kv_events = flag_value(kv_spec, kv_type, kw.pop("kv_events"))
-    launch = from_flags(LaunchConfig, kw, router=router_config(kw), log_level=log_level,
+    router = router_config(kw)
+    if router.sim_profile is not None:
+        engine_given.update(sim_profile=router.sim_profile,
+                            sim_kv_bytes_scale=router.sim_kv_bytes_scale)
+    launch = from_flags(LaunchConfig, kw, router=router, log_level=log_level,
                         compute=engine_given.get("compute", EngineConfig.compute),
                         kv_events=kv_events)
     roles = ("colocated",) if launch.colocated else ("prefill", "decode")

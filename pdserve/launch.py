@@ -49,7 +49,7 @@ class LaunchConfig:
         None, "The first decode node's KV port: decode node i binds PORT+i (on 0.0.0.0 with "
         "--host 0.0.0.0, else 127.0.0.1).", min=1, max=65535,
         default_text="a free port per decode node")
-    compute: str = EngineConfig.compute   # "none": benchmark mode (fixed tokens)
+    compute: str = EngineConfig.compute   # "none": fixed tokens; "simulated": sim/
     # Each role's node config from the --node-arg flags: (config, log level, the flags given)
     node_configs: dict[str, tuple[NodeConfig, str, set[str]]] = field(default_factory=dict)
     log_level: str = DEFAULT_LEVEL
@@ -217,8 +217,10 @@ def run_launch(cfg: LaunchConfig) -> int:
         ingress = connect_address(cfg.router.ingress) if cfg.router.ingress else "off"
         nodes = "1 colocated node" if cfg.colocated else \
             f"{cfg.num_prefill} prefill, {cfg.num_decode} decode nodes"
-        mode = "COMPUTE NONE: benchmark mode, nodes emit a fixed token, not model output\n" \
-            if cfg.compute == "none" else ""
+        mode = {"none": "COMPUTE NONE: benchmark mode, nodes emit a fixed token, not model "
+                        "output\n",
+                "simulated": f"COMPUTE SIMULATED: {cfg.router.sim_profile} (simulated GPUs: a "
+                             "seeded token stream, not model output)\n"}.get(cfg.compute, "")
         print("pdserve is ready:\n"
               f"  OpenAI API     {http}/v1   (health: {http}/health)\n"
               f"  queue ingress  {ingress}\n"

@@ -151,8 +151,11 @@ class Registry:
     def health(self) -> tuple[bool, str]:
         p, d, c = len(self.live("prefill")), len(self.live("decode")), len(self.live("colocated"))
         colocated = f", {c} colocated" if c else ""
-        if any(n.hello.compute != "model" for n in self.nodes.values()):
+        modes = {n.hello.compute for n in self.nodes.values()}
+        if "none" in modes:
             colocated += " (COMPUTE NONE benchmark nodes: outputs are fixed tokens)"
+        if "simulated" in modes:
+            colocated += " (COMPUTE SIMULATED nodes: simulated GPUs, outputs a token stream)"
         if (p and d) or c:
             return True, f"{p} prefill and {d} decode nodes live{colocated}"
         return False, (f"{p} prefill and {d} decode nodes live{colocated}; needed: at least one "
