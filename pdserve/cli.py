@@ -239,6 +239,7 @@ def _register_plugins() -> None:
     from pdserve.bench.cli import bench_cmd
     from pdserve.cli_kernels import kernels_group
     from pdserve.cli_model import model_group
+    from pdserve.cli_plan import plan_cmd
     from pdserve.client import submit_cmd
     from pdserve.common.security import keys_group
 
@@ -247,6 +248,7 @@ def _register_plugins() -> None:
     main.add_command(bench_cmd, "bench")
     main.add_command(kernels_group, "kernels")
     main.add_command(model_group, "model")
+    main.add_command(plan_cmd, "plan")
 
 
 _register_plugins()

@@ -2,9 +2,9 @@
 model, with the interface of ModelRunner (what the Engine and the KV senders and receiver
 use: ``execute``, ``kv_caches``, ``num_blocks``).
 
-- Time: each step's predicted seconds (sim/roofline.py) are slept on a clock. Steps that
-  follow each other are spaced by their predicted times from the previous step's end, so
-  the Python work between steps is absorbed as long as it is shorter than a step. A
+- Time: each step's predicted seconds (sim/roofline.py) are slept on a clock. A step
+  that goes on with sequences of the last one starts at the last one's end, so the Python
+  work between steps is absorbed as long as it is shorter than the step. A
   prefill step fires ``on_layer`` at each layer's share of the step, so KV ships layer
   group by layer group as it would from a GPU.
 - KV: real pages of the profile's layout, its head_dim scaled by ``--sim-kv-bytes-scale``
@@ -70,6 +70,7 @@ class SimRunner:
         self.logits_processors = None  # set by the Worker; a token stream has no logits
         self.sleep, self.clock = sleep, clock
         self.busy_until = 0.0          # the end of the last step on the clock
+        self._last_ids: set[str] = set()  # the sequences of the last step
         self.num_steps, self.slept_s = 0, 0.0
         cfg = model_config
         layers = cfg.num_hidden_layers
@@ -109,8 +110,15 @@ class SimRunner:
         """Sleeps the batch's predicted time; returns each sequence's token (None for a
         prefill chunk short of its prompt's end), like ModelRunner.execute."""
         seconds = self.predict(batch)
-        start = max(self.clock(), self.busy_until)
+        now = self.clock()
+        ids = {seq.seq_id for seq in batch.seqs}
+        # A batch going on from the last step starts where that step ended: a GPU engine
+        # prepares the next step while the last one runs, so the Python time in between
+        # (shorter than the step) is hidden. A batch after idle time starts now.
+        continuing = not ids.isdisjoint(self._last_ids) and now - self.busy_until < seconds
+        start = self.busy_until if continuing else now
         self.busy_until = start + seconds
+        self._last_ids = ids
         self.num_steps += 1
         if on_layer is not None:
             for layer in range(self.num_layers):
