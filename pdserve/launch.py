@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -80,6 +81,8 @@ def _node_config(cfg: LaunchConfig, role: str, index: int, k: int) -> tuple[Node
     events). ``index``: its number in its role; ``k``: among all nodes (prefill first)."""
     base, log_level, given = cfg.node_configs[role]
     engine = {}
+    if base.engine.compute == "simulated" and base.engine.sim_token_space is None:
+        engine["sim_token_space"] = _token_space(base.engine.model or cfg.router.model)
     if cfg.router.model and "model" not in given:
         engine["model"] = cfg.router.model
     if "threads" not in given:
@@ -100,6 +103,15 @@ def _node_config(cfg: LaunchConfig, role: str, index: int, k: int) -> tuple[Node
         node["kv_events"] = _node_kv_events(cfg)
     return (replace(base, engine=replace(base.engine, **engine), **node),
             log_level if "log_level" in given else cfg.log_level)
+
+
+@functools.lru_cache(maxsize=4)
+def _token_space(model: str | None) -> tuple:
+    """Read once for all simulated nodes (model/config.py)."""
+    from pdserve.model.config import read_token_space
+    from pdserve.model.default_model import default_model_dir
+
+    return read_token_space(model or default_model_dir())
 
 
 def _open(cfg: LaunchConfig) -> bool:

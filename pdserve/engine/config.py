@@ -41,6 +41,10 @@ class EngineConfig:
                                    "(h100-llama3-8b, h200-llama3-8b, a100-llama3-8b, "
                                    "h100-llama3-70b) or a profile file (.json, .yaml).",
                                    metavar="NAME|FILE", default_text="none")
+    # (vocabulary size, EOS ids, context) of --model (model/config.py read_token_space):
+    # pdserve launch reads it once for every simulated node (a GGUF file's metadata takes
+    # seconds to parse); None: the node reads it.
+    sim_token_space: tuple | None = None
     sim_kv_bytes_scale: float = flag(1.0, "With --compute simulated: the KV pages nodes hold "
                                      "and ship have head_dim x SCALE elements (rounded, at "
                                      "least 1), so that many nodes fit in memory; block "

@@ -24,7 +24,7 @@ import math
 import random
 import struct
 import time
-from dataclasses import replace
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -36,17 +36,29 @@ from pdserve.sim import roofline as R
 from pdserve.sim.profile import DTYPE_BYTES, Profile, scaled_head_dim
 
 
-def sim_model_config(token_space, profile: Profile, kv_scale: float):
-    """The ModelConfig a simulated engine works with: the token space (vocabulary, EOS
-    ids, context) of the checkpoint the router tokenizes with, capped at the profile
+@dataclass(frozen=True)
+class SimModelConfig:
+    """What a simulated engine knows of its model (the fields of ModelConfig it reads):
+    the token space of the checkpoint the router tokenizes with, capped at the profile
     model's context; the KV shape of the profile's model, head_dim scaled."""
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    num_hidden_layers: int
+    num_key_value_heads: int
+    head_dim: int
+    torch_dtype: str
+
+
+def sim_model_config(token_space, profile: Profile, kv_scale: float) -> SimModelConfig:
+    """``token_space``: (vocabulary size, EOS ids, context), model/config.py's
+    read_token_space."""
+    vocab, eos, context = token_space
     m = profile.model
-    return replace(token_space, num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
-                   num_key_value_heads=m.num_kv_heads,
-                   head_dim=scaled_head_dim(profile, kv_scale), hidden_size=m.hidden_size,
-                   intermediate_size=m.intermediate_size,
-                   max_position_embeddings=min(token_space.max_model_len, m.max_model_len),
-                   sliding_window=None, torch_dtype=m.dtype)
+    return SimModelConfig(vocab_size=int(vocab), eos_token_ids=tuple(eos),
+                          max_model_len=min(int(context), m.max_model_len),
+                          num_hidden_layers=m.num_layers, num_key_value_heads=m.num_kv_heads,
+                          head_dim=scaled_head_dim(profile, kv_scale), torch_dtype=m.dtype)
 
 
 def sim_num_blocks(profile: Profile, block_size: int) -> int:

@@ -17,8 +17,8 @@ from pdserve.engine.logits_processors import LogitsProcessors
 from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.types import EngineStats, KVCacheLayout, ModelId
+from pdserve.model.config import read_token_space
 from pdserve.model.loader import (
-    load_config,
     load_model,
     model_identity_hash,
     model_name,
@@ -72,11 +72,9 @@ class Worker:
 
         self.profile = load_profile(config.sim_profile)
         self.model = None
-        self.model_config = sim.sim_model_config(load_config(self.model_dir), self.profile,
+        space = config.sim_token_space or read_token_space(self.model_dir)
+        self.model_config = sim.sim_model_config(space, self.profile,
                                                  config.sim_kv_bytes_scale)
-        if self.model_dir.is_file():  # a GGUF file: only its metadata was needed
-            from pdserve.model import gguf
-            gguf.release_readers()
         self.dtype = sim.sim_dtype(self.profile)
         limit = self.model_config.max_model_len
         self.max_model_len = min(config.max_model_len or limit, limit)
