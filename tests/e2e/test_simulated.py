@@ -93,3 +93,76 @@ def test_2p2d_ttft_and_itl_match_the_profile(slow_profile):
     # overhead, under 10 % of a step.
     assert predicted["prefill_s"] * 0.99 <= ttft <= predicted["prefill_s"] * 1.10
     assert predicted["decode_step_s"] * 0.90 <= itl <= predicted["decode_step_s"] * 1.10
+
+
+def node_pids(pgid: int) -> dict[str, int]:
+    """PID of each node pdserve launch started, by node id (from the config it handed)."""
+    from tests.cluster import child_config
+    out = subprocess.run(["ps", "-o", "pid=", "-g", str(pgid)], capture_output=True,
+                         text=True).stdout.split()
+    found = {}
+    for pid in map(int, out):
+        cfg = child_config(pid)
+        if cfg is not None and cfg["config"].get("node_id"):
+            found[cfg["config"]["node_id"]] = pid
+    return found
+
+
+def cpu_s(pid: int) -> float:
+    import os
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def private_mib(pid: int) -> float:
+    roll = dict(line.split()[:2] for line in open(f"/proc/{pid}/smaps_rollup")
+                if line.split()[1:2] and line.split()[1].isdigit())
+    return (int(roll["Private_Clean:"]) + int(roll["Private_Dirty:"])) / 1024
+
+
+def post_all(url: str, model: str, prompts: list[list[int]], tokens: int) -> list[dict]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(prompt):
+        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": model, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()
+    with ThreadPoolExecutor(16) as pool:
+        return list(pool.map(one, prompts))
+
+
+def test_a_light_fleet_serves_with_real_kv_sizes_and_prefix_hits():
+    from pdserve.bench.cluster import metric_totals
+
+    n, prompt_len, tokens = 32, 256, 8
+    prompts = [[1000 + (i * 7919 + k * 31) % 40000 for k in range(prompt_len)]
+               for i in range(n)]
+    with launched("--prefill", "4", "--decode", "4", "--compute", "simulated",
+                  "--sim-profile", "h100-llama3-8b", "--sim-kv-bytes-scale", KV_SCALE,
+                  "--heartbeat-interval", "0.5", ready_timeout_s=300) as cluster:
+        pids = node_pids(cluster.proc.pid)
+        assert len(pids) == 8, pids
+        model = model_of(cluster.http_url)
+        first = post_all(cluster.http_url, model, prompts, tokens)
+        urls = cluster.metrics_urls()
+        names = ("pdserve_kv_transfer_bytes_total", "pdserve_prefix_cache_hits_tokens_total")
+        sent = sum(metric_totals(urls[f"prefill-{i}"], names)[names[0]] for i in range(4))
+        post_all(cluster.http_url, model, prompts, tokens)   # again: cached prefixes
+        hits = sum(metric_totals(urls[f"prefill-{i}"], names)[names[1]] for i in range(4))
+        before = {k: cpu_s(p) for k, p in pids.items()}
+        time.sleep(3.0)
+        idle = {k: cpu_s(p) - before[k] for k, p in pids.items()}
+        private = {k: private_mib(p) for k, p in pids.items()}
+    assert all(r["usage"]["completion_tokens"] == tokens for r in first)
+    # 16 blocks of 16 tokens per prompt, 32 layers x K and V, pages of 16 tokens x 8 KV
+    # heads x head_dim 128/128 x 2 bytes: the profile's layout, scaled, every byte sent
+    assert sent == n * 16 * 2 * 32 * (16 * 8 * 1 * 2)
+    # the second time each prefill node finds (some of) its prompts' blocks: the hashes are
+    # of the real token ids
+    assert 0 < hits <= n * (prompt_len - 16)
+    # light: no node spins while idle (a spinning one takes 3 s of a core here, or its
+    # share of 2 cores), and none holds model weights (the bundled model's alone are
+    # 540 MiB as float32; torch's import is ~150 MiB of private memory)
+    assert max(idle.values()) < 0.3, idle
+    assert max(private.values()) < 300, private
