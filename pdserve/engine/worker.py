@@ -24,6 +24,7 @@ from pdserve.model.loader import (
     model_name,
     resolve_dtype,
 )
+from pdserve.sim.profile import unsimulated
 
 
 class Worker:
@@ -123,9 +124,8 @@ class Worker:
             raise ValueError(f"{what} has {len(prompt_token_ids)} tokens but the model's context "
                              f"is {self.max_model_len} tokens, leaving no room for output")
         params.validate()
-        if self.profile is not None and params.guide is not None:
-            raise ValueError("structured output cannot be honoured by --compute simulated "
-                             "nodes: their tokens are a seeded stream, not a model's")
+        if self.profile is not None and (refused := unsimulated(params)) is not None:
+            raise ValueError(refused[1])
         self.runner.logits_processors.check(params)
         longest = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
         if self.scheduler.blocks_for(longest) > self.allocator.num_blocks:

@@ -221,3 +221,16 @@ def check_sim_fields(compute: str, sim_profile: str | None, kv_scale: float) -> 
         raise ValueError(f"sim_profile is for compute 'simulated', not {compute!r}")
     if sim_profile is not None:
         scaled_head_dim(load_profile(sim_profile), kv_scale)
+
+
+def unsimulated(params) -> tuple[str, str] | None:
+    """(the field, why) when a request asks what a simulated node cannot give: its tokens
+    are a stream, not a model's distribution. The router answers 400 with it; a node
+    refuses the request with it."""
+    if params.guide is not None:
+        return "response_format", ("structured output cannot be honoured by --compute "
+                                   "simulated nodes: their tokens are a seeded stream")
+    if params.logprobs is not None or params.prompt_logprobs is not None:
+        return "logprobs", ("--compute simulated nodes compute no logprobs: their tokens "
+                            "are a seeded stream")
+    return None

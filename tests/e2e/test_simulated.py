@@ -166,3 +166,26 @@ def test_a_light_fleet_serves_with_real_kv_sizes_and_prefix_hits():
     # 540 MiB as float32; torch's import is ~150 MiB of private memory)
     assert max(idle.values()) < 0.3, idle
     assert max(private.values()) < 300, private
+
+
+def test_a_colocated_simulated_node_serves_and_refuses_what_it_cannot_simulate():
+    with launched("--colocated", "--compute", "simulated", "--sim-profile", "a100-llama3-8b",
+                  "--sim-kv-bytes-scale", KV_SCALE, ready_timeout_s=180) as cluster:
+        url, model = cluster.http_url, model_of(cluster.http_url)
+        chat = {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 24, "ignore_eos": True}
+        first = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
+        assert first.status_code == 200, first.text
+        assert first.json()["usage"]["completion_tokens"] == 24
+        plain = {k: v for k, v in chat.items() if k != "ignore_eos"}
+        refused = [({**plain, "response_format": {"type": "json_object"}}, "response_format"),
+                   ({**plain, "logprobs": True, "top_logprobs": 2}, "logprobs")]
+        for body, param in refused:
+            r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert "simulated" in r.json()["error"]["message"]
+        # the same prompt, the same stream; and the server kept serving
+        again = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
+        assert again.status_code == 200, again.text
+        assert again.json()["choices"][0]["message"]["content"] == \
+            first.json()["choices"][0]["message"]["content"] != ""
