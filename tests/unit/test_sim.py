@@ -219,3 +219,24 @@ def test_plan_prints_the_roofline_s_predictions():
     bad = subprocess.run([sys.executable, "-m", "pdserve.cli", "plan", "--sim-profile",
                           "nope", "--show"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "shipped profiles" in bad.stderr
+
+
+def test_router_and_node_agree_on_what_a_simulated_node_announces():
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.worker import Worker
+    from pdserve.router.core import sim_expectation
+
+    for scale in (1.0, 1 / 128):
+        w = Worker(EngineConfig(compute="simulated", sim_profile="h100-llama3-70b",
+                                sim_kv_bytes_scale=scale, sim_token_space=(1000, (2,), 4096)))
+        identity, shape = sim_expectation("h100-llama3-70b", scale)
+        lay = w.kv_layout()
+        assert (lay.num_layers, lay.num_kv_heads, lay.head_dim) == shape
+        assert (lay.dtype, w.identity().config_hash) == ("bfloat16", identity.config_hash)
+        assert w.model is None and w.num_blocks == R.kv_capacity_tokens(w.profile) // 16
+        assert w.max_model_len == 4096   # the tokenizer's context caps the profile's 8192
+    assert sim_expectation("h100-llama3-70b", 1.0) != sim_expectation("h100-llama3-70b", 0.5)
+    with pytest.raises(ValueError, match="needs sim_profile"):
+        EngineConfig(compute="simulated")
+    with pytest.raises(ValueError, match="is for compute 'simulated'"):
+        EngineConfig(sim_profile="h100-llama3-8b")
