@@ -74,9 +74,22 @@ def prefix_totals(urls: dict[str, str]) -> tuple[float, float]:
     q = h = 0.0
     for name, url in urls.items():
         if name.startswith("prefill-"):
-            m = metric_totals(url, HITS)
+            m = scrape(name, url)
             q, h = q + m[HITS[0]], h + m[HITS[1]]
     return q, h
+
+
+def scrape(name: str, url: str, tries: int = 5) -> dict[str, float]:
+    """A node's counters; a refused connection is retried (seen once in a few runs on
+    this loaded machine, cause not found), then named."""
+    for i in range(tries):
+        try:
+            return metric_totals(url, HITS)
+        except OSError as exc:
+            if i == tries - 1:
+                raise RuntimeError(f"{name}'s /metrics at {url}: {exc}") from exc
+            time.sleep(0.5)
+    raise AssertionError("unreachable")
 
 
 def run(a, policy: str, kill: bool) -> dict:
@@ -84,6 +97,7 @@ def run(a, policy: str, kill: bool) -> dict:
                   "simulated", "--sim-profile", a.profile, "--sim-kv-bytes-scale",
                   a.kv_scale, "--policy", policy, "--heartbeat-interval", "0.5",
                   ready_timeout_s=900) as cluster:
+        cluster.wait_nodes(a.prefill + a.decode)
         pids = processes(cluster.proc.pid)
         urls = cluster.metrics_urls()
         cpu0, (q0, h0) = cpu_of(pids["router"]), prefix_totals(urls)

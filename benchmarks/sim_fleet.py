@@ -101,6 +101,7 @@ def main() -> None:
     with launched("--prefill", str(a.prefill), "--decode", str(a.decode), "--compute",
                   "simulated", "--sim-profile", a.profile, "--sim-kv-bytes-scale",
                   a.kv_scale, "--threads", "1", ready_timeout_s=900) as cluster:
+        cluster.wait_nodes(a.prefill + a.decode)
         ready = time.perf_counter() - t0
         pids = processes(cluster.proc.pid)
         nodes = {k: v for k, v in pids.items() if k != "router"}

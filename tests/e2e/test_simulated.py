@@ -76,6 +76,7 @@ def test_2p2d_ttft_and_itl_match_the_profile(slow_profile):
     with launched("--prefill", "2", "--decode", "2", "--compute", "simulated",
                   "--sim-profile", str(slow_profile), "--sim-kv-bytes-scale", KV_SCALE,
                   "--heartbeat-interval", "0.5", ready_timeout_s=180) as cluster:
+        cluster.wait_nodes(4)
         model = model_of(cluster.http_url)
         ttfts, gaps = [], []
         for i in range(4):   # one at a time (low load); distinct prompts: no prefix hits
@@ -141,6 +142,7 @@ def test_a_light_fleet_serves_with_real_kv_sizes_and_prefix_hits():
     with launched("--prefill", "4", "--decode", "4", "--compute", "simulated",
                   "--sim-profile", "h100-llama3-8b", "--sim-kv-bytes-scale", KV_SCALE,
                   "--heartbeat-interval", "0.5", ready_timeout_s=300) as cluster:
+        cluster.wait_nodes(8)
         pids = node_pids(cluster.proc.pid)
         assert len(pids) == 8, pids
         model = model_of(cluster.http_url)
