@@ -240,3 +240,29 @@ def test_router_and_node_agree_on_what_a_simulated_node_announces():
         EngineConfig(compute="simulated")
     with pytest.raises(ValueError, match="is for compute 'simulated'"):
         EngineConfig(sim_profile="h100-llama3-8b")
+
+
+def test_a_router_admits_simulated_nodes_of_its_profile_only():
+    from pdserve.common import protocol as P
+    from pdserve.router.core import sim_expectation
+    from pdserve.router.dispatch.registry import Registry
+
+    def hello(profile, scale, compute="simulated"):
+        identity, (layers, heads, dim) = sim_expectation(profile, scale)
+        return P.Hello(node_id="p", role="prefill", protocol_version=P.PROTOCOL_VERSION,
+                       model=identity, compute=compute, pid=1,
+                       kv_layout=P.KVLayout(num_layers=layers, num_kv_heads=heads,
+                                            head_dim=dim, dtype="bfloat16", block_size=16),
+                       capacity=P.NodeStats(num_free_blocks=8, num_total_blocks=8,
+                                            num_running=0, num_waiting=0,
+                                            queued_prompt_tokens=0))
+    identity, shape = sim_expectation("h100-llama3-8b", 1 / 128)
+    registry = Registry(identity, *shape, heartbeat_interval_s=1.0, liveness=3)
+    assert registry.admit(hello("a100-llama3-8b", 1 / 128)) == (True, "")  # another GPU
+    ok, why = registry.admit(hello("h100-llama3-8b", 1.0))
+    assert not ok and "--sim-kv-bytes-scale" in why
+    ok, why = registry.admit(hello("h100-llama3-70b", 1 / 128))
+    assert not ok and "sim-llama3-70b" in why
+    real = Registry(P.ModelIdentity(name="SmolLM2", config_hash="abc"), 30, 3, 64, 1.0, 3)
+    ok, why = real.admit(hello("h100-llama3-8b", 1 / 128))
+    assert not ok and "give the router the same --sim-profile" in why

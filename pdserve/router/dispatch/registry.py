@@ -87,8 +87,10 @@ class Registry:
             return False, (f"role {hello.role!r} is not served by this router "
                            f"({', '.join(ROLES)})")
         if hello.model.config_hash != self.model.config_hash:
+            hint = ("; a simulated node: give the router the same --sim-profile and "
+                    "--sim-kv-bytes-scale") if hello.compute == "simulated" else ""
             return False, (f"model {hello.model.name!r} ({hello.model.config_hash}) differs from "
-                           f"the router's {self.model.name!r} ({self.model.config_hash})")
+                           f"the router's {self.model.name!r} ({self.model.config_hash}){hint}")
         lay = hello.kv_layout
         shape = (lay.num_layers, lay.num_kv_heads, lay.head_dim)
         if shape != self.shape:
