@@ -24,7 +24,7 @@ from pdserve.model.loader import (
     model_name,
     resolve_dtype,
 )
-from pdserve.sim.profile import unsimulated
+from pdserve.sim.profile import load_profile, sim_identity, unsimulated
 
 
 class Worker:
@@ -68,8 +68,7 @@ class Worker:
     def _simulated(self, config: EngineConfig, kv_storage) -> None:
         """No weights: the checkpoint's config gives the token space, the profile the KV
         shape, the capacity and the step times (engine/sim_runner.py)."""
-        from pdserve.engine import sim_runner as sim
-        from pdserve.sim.profile import load_profile
+        from pdserve.engine import sim_runner as sim  # (its imports only when simulating)
 
         self.profile = load_profile(config.sim_profile)
         self.model = None
@@ -90,7 +89,6 @@ class Worker:
 
     def identity(self) -> ModelId:
         if self.profile is not None:
-            from pdserve.sim.profile import sim_identity
             name, config_hash = sim_identity(self.profile, self.config.sim_kv_bytes_scale)
             return ModelId(name=name, config_hash=config_hash)
         return ModelId(name=model_name(self.model_dir),
