@@ -17,7 +17,10 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import subprocess
+import sys
+import threading
 import time
 from datetime import datetime, timezone
 
@@ -84,6 +87,28 @@ async def burst(url: str, model: str, n: int, concurrency: int, tokens: int,
     return ok, time.perf_counter() - start
 
 
+def mem_available_mib() -> float:
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 1024
+    return float("inf")
+
+
+def guard(pgid: int, floor_mib: float, tripped: list) -> None:
+    """Kills the whole cluster (its process group) if the machine's free memory falls
+    under ``floor_mib``: a shared machine's other processes must not meet the OOM killer."""
+    while True:
+        free = mem_available_mib()
+        if free < floor_mib:
+            tripped.append(free)
+            print(f"sim_fleet: MemAvailable {free:.0f} MiB < {floor_mib:.0f}: killing the "
+                  "cluster", file=sys.stderr, flush=True)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+            return
+        time.sleep(0.25)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prefill", type=int, default=8)
@@ -95,12 +120,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--idle-s", type=float, default=10.0)
+    ap.add_argument("--min-free-mib", type=float, default=3000.0,
+                    help="Kill the cluster if the machine's MemAvailable falls below.")
     a = ap.parse_args()
     print(f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {machine()}")
     t0 = time.perf_counter()
     with launched("--prefill", str(a.prefill), "--decode", str(a.decode), "--compute",
                   "simulated", "--sim-profile", a.profile, "--sim-kv-bytes-scale",
                   a.kv_scale, "--threads", "1", ready_timeout_s=900) as cluster:
+        tripped: list = []
+        threading.Thread(target=guard, args=(cluster.proc.pid, a.min_free_mib, tripped),
+                         daemon=True).start()
         cluster.wait_nodes(a.prefill + a.decode)
         ready = time.perf_counter() - t0
         pids = processes(cluster.proc.pid)
@@ -115,6 +145,9 @@ def main() -> None:
                                      a.tokens, a.prompt_len))
         busy = {k: cpu_s(p) - before[k] for k, p in pids.items()}
         mem = {k: memory_mib(p) for k, p in pids.items()}
+        low = mem_available_mib()
+        if tripped:
+            raise SystemExit(f"stopped: MemAvailable fell to {tripped[0]:.0f} MiB")
     node_mem = [mem[k] for k in nodes]
     report = {
         "nodes": f"{a.prefill}P{a.decode}D", "profile": a.profile, "ready_s": round(ready, 1),
@@ -130,6 +163,7 @@ def main() -> None:
         "router_idle_cpu_pct": round(100 * idle["router"] / a.idle_s, 2),
         "nodes_busy_cpu_s": round(sum(busy[k] for k in nodes), 2),
         "router_busy_cpu_s": round(busy["router"], 2),
+        "machine_mem_available_mib_at_end": round(low),
     }
     print(json.dumps(report, indent=1))
 
