@@ -86,7 +86,6 @@ def test_2p2d_ttft_and_itl_match_the_profile(slow_profile):
             gaps += g
         log = cluster.log()
     ttft, itl = statistics.median(ttfts), statistics.median(gaps)
-
     print(f"TTFT {ttft * 1e3:.1f} ms (predicted {predicted['prefill_s'] * 1e3:.1f}), "
           f"ITL {itl * 1e3:.2f} ms (predicted {predicted['decode_step_s'] * 1e3:.2f})")
     assert "COMPUTE SIMULATED" in log
