@@ -27,9 +27,9 @@ from pdserve.common.config_fields import flags_of
 from pdserve.launch import LaunchConfig
 
 ARCHES = ("llama", "qwen2", "mistral")
-# Engine fields that launch does not take as engine flags: --model is the router's, handed
-# to the nodes.
-LAUNCH_NOT_ENGINE = ("model",)
+# Engine fields that launch does not take as engine flags: the router's flags of the same
+# name, handed to the nodes (--model: the checkpoint; --sim-*: what simulated nodes are).
+LAUNCH_NOT_ENGINE = ("model", "sim_profile", "sim_kv_bytes_scale")
 PRESETS = ("tiny", "small")
 
 
@@ -201,7 +201,11 @@ def launch_config(ctx: click.Context, kw: dict) -> LaunchConfig:
     engine_given = _given(ctx, kw, EngineConfig, skip=LAUNCH_NOT_ENGINE)
     (_, kv_spec, kv_type), = [f for f in flags_of(NodeConfig) if f[0].name == "kv_events"]
     kv_events = flag_value(kv_spec, kv_type, kw.pop("kv_events"))
-    launch = from_flags(LaunchConfig, kw, router=router_config(kw), log_level=log_level,
+    router = router_config(kw)
+    if router.sim_profile is not None:
+        engine_given.update(sim_profile=router.sim_profile,
+                            sim_kv_bytes_scale=router.sim_kv_bytes_scale)
+    launch = from_flags(LaunchConfig, kw, router=router, log_level=log_level,
                         compute=engine_given.get("compute", EngineConfig.compute),
                         kv_events=kv_events)
     roles = ("colocated",) if launch.colocated else ("prefill", "decode")
@@ -235,6 +239,7 @@ def _register_plugins() -> None:
     from pdserve.bench.cli import bench_cmd
     from pdserve.cli_kernels import kernels_group
     from pdserve.cli_model import model_group
+    from pdserve.cli_plan import plan_cmd
     from pdserve.client import submit_cmd
     from pdserve.common.security import keys_group
 
@@ -243,6 +248,7 @@ def _register_plugins() -> None:
     main.add_command(bench_cmd, "bench")
     main.add_command(kernels_group, "kernels")
     main.add_command(model_group, "model")
+    main.add_command(plan_cmd, "plan")
 
 
 _register_plugins()

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -52,7 +53,7 @@ class LaunchConfig:
         None, "The first decode node's KV port: decode node i binds PORT+i (on 0.0.0.0 with "
         "--host 0.0.0.0, else 127.0.0.1).", min=1, max=65535,
         default_text="a free port per decode node")
-    compute: str = EngineConfig.compute   # "none": benchmark mode (fixed tokens)
+    compute: str = EngineConfig.compute   # "none": fixed tokens; "simulated": sim/
     # Each role's node config from the --node-arg flags: (config, log level, the flags given)
     node_configs: dict[str, tuple[NodeConfig, str, set[str]]] = field(default_factory=dict)
     log_level: str = DEFAULT_LEVEL
@@ -84,6 +85,8 @@ def _node_config(cfg: LaunchConfig, role: str, index: int, k: int,
     events). ``index``: its number in its role; ``k``: among all nodes (prefill first)."""
     base, log_level, given = cfg.node_configs[role]
     engine = {}
+    if base.engine.compute == "simulated" and base.engine.sim_token_space is None:
+        engine["sim_token_space"] = _token_space(base.engine.model or cfg.router.model)
     if cfg.router.model and "model" not in given:
         engine["model"] = cfg.router.model
     if "threads" not in given:
@@ -119,6 +122,15 @@ def _routers(cfg: LaunchConfig) -> list[RouterConfig]:
 def _free_like(endpoint: str) -> str:
     """``endpoint`` with its port replaced by a free one (tcp://HOST:PORT)."""
     return f"{endpoint.rsplit(':', 1)[0]}:{free_port()}"
+
+
+@functools.lru_cache(maxsize=4)
+def _token_space(model: str | None) -> tuple:
+    """Read once for all simulated nodes (model/config.py)."""
+    from pdserve.model.config import read_token_space
+    from pdserve.model.default_model import default_model_dir
+
+    return read_token_space(model or default_model_dir())
 
 
 def _open(cfg: LaunchConfig) -> bool:
@@ -240,8 +252,10 @@ def run_launch(cfg: LaunchConfig) -> int:
         ingress = connect_address(cfg.router.ingress) if cfg.router.ingress else "off"
         nodes = "1 colocated node" if cfg.colocated else \
             f"{cfg.num_prefill} prefill, {cfg.num_decode} decode nodes"
-        mode = "COMPUTE NONE: benchmark mode, nodes emit a fixed token, not model output\n" \
-            if cfg.compute == "none" else ""
+        mode = {"none": "COMPUTE NONE: benchmark mode, nodes emit a fixed token, not model "
+                        "output\n",
+                "simulated": f"COMPUTE SIMULATED: {cfg.router.sim_profile} (simulated GPUs: a "
+                             "seeded token stream, not model output)\n"}.get(cfg.compute, "")
         print("pdserve is ready:\n"
               f"  OpenAI API     {http}/v1   (health: {http}/health)\n"
               f"  queue ingress  {ingress}\n"

@@ -45,6 +45,20 @@ class Cluster:
             time.sleep(0.1)
         raise TimeoutError("pdserve launch printed no endpoints:\n" + self.log()[-3000:])
 
+    def wait_nodes(self, n: int, timeout_s: float = 600.0) -> None:
+        """Until ``n`` nodes are registered with the router (its pdserve_nodes gauge):
+        launch is ready once one node of each role is, and a big fleet on a loaded machine
+        takes a while longer for the rest."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            got = metric_totals(self.http_url + "/metrics", ("pdserve_nodes",))
+            if got["pdserve_nodes"] >= n:
+                return
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise TimeoutError(f"{got['pdserve_nodes']:g} of {n} nodes registered; "
+                                   f"the log, {self.log_path}:\n" + self.log()[-3000:])
+            time.sleep(0.5)
+
     def cpu_seconds(self) -> dict[str, float]:
         """CPU time (user + system) used so far by each process of the cluster, by role."""
         out = subprocess.run(["ps", "-o", "pid=,args=", "-g", str(self.proc.pid)],

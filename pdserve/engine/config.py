@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 from pdserve.common.config import MODEL_DTYPES
 from pdserve.common.config_fields import check_fields, flag
+from pdserve.sim.profile import check_sim_fields
 
 DTYPES = (*MODEL_DTYPES, "auto")   # auto: the checkpoint's own
-COMPUTE_MODES = ("model", "none")
+COMPUTE_MODES = ("model", "none", "simulated")
 CPU_LINEAR_MODES = ("auto", "onednn", "torch")
 
 
@@ -31,8 +32,24 @@ class EngineConfig:
     threads: int | None = flag(None, "torch CPU threads.", min=1,
                                default_text="torch's choice; launch: cores / nodes")
     compute: str = flag("model", "'none' is a BENCHMARK mode: skip the forward and emit a "
-                        "fixed token, to measure everything around the model.",
+                        "fixed token, to measure everything around the model. 'simulated' "
+                        "sleeps the step time --sim-profile predicts for a GPU and emits a "
+                        "seeded token stream; all messaging stays real (docs/simulation.md).",
                         choices=COMPUTE_MODES)
+    # sim/: the simulated accelerator and model
+    sim_profile: str | None = flag(None, "With --compute simulated: a shipped profile's name "
+                                   "(h100-llama3-8b, h200-llama3-8b, a100-llama3-8b, "
+                                   "h100-llama3-70b) or a profile file (.json, .yaml).",
+                                   metavar="NAME|FILE", default_text="none")
+    # (vocabulary size, EOS ids, context) of --model (model/config.py read_token_space):
+    # pdserve launch reads it once for every simulated node (a GGUF file's metadata takes
+    # seconds to parse); None: the node reads it.
+    sim_token_space: tuple | None = None
+    sim_kv_bytes_scale: float = flag(1.0, "With --compute simulated: the KV pages nodes hold "
+                                     "and ship have head_dim x SCALE elements (rounded, at "
+                                     "least 1), so that many nodes fit in memory; block "
+                                     "counts, capacity and step times stay the profile's.",
+                                     min=0, max=1, min_open=True)
     enable_prefix_caching: bool = flag(True, "Reuse the KV cache of full blocks that "
                                        "earlier prompts computed.")
     # engine/decode_window.py
@@ -50,6 +67,7 @@ class EngineConfig:
 
     def __post_init__(self):
         check_fields(self)
+        check_sim_fields(self.compute, self.sim_profile, self.sim_kv_bytes_scale)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_model_len is not None and (

@@ -18,8 +18,8 @@ from pdserve.model.cpu_linear import resolve_cpu_linear
 from pdserve.model.llama import LlamaForCausalLM
 
 
-def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-    cfg = model.config
+def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block's K and V over every layer, for a ModelConfig."""
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 

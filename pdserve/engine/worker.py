@@ -17,7 +17,14 @@ from pdserve.engine.logits_processors import LogitsProcessors
 from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.types import EngineStats, KVCacheLayout, ModelId
-from pdserve.model.loader import load_model, model_identity_hash, model_name, resolve_dtype
+from pdserve.model.config import read_token_space
+from pdserve.model.loader import (
+    load_model,
+    model_identity_hash,
+    model_name,
+    resolve_dtype,
+)
+from pdserve.sim.profile import load_profile, sim_identity, unsimulated
 
 
 class Worker:
@@ -32,30 +39,58 @@ class Worker:
             from pdserve.model.default_model import default_model_dir
             model_dir = default_model_dir()
         self.model_dir = Path(model_dir)
+        self.profile = None     # with compute "simulated": the sim profile (no model loaded)
+        if config.compute == "simulated":
+            self._simulated(config, kv_storage)
+        else:
+            self._load(config, kv_storage)
+        self.runner.logits_processors = LogitsProcessors(
+            self.model_dir, self.model_config.vocab_size, self.model_config.eos_token_ids)
+        self.allocator = BlockAllocator(self.num_blocks, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.allocator, config.block_size, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+
+    def _load(self, config: EngineConfig, kv_storage) -> None:
         self.model = load_model(self.model_dir, config.dtype, config.device)
         self.model_config = self.model.config
         self.dtype = resolve_dtype(config.dtype, self.model_config)
         limit = self.model_config.max_model_len
         self.max_model_len = min(config.max_model_len or limit, limit)
-        per_block = kv_bytes_per_block(self.model, config.block_size, self.dtype)
-        num_blocks = config.num_kv_blocks or max(
+        per_block = kv_bytes_per_block(self.model_config, config.block_size, self.dtype)
+        num_blocks = self.num_blocks = config.num_kv_blocks or max(
             1, int(config.kv_cache_memory_gb * 2**30) // per_block)
         window_gb = config.decode_window_memory_gb
         self.runner = ModelRunner(self.model, num_blocks, config.block_size,
                                   config.device, self.dtype, config.compute, kv_storage,
                                   num_blocks * per_block // 2 if window_gb is None
                                   else int(window_gb * 2**30), config.cpu_linear)
-        self.runner.logits_processors = LogitsProcessors(
-            self.model_dir, self.model_config.vocab_size, self.model_config.eos_token_ids)
-        self.allocator = BlockAllocator(num_blocks, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.allocator, config.block_size, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
+
+    def _simulated(self, config: EngineConfig, kv_storage) -> None:
+        """No weights: the checkpoint's config gives the token space, the profile the KV
+        shape, the capacity and the step times (engine/sim_runner.py)."""
+        from pdserve.engine import sim_runner as sim  # (its imports only when simulating)
+
+        self.profile = load_profile(config.sim_profile)
+        self.model = None
+        space = config.sim_token_space or read_token_space(self.model_dir)
+        self.model_config = sim.sim_model_config(space, self.profile,
+                                                 config.sim_kv_bytes_scale)
+        self.dtype = sim.sim_dtype(self.profile)
+        limit = self.model_config.max_model_len
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.num_blocks = config.num_kv_blocks or sim.sim_num_blocks(self.profile,
+                                                                     config.block_size)
+        self.runner = sim.SimRunner(self.profile, self.model_config, self.num_blocks,
+                                    config.block_size, self.dtype, kv_storage)
 
     @property
     def block_size(self) -> int:
         return self.config.block_size
 
     def identity(self) -> ModelId:
+        if self.profile is not None:
+            name, config_hash = sim_identity(self.profile, self.config.sim_kv_bytes_scale)
+            return ModelId(name=name, config_hash=config_hash)
         return ModelId(name=model_name(self.model_dir),
                              config_hash=model_identity_hash(self.model_dir))
 
@@ -92,6 +127,8 @@ class Worker:
             raise ValueError(f"{what} has {len(prompt_token_ids)} tokens but the model's context "
                              f"is {self.max_model_len} tokens, leaving no room for output")
         params.validate()
+        if self.profile is not None and (refused := unsimulated(params)) is not None:
+            raise ValueError(refused[1])
         self.runner.logits_processors.check(params)
         longest = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
         if self.scheduler.blocks_for(longest) > self.allocator.num_blocks:

@@ -185,3 +185,15 @@ def _parse_rope(raw: dict, source: str) -> RopeConfig:
                 raise ModelLoadError(f"{source}: rope type 'llama3' needs {key!r}")
             kwargs[key] = type(getattr(RopeConfig, key))(merged[key])
     return RopeConfig(**kwargs)
+
+
+def read_token_space(model_path: str | Path) -> tuple[int, tuple[int, ...], int]:
+    """(vocabulary size, EOS ids, context length) of a checkpoint: all a simulated node
+    needs of the model it stands in for (engine/sim_runner.py). A GGUF file's parsed
+    reader is dropped at once: its metadata alone holds about 140 MiB."""
+    model_path = Path(model_path)
+    cfg = ModelConfig.from_dir(model_path)
+    if model_path.is_file():
+        from pdserve.model import gguf
+        gguf.release_readers()
+    return cfg.vocab_size, tuple(cfg.eos_token_ids), cfg.max_model_len

@@ -113,6 +113,13 @@ class Node:
         if config.engine.compute == "none":
             log.warning("COMPUTE NONE: benchmark mode, the forward is skipped and every token "
                         "is %d; outputs are not the model's", self.engine.runner.fixed_token)
+        elif config.engine.compute == "simulated":
+            log.warning("COMPUTE SIMULATED: %s, step times from its roofline, tokens a seeded "
+                        "stream; %d KV blocks of %d-byte pages (--sim-kv-bytes-scale %g)",
+                        self.engine.profile.name, self.engine.num_blocks,
+                        self.layout.block_size * self.layout.num_kv_heads *
+                        self.layout.head_dim * self.engine.dtype.itemsize,
+                        config.engine.sim_kv_bytes_scale)
 
     # -- for the roles ---------------------------------------------------------------------
     def kv_storage(self, nbytes: int):

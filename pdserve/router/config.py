@@ -8,6 +8,7 @@ from pdserve.common.config_fields import check_fields, flag
 from pdserve.common.discovery import check_discovery, cluster_flag, discovery_flag, ttl_flag
 from pdserve.router.dispatch import policies
 from pdserve.router.http.tool_parsers import PARSERS
+from pdserve.sim.profile import check_sim_fields
 
 POLICIES = tuple(policies.POLICIES)  # the names --policy takes (dispatch/policies.py defines them)
 
@@ -71,9 +72,18 @@ class RouterConfig:
     api_key: str | None = flag(None, "Require 'Authorization: Bearer KEY' on /v1/* (prefer "
                                "the environment variable: flags show in ps).",
                                envvar="PDSERVE_API_KEY", repr=False, default_text="open")
+    sim_profile: str | None = flag(None, "Serve --compute simulated nodes of this profile "
+                                   "(sim/ profiles: the model identity and KV shape they "
+                                   "announce); the tokenizer stays --model's.",
+                                   metavar="NAME|FILE", default_text="real nodes")
+    sim_kv_bytes_scale: float = flag(1.0, "The simulated nodes' --sim-kv-bytes-scale (part of "
+                                     "the KV shape they announce).", min=0, max=1,
+                                     min_open=True)
     insecure: bool = flag(False, "Start even though sockets or HTTP are open to other "
                           "machines without CURVE or an API key (warned every minute).")
 
     def __post_init__(self):
         check_fields(self)
         check_discovery(self.discovery)
+        check_sim_fields("simulated" if self.sim_profile else "model", self.sim_profile,
+                         self.sim_kv_bytes_scale)

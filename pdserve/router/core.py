@@ -36,8 +36,19 @@ from pdserve.router.dispatch.registry import Registry
 from pdserve.router.guide_check import GuideChecker
 from pdserve.router.limits import PromptBound, check_request
 from pdserve.router.tokenizing import TokenizerPool
+from pdserve.sim.profile import load_profile, scaled_head_dim, sim_identity
 
 log = logging.getLogger(__name__)
+
+
+def sim_expectation(profile_name: str, kv_scale: float
+                    ) -> tuple[P.ModelIdentity, tuple[int, int, int]]:
+    """The identity and KV shape (layers, kv heads, head dim) that simulated nodes of a
+    profile announce (engine/sim_runner.py makes them from the same functions)."""
+    p = load_profile(profile_name)
+    name, config_hash = sim_identity(p, kv_scale)
+    return (P.ModelIdentity(name=name, config_hash=config_hash),
+            (p.model.num_layers, p.model.num_kv_heads, scaled_head_dim(p, kv_scale)))
 
 
 class RouterCore:
@@ -57,8 +68,11 @@ class RouterCore:
                                         self.tokenizer.longest_token_chars())
         identity = P.ModelIdentity(name=model_name(model_dir),
                                    config_hash=model_identity_hash(model_dir))
-        self.registry = Registry(identity, cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                 cfg.head_dim, config.heartbeat_interval_s, config.liveness)
+        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+        if config.sim_profile:  # simulated nodes: the profile's model, --model's tokenizer
+            identity, shape = sim_expectation(config.sim_profile, config.sim_kv_bytes_scale)
+        self.registry = Registry(identity, *shape, config.heartbeat_interval_s,
+                                 config.liveness)
         self.metrics = RouterMetrics(self.model_name, error_codes=S.HTTP_STATUS)
         self.dispatch = Dispatch(self.registry, config.policy, self.metrics, config,
                                  cfg.vocab_size, cfg.eos_token_ids, cfg.max_model_len,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pdserve.router import streams as S
 from pdserve.router.config import RouterConfig
+from pdserve.sim.profile import unsimulated
 
 
 def bad(message: str, param: str) -> S.RequestError:
@@ -35,6 +36,8 @@ def check_request(req: S.GenerationRequest, vocab: int, max_model_len: int,
     if any(t >= vocab for t in params.logit_bias):
         raise bad(f"logit_bias keys must be token ids in [0, {vocab})", "logit_bias")
     check_stop(params.stop, cfg)
+    if cfg.sim_profile and (refused := unsimulated(params)) is not None:
+        raise bad(refused[1], refused[0])
 
 
 def check_stop(stop: list[str], cfg: RouterConfig) -> None:

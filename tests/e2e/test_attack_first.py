@@ -79,6 +79,7 @@ def test_a_stranger_first_on_the_control_socket_as_a_new_node(cluster, tmp_path,
     if not getattr(cluster, "baseline", ""):
         cluster.baseline = normal_text(cluster, timeout_s=60)
     log = tmp_path / "decode-9.log"
+    start = len(cluster.log())
     with stranger(cluster.control, "decode-9", send), open(log, "w") as out:
         node = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", "decode",
@@ -89,14 +90,15 @@ def test_a_stranger_first_on_the_control_socket_as_a_new_node(cluster, tmp_path,
         stopped = None
         try:
             deadline = time.monotonic() + 120
-            while "decode node decode-9 joined" not in cluster.log():
+            while "decode node decode-9 joined" not in cluster.log()[start:]:
                 assert node.poll() is None, log.read_text()[-3000:]
                 assert time.monotonic() < deadline, log.read_text()[-3000:]
                 time.sleep(0.2)
             # Only decode-9 can serve now: the cluster's decode node is stopped.
             stopped = decode_pid(cluster)
             os.kill(stopped, signal.SIGSTOP)
-            wait_for(lambda: "decode-0 missed" in cluster.log(), 30)  # dropped: silent
+            mark = len(cluster.log())
+            wait_for(lambda: "decode-0 missed" in cluster.log()[mark:], 30)  # dropped
             served(cluster, times=1)
             served(cluster, times=1)
         finally:
@@ -108,8 +110,58 @@ def test_a_stranger_first_on_the_control_socket_as_a_new_node(cluster, tmp_path,
             except subprocess.TimeoutExpired:
                 node.kill()
                 node.wait()
-    wait_for(lambda: cluster.log().count("decode node decode-0 joined") >= 2
-             or "decode-0 said hello again" in cluster.log(), 30)
+    # decode-0, resumed, finds the router silent and says hello again: back in.
+    wait_for(lambda: "decode node decode-0 joined" in cluster.log()[mark:]
+             or "decode-0 said hello again" in cluster.log()[mark:], 30)
+    served(cluster)
+
+
+def test_a_node_whose_id_a_stranger_registered_first_serves_under_a_fresh_id(cluster,
+                                                                           tmp_path):
+    """A stranger says a valid Hello as decode-7 first and stays (it heartbeats, and
+    refuses every reservation). The real decode-7, refused name_taken, registers as
+    decode-7-XXXXXX and serves while the cluster's own decode node is stopped."""
+    from tests.e2e.test_attack import FakeNode
+
+    if not getattr(cluster, "baseline", ""):
+        cluster.baseline = normal_text(cluster, timeout_s=60)
+    fake = FakeNode(cluster, cluster.model_dir, "decode-7", "decode",
+                    kv_address="tcp://127.0.0.1:9", grant=False)
+    log = tmp_path / "decode-7.log"
+    start = len(cluster.log())
+    stopped = node = None
+    try:
+        assert fake.wait_for(P.Welcome).accepted
+        with open(log, "w") as out:
+            node = subprocess.Popen(
+                [sys.executable, "-m", "pdserve.cli", "decode",
+                 "--model", str(cluster.model_dir), "--router", cluster.control,
+                 "--node-id", "decode-7", "--kv-bind", "tcp://127.0.0.1:*",
+                 "--heartbeat-interval", "0.5", "--threads", "1", "--log-level", "info"],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_for(lambda: re.search(r"decode node decode-7-[0-9a-f]{6} joined",
+                                   cluster.log()[start:]) or node.poll() is not None, 120)
+        assert node.poll() is None, log.read_text()[-3000:]
+        assert "registering as decode-7-" in log.read_text()
+        stopped = decode_pid(cluster)
+        os.kill(stopped, signal.SIGSTOP)
+        mark = len(cluster.log())
+        wait_for(lambda: "decode-0 missed" in cluster.log()[mark:], 30)
+        served(cluster)
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        if node is not None:
+            node.terminate()
+            try:
+                node.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                node.kill()
+                node.wait()
+        fake.close()
+    if stopped is not None:
+        wait_for(lambda: "decode node decode-0 joined" in cluster.log()[mark:]
+                 or "decode-0 said hello again" in cluster.log()[mark:], 30)
     served(cluster)
 
 
@@ -146,7 +198,7 @@ def decode_pid(c) -> int:
                 cmd = f.read().split(b"\0")
         except OSError:
             continue
-        if b"decode" in cmd and b"decode-9" not in cmd:
+        if b"decode" in cmd and b"--config-env" in cmd:  # launch's own
             return pid
     raise AssertionError("no decode node process")
 

@@ -26,6 +26,7 @@ from pdserve.common.metrics import RouterMetrics
 from pdserve.common.transport import make_socket
 from pdserve.router.config import RouterConfig
 from pdserve.router.ingress import Ingress
+from pdserve.router.limits import PromptBound
 from pdserve.router.streams import BAD_REQUEST, OVERLOADED, RequestError, RequestStream, StreamEvent
 from pdserve.router.tokenizing import TokenizerPool
 
@@ -42,6 +43,7 @@ class EchoCore:
     tokenizer = ByteTokenizer()
     max_model_len = 64
     config = RouterConfig()
+    prompt_bound = PromptBound(config, max_model_len, 1)  # one byte a token
 
     def __init__(self):
         self.cancelled: list[str] = []

@@ -5,7 +5,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from pdserve.cli import launch_config, main
+from pdserve.cli import LAUNCH_NOT_ENGINE, launch_config, main
 from pdserve.common.config_fields import flags_of
 from pdserve.engine.config import EngineConfig
 from pdserve.launch import LaunchConfig
@@ -31,8 +31,9 @@ def test_every_flag_field_is_on_its_commands_with_its_help(config_class):
             r for r in ("prefill", "decode", "colocated") if spec.roles in (None,) or
             r in spec.roles]
         for command in commands:
-            if command == "launch" and field.name == "model" and config_class is EngineConfig:
-                continue  # launch's --model is the router's, handed to the nodes
+            if command == "launch" and field.name in LAUNCH_NOT_ENGINE and \
+                    config_class is EngineConfig:
+                continue  # launch's --model and --sim-* are the router's, handed to the nodes
             text = help_of(command)
             assert name in text and " ".join(spec.help.split()) in text, (command, name)
 

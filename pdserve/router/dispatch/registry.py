@@ -87,8 +87,10 @@ class Registry:
             return False, (f"role {hello.role!r} is not served by this router "
                            f"({', '.join(ROLES)})")
         if hello.model.config_hash != self.model.config_hash:
+            hint = ("; a simulated node: give the router the same --sim-profile and "
+                    "--sim-kv-bytes-scale") if hello.compute == "simulated" else ""
             return False, (f"model {hello.model.name!r} ({hello.model.config_hash}) differs from "
-                           f"the router's {self.model.name!r} ({self.model.config_hash})")
+                           f"the router's {self.model.name!r} ({self.model.config_hash}){hint}")
         lay = hello.kv_layout
         shape = (lay.num_layers, lay.num_kv_heads, lay.head_dim)
         if shape != self.shape:
@@ -151,8 +153,11 @@ class Registry:
     def health(self) -> tuple[bool, str]:
         p, d, c = len(self.live("prefill")), len(self.live("decode")), len(self.live("colocated"))
         colocated = f", {c} colocated" if c else ""
-        if any(n.hello.compute != "model" for n in self.nodes.values()):
+        modes = {n.hello.compute for n in self.nodes.values()}
+        if "none" in modes:
             colocated += " (COMPUTE NONE benchmark nodes: outputs are fixed tokens)"
+        if "simulated" in modes:
+            colocated += " (COMPUTE SIMULATED nodes: simulated GPUs, outputs a token stream)"
         if (p and d) or c:
             return True, f"{p} prefill and {d} decode nodes live{colocated}"
         return False, (f"{p} prefill and {d} decode nodes live{colocated}; needed: at least one "
