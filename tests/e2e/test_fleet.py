@@ -44,8 +44,8 @@ def cluster(tiny_model, tmp_path_factory):
         # Every node serves both routers: each router's log has each node's Hello.
         for r in routers:
             for n in nodes:
-                wait_for(lambda r=r, n=n: f"node {n.name}" in r.log() or n.name in r.log(),
-                         60, f"{n.name} never joined {r.name}", r, n)
+                wait_for(lambda r=r, n=n: f"node {n.name} joined" in r.log(), 60,
+                         f"{n.name} never joined {r.name}", r, n)
         yield f, model, routers, nodes
 
 

@@ -1,0 +1,78 @@
+"""A node's links to several routers (node/routers.py): whose request is whose, where a
+reply goes, and the turn in which the routers' sockets are read. Real zmq sockets (never
+connected: nothing here sends), real protocol messages."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from pdserve.common import protocol as P
+from pdserve.common.sampling import SamplingParams
+from pdserve.node.routers import RouterLinks
+
+A, B = "tcp://127.0.0.1:1", "tcp://127.0.0.1:2"
+
+
+@pytest.fixture
+def links():
+    ctx = zmq.Context()
+    links = RouterLinks([A, B])
+    for endpoint in links.added():
+        links.open(endpoint, ctx.socket(zmq.DEALER), 0.0)
+    yield links
+    for sock in links.by_sock:
+        sock.close(0)
+    ctx.term()
+
+
+def reserve(*req_ids):
+    return P.Reserve(items=[P.ReserveRequest(
+        req_id=r, prompt_token_ids=[1, 2], sampling=SamplingParams(), prefill_node_id="p",
+        lease_s=5.0) for r in req_ids])
+
+
+def test_a_reply_goes_to_the_router_that_gave_the_request(links):
+    links.took(links.links[A], reserve("a1", "a2"))
+    links.took(links.links[B], reserve("b1"))
+    batch = P.TokenBatch(items=[P.TokenItem(req_id=r, token_ids=[7]) for r in
+                                ("a1", "b1", "a2")])
+    out = {link.endpoint: [i.req_id for i in msg.items] for link, msg in links.route(batch)}
+    assert out == {A: ["a1", "a2"], B: ["b1"]}
+    error = P.Error(req_id="b1", code="internal", message="x")
+    assert [link.endpoint for link, _ in links.route(error)] == [B]
+
+
+def test_a_message_about_the_node_goes_to_every_router(links):
+    beat = P.Heartbeat(node_id="n", stats=None)
+    assert sorted(link.endpoint for link, _ in links.route(beat)) == [A, B]
+    assert sorted(link.endpoint for link, _ in links.route(P.Drain(reason="bye"))) == [A, B]
+
+
+def test_a_finished_or_aborted_request_is_forgotten(links):
+    links.took(links.links[A], reserve("a1", "a2"))
+    links.route(P.TokenBatch(items=[P.TokenItem(req_id="a1", token_ids=[7],
+                                                finish_reason="length")]))
+    links.took(links.links[A], P.Abort(req_ids=["a2"], reason="client gone"))
+    assert links.owner == {} and links.links[A].owned == set()
+
+
+def test_the_routers_sockets_are_read_in_turn(links):
+    firsts = [links.in_turn()[0].endpoint for _ in range(4)]
+    assert firsts == [B, A, B, A]  # each router first every other round
+
+
+def test_a_router_gone_from_etcd_keeps_its_link_while_it_talks(links):
+    for link in links.links.values():
+        link.welcome = P.Welcome(accepted=True, reason="", heartbeat_interval_s=1.0,
+                                 liveness=3)
+    links.took(links.links[B], reserve("b1"))
+    links.set_wanted([A])
+    links.links[B].last_message = time.monotonic()   # B still heartbeats
+    assert links.removed(1.0) == [] and links.stale()
+    links.links[B].last_message = time.monotonic() - 10  # B silent past 3 intervals
+    gone = links.removed(1.0)
+    assert [link.endpoint for link in gone] == [B] and gone[0].owned == {"b1"}
+    assert list(links.links) == [A] and "b1" not in links.owner
+    gone[0].sock.close(0)  # the caller's to close (NodeIO does)
