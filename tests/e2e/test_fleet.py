@@ -15,6 +15,7 @@ import pytest
 from tests.fleet import fleet, healthy, wait_for
 
 TTL_S = 3  # --discovery-ttl of every process in tests/fleet.py
+DECODE_BLOCKS = 12  # decode-0's KV cache: 2 of the arbitration test's requests (5 blocks each)
 # How a router says it dropped prefill-1: by its heartbeats, its socket or its lease.
 DROPPED = re.compile(r"node prefill-1 (missed|is not connected|left etcd)")
 
@@ -36,7 +37,9 @@ def cluster(tiny_model, tmp_path_factory):
         routers = [f.router("router-a"), f.router("router-b")]
         nodes = [f.node("prefill", "prefill-0", "--compute", "none"),
                  f.node("prefill", "prefill-1", "--compute", "none"),
-                 f.node("decode", "decode-0", "--compute", "none")]
+                 # Few blocks: the two routers' reservations compete for them.
+                 f.node("decode", "decode-0", "--compute", "none", "--num-kv-blocks",
+                        str(DECODE_BLOCKS))]
         for r in routers:
             wait_for(lambda r=r: healthy(r), 120, f"{r.name} not healthy", r, *nodes)
         wait_for(lambda: len(f.records("nodes")) == 3 and len(f.records("routers")) == 2,
@@ -65,12 +68,15 @@ def test_both_routers_serve_the_same_nodes(cluster):
 
 
 def test_the_decode_node_arbitrates_between_routers(cluster):
-    """Both routers at once on one decode node: every request completes, none twice."""
+    """Both routers at once on one decode node with room for 2 such requests at a time:
+    the node grants or refuses each reservation from its own free blocks, whoever asks,
+    and every request completes, once."""
     f, model, routers, nodes = cluster
-    jobs = [(routers[i % 2], f"prompt {i} " * (1 + i % 5)) for i in range(24)]
-    with ThreadPoolExecutor(8) as pool:
+    jobs = [(routers[i % 2], f"request {i} " + "shared words " * 12) for i in range(24)]
+    with ThreadPoolExecutor(12) as pool:
         outs = list(pool.map(lambda j: complete(j[0], model, j[1], 8), jobs))
     assert [o["usage"]["completion_tokens"] for o in outs] == [8] * len(jobs)
+    assert all(o["usage"]["prompt_tokens"] > 16 * 3 for o in outs)  # 4+ blocks with output
     assert len({o["id"] for o in outs}) == len(jobs)
 
 
