@@ -178,3 +178,16 @@ def test_launch_routers_2_needs_no_etcd(tiny_model, tmp_path):
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 4
         assert "etcd" not in c.log()
+
+
+def test_a_colocated_node_serves_both_routers(tiny_model, tmp_path):
+    model = tiny_model("llama")
+    with fleet(tmp_path, model) as f:
+        routers = [f.router("router-a"), f.router("router-b")]
+        node = f.node("colocated", "colocated-0", "--compute", "none")
+        for r in routers:
+            wait_for(lambda r=r: healthy(r), 120, f"{r.name} not healthy", r, node)
+            assert complete(r, model)["usage"]["completion_tokens"] == 6
+        (record, epoch), = f.records("nodes").values()
+        assert record["role"] == "colocated" and record["node_id"] == "colocated-0"
+        assert epoch > 0
