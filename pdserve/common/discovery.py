@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)
 
 DEFAULT_TTL_S = 10
-RETRY_S = 0.5          # after a failed call to etcd, before the next
+RETRY_S = (0.5, 5.0)   # after a failed call to etcd, before the next: doubling up to 5 s
 CALL_TIMEOUT_S = 3.0   # one unary call; a watch's read has none (it waits for events)
 
 
@@ -174,12 +174,15 @@ class Registration(threading.Thread):
     def run(self) -> None:
         client = EtcdClient(self.url)
         try:
+            delay = RETRY_S[0]
             while not self._stopping.is_set():
                 try:
                     self._keep(client)
+                    delay = RETRY_S[0]
                 except (httpx.HTTPError, KeyError, ValueError) as exc:
-                    log.warning("etcd at %s: %s (retrying)", self.url, exc)
-                    self._stopping.wait(RETRY_S)
+                    log.warning("etcd at %s: %s (retrying in %g s)", self.url, exc, delay)
+                    self._stopping.wait(delay)
+                    delay = min(delay * 2, RETRY_S[1])
             if self._lease:  # leave at once rather than after the TTL
                 try:
                     client.revoke(self._lease)
@@ -221,12 +224,16 @@ class Watch(threading.Thread):
     def run(self) -> None:
         client = EtcdClient(self.url)
         try:
+            delay = RETRY_S[0]
             while not self._stopping.is_set():
                 try:
                     self._follow(client)
+                    delay = RETRY_S[0]  # the stream ended after working: start over now
                 except (httpx.HTTPError, KeyError, ValueError) as exc:
-                    log.warning("etcd watch of %s: %s (starting over)", self.key_prefix, exc)
-                self._stopping.wait(RETRY_S)
+                    log.warning("etcd watch of %s: %s (starting over in %g s)",
+                                self.key_prefix, exc, delay)
+                    delay = min(delay * 2, RETRY_S[1])
+                self._stopping.wait(delay)
         finally:
             client.close()
 

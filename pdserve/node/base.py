@@ -364,7 +364,11 @@ class Node:
             timeout -= 0.1
             if self._stop.is_set():
                 return False
-            if timeout <= 0:
+            if timeout <= 0 and self.config.discovery:  # routers may come later
+                log.warning("no router of cluster %s has answered yet (%s); waiting",
+                            self.config.cluster, self.config.discovery)
+                timeout = self.config.welcome_timeout_s
+            elif timeout <= 0:
                 log.error("router at %s did not answer Hello within %.0f s",
                           self.config.router, self.config.welcome_timeout_s)
                 return False
