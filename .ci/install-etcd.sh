@@ -1,7 +1,7 @@
 #!/bin/sh
 # Installs Debian's etcd-server package (etcd) for tests/e2e/test_fleet.py, which starts
-# its own etcd on free loopback ports. etcd-client (etcdctl) comes along for people reading
-# a cluster by hand. Idempotent: nothing to do when /usr/bin/etcd exists. Never fails the
+# its own etcd on free loopback ports (etcdctl, in etcd-client, is not needed: the tests
+# read etcd through pdserve's own client). Idempotent: nothing to do when /usr/bin/etcd exists. Never fails the
 # build: when apt cannot install it (no root, no network), the tests skip and say why.
 if [ -x /usr/bin/etcd ]; then
     exit 0
@@ -15,7 +15,7 @@ if [ "$(id -u)" != 0 ]; then
 fi
 export DEBIAN_FRONTEND=noninteractive
 if $SUDO apt-get update -qq >/dev/null && \
-   $SUDO apt-get install -y -qq --no-install-recommends etcd-server etcd-client >/dev/null; then
+   $SUDO apt-get install -y -qq --no-install-recommends etcd-server >/dev/null; then
     # The package starts a system service on machines with an init; tests run their own.
     $SUDO systemctl stop etcd >/dev/null 2>&1 || true
     echo "install-etcd: $(/usr/bin/etcd --version 2>&1 | head -n 1)"
