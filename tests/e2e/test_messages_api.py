@@ -111,6 +111,28 @@ def test_tool_use_created_streamed_and_answered(client, cluster):
     jsonschema.validate(block.input, WEATHER)
 
 
+def test_stop_sequence_is_named_created_and_streamed(client, cluster):
+    """A stop sequence that ends the text is Anthropic's stop_reason "stop_sequence", with
+    stop_sequence the one that matched (not "end_turn", as an end of sequence token is)."""
+    greedy = {"extra_body": {"temperature": 0}}
+    ask = {"model": cluster.model, "max_tokens": 24, "messages": [
+        {"role": "user", "content": "Name three primary colors."}], **greedy}
+    free = client.messages.create(**ask).content[0].text
+    assert len(free) > 8
+    stop = free[4:6]     # a sequence the greedy text holds, away from its start
+    cut = free[:free.index(stop)]
+    m = client.messages.create(stop_sequences=["never said", stop], **ask)
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", stop)
+    assert m.content[0].text == cut
+    with client.messages.stream(stop_sequences=["never said", stop], **ask) as stream:
+        final = stream.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
+    assert final.content[0].text == cut
+    # Ended by its end of sequence token (no stop sequence met): end_turn, no sequence.
+    short = client.messages.create(**{**ask, "max_tokens": 200})
+    assert short.stop_sequence is None and short.stop_reason in ("end_turn", "max_tokens")
+
+
 def test_count_tokens_is_what_a_request_is_billed(client, cluster):
     for extra in ({}, {"tools": [TOOL], "system": "Be brief."}):
         counted = client.messages.count_tokens(model=cluster.model, messages=QUESTION,

@@ -26,6 +26,7 @@ class Turn:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    stop_sequence: str | None = None   # the stop string that ended it (vLLM's stop_reason)
 
 
 # The steps of a streamed turn: ("text", piece), ("call", Call) when a call opens,
@@ -75,6 +76,7 @@ def read_chunk(chunk: dict, turn: Turn, by_index: dict[int, Call]) -> list[tuple
                 steps.append((ARGS, call, function["arguments"]))
         if choice.get("finish_reason"):
             turn.finish_reason = choice["finish_reason"]
+            turn.stop_sequence = choice.get("stop_reason")
     return steps
 
 
@@ -93,4 +95,5 @@ def full_turn(body: dict) -> Turn:
     calls = [Call(c["id"], c["function"]["name"], c["function"].get("arguments") or "")
              for c in message.get("tool_calls") or ()]
     return Turn(message.get("content") or "", calls, choice["finish_reason"],
-                body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"])
+                body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"],
+                choice.get("stop_reason"))

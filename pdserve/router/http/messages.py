@@ -40,6 +40,15 @@ logger = logging.getLogger(__name__)
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
+def stop(turn: Turn) -> dict:
+    """Anthropic's stop_reason and stop_sequence of a turn: one of stop_sequences ended
+    it (the chat path's stop_reason names it), else the chat finish reason's match."""
+    if turn.finish_reason == "stop" and turn.stop_sequence is not None:
+        return {"stop_reason": "stop_sequence", "stop_sequence": turn.stop_sequence}
+    return {"stop_reason": STOP_REASONS.get(turn.finish_reason, "end_turn"),
+            "stop_sequence": None}
+
+
 def _arguments(call: Call) -> dict:
     """A call's arguments as the ``input`` object (the chat path's are JSON text)."""
     try:
@@ -62,9 +71,8 @@ def full_message(message_id: str, model: str, turn: Turn) -> dict:
     content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": _arguments(c)}
                 for c in turn.calls]
     return {**message_head(message_id, model, turn.prompt_tokens), "content": content,
-            "stop_reason": STOP_REASONS.get(turn.finish_reason, "end_turn"),
-            "usage": {"input_tokens": turn.prompt_tokens,
-                      "output_tokens": turn.completion_tokens}}
+            **stop(turn), "usage": {"input_tokens": turn.prompt_tokens,
+                                    "output_tokens": turn.completion_tokens}}
 
 
 def _event(kind: str, data: dict) -> bytes:
@@ -110,8 +118,7 @@ async def stream_events(stream, head: dict):
             "type": "text", "text": ""}})
     out += _event("content_block_stop", {"index": index})
     out += _event("message_delta", {
-        "delta": {"stop_reason": STOP_REASONS.get(turn.finish_reason, "end_turn"),
-                  "stop_sequence": None},
+        "delta": stop(turn),
         "usage": {"input_tokens": turn.prompt_tokens or head["usage"]["input_tokens"],
                   "output_tokens": turn.completion_tokens}})
     yield out + _event("message_stop", {})
