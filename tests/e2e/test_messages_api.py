@@ -156,6 +156,15 @@ def test_count_tokens_is_what_a_request_is_billed(client, cluster):
      "invalid_request_error", "image"),
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "invalid_request_error",
      "thinking"),
+    ({"thinking": "on"}, 400, "invalid_request_error", "thinking"),
+    ({"tools": [TOOL], "tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}},
+     400, "invalid_request_error", "disable_parallel_tool_use must be a boolean"),
+    # The chat path's refusals name the field as the client sent it (and where: a skipped
+    # server tool keeps its place), not the translated chat field.
+    ({"stop_sequences": [""]}, 400, "invalid_request_error", "stop_sequences=['']"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"},
+                {**TOOL, "input_schema": {"type": "strnig"}}]}, 400,
+     "invalid_request_error", "tools.1.input_schema is not"),
 ])
 def test_bad_input_in_anthropic_shape(cluster, body, status, kind, says):
     request = {"model": cluster.model, "max_tokens": 8, "messages": QUESTION, **body}

@@ -154,6 +154,14 @@ def test_store_is_bounded_and_measured(cluster, client):
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type", "item_reference"),
     ({"max_output_tokens": 0}, "max_output_tokens", ">= 1"),
     ({"background": True}, "background", "not supported"),
+    # The chat path's refusals name the field as the client sent it (and where: a skipped
+    # hosted tool keeps its place), not the translated chat field.
+    ({"max_output_tokens": 10**30}, "max_output_tokens", "max_output_tokens=10000"),
+    ({"tools": [{"type": "web_search"}, {**TOOL, "parameters": {"type": "strnig"}}]},
+     "tools[1].parameters", "tools[1].parameters"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 5}}}},
+     "text.format.schema", "text.format.schema"),
+    ({"previous_response_id": 5}, "previous_response_id", "must be a string"),
 ])
 def test_bad_input_is_a_400_in_openai_shape(cluster, body, param, says):
     r = httpx.post(cluster.http_url + "/v1/responses", timeout=60, json={

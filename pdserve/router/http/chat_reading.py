@@ -6,6 +6,7 @@ chunk by chunk from a stream of chat chunk dicts, in OpenAI's tool-call shape
 steps into its own events, so neither parses OpenAI chunks itself."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from pdserve.router.streams import INTERNAL, RequestError
@@ -97,3 +98,29 @@ def full_turn(body: dict) -> Turn:
     return Turn(message.get("content") or "", calls, choice["finish_reason"],
                 body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"],
                 choice.get("stop_reason"))
+
+
+_CHAT_TOOL = re.compile(r"(?<![\w.\]])tools\[(\d+)\](?:\.function(?:\.(\w+))?)?")
+
+
+def renamed(err: RequestError, fields: dict[str, str], tool, positions: list[int]
+            ) -> RequestError:
+    """``err``, raised by the chat path on a translated body, naming what the client sent
+    (told of ``max_tokens`` when it sent ``max_output_tokens``, it cannot find its
+    mistake). ``fields``: chat field -> the adapter's (a regex); ``tool(i, name)``: how
+    the adapter writes field ``name`` ("" for the tool itself) of the client's tool ``i``;
+    ``positions``: each chat tool's index in the client's tools (skipped hosted tools
+    shift them)."""
+    def one_tool(m: re.Match) -> str:
+        j = int(m.group(1))
+        return tool(positions[j] if j < len(positions) else j, m.group(2) or "")
+
+    def rename(text: str) -> str:
+        text = _CHAT_TOOL.sub(one_tool, text)
+        for chat, own in fields.items():
+            text = re.sub(r"(?<![\w.\[])" + chat + r"(?![\w\]])", own, text)
+        return text
+    out = RequestError(err.code, rename(err.message),
+                       rename(err.param) if err.param else err.param)
+    out.counted = err.counted
+    return out

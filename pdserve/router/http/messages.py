@@ -26,10 +26,11 @@ from pdserve.router.http.chat_reading import (
     ChatFailed,
     Turn,
     full_turn,
+    renamed,
     stream_steps,
 )
 from pdserve.router.http.choices import prompts
-from pdserve.router.http.messages_input import chat_body, error_body
+from pdserve.router.http.messages_input import chat_body, chat_names, error_body
 from pdserve.router.http.openai_schema import check_model
 from pdserve.router.http.tools import prepare_tools
 from pdserve.router.http.wait import SSE_HEADERS, EventStream
@@ -162,7 +163,7 @@ def add_messages_routes(app: FastAPI, core, authorize, read_json, run):
         try:
             result = await run(core, chat, request, True)
         except RequestError as e:
-            return failure(e)
+            return failure(renamed(e, *chat_names(body)))
         except ClientGone:
             return Response(status_code=499)
         if isinstance(result, dict):
@@ -175,9 +176,12 @@ def add_messages_routes(app: FastAPI, core, authorize, read_json, run):
         try:
             body = await read(request)
             chat = chat_body(body, "count_tokens", count_only=True)
-            check_model(chat, core.model_name)
-            plan = await prepare_tools(chat, core)  # the tools are rendered in the prompt
-            ((_, ids),) = await prompts(core, chat, True, plan)
+            try:
+                check_model(chat, core.model_name)
+                plan = await prepare_tools(chat, core)  # the tools are rendered in the prompt
+                ((_, ids),) = await prompts(core, chat, True, plan)
+            except RequestError as e:  # the chat path's: named in this API's fields
+                raise renamed(e, *chat_names(body)) from None
         except RequestError as e:
             return refuse(e)
         except ClientDisconnect:

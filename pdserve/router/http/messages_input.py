@@ -135,6 +135,24 @@ def chat_messages(body: dict) -> list[dict]:
     return out
 
 
+# The chat fields an error of the chat path may name, as this API's (chat_reading.renamed).
+_CHAT_NAMES = {"stop(?==|$)": "stop_sequences"}
+_TOOL_FIELDS = {"": "", "parameters": ".input_schema"}
+
+
+def _served(tool) -> bool:
+    """Whether a tool becomes a chat tool (server tools are skipped)."""
+    return isinstance(tool, dict) and tool.get("type") in (None, "custom")
+
+
+def chat_names(body: dict) -> tuple:
+    """The arguments of chat_reading.renamed for this request: an error of the chat path
+    named in this API's fields."""
+    tools = body.get("tools") if isinstance(body.get("tools"), list) else []
+    return _CHAT_NAMES, lambda i, name: f"tools.{i}" + _TOOL_FIELDS.get(name, f".{name}"), \
+        [i for i, tool in enumerate(tools) if _served(tool)]
+
+
 def chat_tools(tools, request_id: str) -> list[dict] | None:
     """Client tools (``{name, description, input_schema}``) as chat function tools;
     server tools (``web_search_...``, ``bash_...``: a ``type`` other than custom) are
@@ -147,7 +165,7 @@ def chat_tools(tools, request_id: str) -> list[dict] | None:
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
             raise bad(f"tools.{i} must be an object", f"tools.{i}")
-        if tool.get("type") not in (None, "custom"):
+        if not _served(tool):
             skipped.append(str(tool["type"]))
             continue
         function = {"name": _block_string(tool, "name", f"tools.{i}")}
@@ -170,9 +188,11 @@ def chat_tool_choice(choice, tools: list[dict] | None) -> tuple[object, bool | N
     if choice is None:
         return None, None
     kind = choice.get("type") if isinstance(choice, dict) else None
-    parallel = None if not isinstance(choice, dict) or \
-        choice.get("disable_parallel_tool_use") is None \
-        else not choice["disable_parallel_tool_use"]
+    disable = choice.get("disable_parallel_tool_use") if kind else None
+    if disable is not None and not isinstance(disable, bool):
+        raise bad(f"tool_choice.disable_parallel_tool_use must be a boolean, got {disable!r}",
+                  "tool_choice.disable_parallel_tool_use")
+    parallel = None if disable is None else not disable
     if kind in ("auto", "none"):
         return kind, parallel
     if kind in ("any", "tool") and not tools:
@@ -193,7 +213,8 @@ def chat_body(body: dict, request_id: str, count_only: bool = False) -> dict:
     """The chat completions body of a Messages request (``count_only``: of a count_tokens
     one, which has no max_tokens)."""
     thinking = body.get("thinking")
-    if isinstance(thinking, dict) and thinking.get("type") not in (None, "disabled"):
+    if thinking is not None and not (isinstance(thinking, dict)
+                                     and thinking.get("type") in (None, "disabled")):
         raise bad("thinking is not supported by this server; leave it out or set its type "
                   "to disabled", "thinking")
     out = {"model": body.get("model"), "messages": chat_messages(body)}

@@ -28,10 +28,11 @@ from pdserve.router.http.chat_reading import (
     ChatFailed,
     Turn,
     full_turn,
+    renamed,
     stream_steps,
 )
 from pdserve.router.http.openai_schema import bad
-from pdserve.router.http.responses_input import chat_body
+from pdserve.router.http.responses_input import chat_body, chat_names
 from pdserve.router.http.responses_store import ResponsesStore
 from pdserve.router.http.wait import SSE_HEADERS, EventStream
 from pdserve.router.streams import INTERNAL, RequestError
@@ -218,7 +219,10 @@ def add_responses_routes(app: FastAPI, core, authorize, read_json, run, error_re
             history = []
             previous = body.get("previous_response_id")
             if previous is not None:
-                stored = store.get(previous) if isinstance(previous, str) else None
+                if not isinstance(previous, str):  # a malformed id, not an unknown one
+                    raise bad(f"previous_response_id must be a string (a response's id), "
+                              f"got {type(previous).__name__}", "previous_response_id")
+                stored = store.get(previous)
                 if stored is None:
                     raise RequestError(RESPONSE_NOT_FOUND, f"previous_response_id "
                                        f"{previous!r} names no stored response (never "
@@ -245,7 +249,7 @@ def add_responses_routes(app: FastAPI, core, authorize, read_json, run, error_re
         try:
             result = await run(core, chat, request, True)
         except RequestError as e:
-            return error_response(e)
+            return error_response(renamed(e, *chat_names(body)))
         except ClientGone:
             return Response(status_code=499)
         if isinstance(result, dict):

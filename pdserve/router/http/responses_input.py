@@ -111,6 +111,24 @@ def input_messages(items, history: list[dict]) -> list[dict]:
     return out
 
 
+# The chat fields an error of the chat path may name, as this API's (chat_reading.renamed).
+_CHAT_NAMES = {"max_tokens": "max_output_tokens",
+               r"response_format(?:\.json_schema)?": "text.format"}
+
+
+def _served(tool) -> bool:
+    """Whether a tool becomes a chat tool (hosted tools are skipped)."""
+    return isinstance(tool, dict) and tool.get("type") == "function"
+
+
+def chat_names(body: dict) -> tuple:
+    """The arguments of chat_reading.renamed for this request: an error of the chat path
+    named in this API's fields."""
+    tools = body.get("tools") if isinstance(body.get("tools"), list) else []
+    return _CHAT_NAMES, lambda i, name: f"tools[{i}]" + (f".{name}" if name else ""), \
+        [i for i, tool in enumerate(tools) if _served(tool)]
+
+
 def chat_tools(tools, request_id: str) -> list[dict] | None:
     """Responses' flat function tools as chat tools; other tool types (web_search,
     file_search, mcp, ...: hosted tools this server cannot run) are skipped with one log
@@ -123,7 +141,7 @@ def chat_tools(tools, request_id: str) -> list[dict] | None:
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
             raise bad(f"tools[{i}] must be an object", f"tools[{i}]")
-        if tool.get("type") != "function":
+        if not _served(tool):
             skipped.append(str(tool.get("type")))
             continue
         function = {"name": _string(tool, "name", f"tools[{i}]")}
