@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 
+from pdserve.router.http.adapter_input import joined_text, required_string
 from pdserve.router.http.openai_schema import bad, get_field
 from pdserve.router.streams import OVERLOADED, RequestError
 
@@ -33,27 +34,7 @@ def error_body(err: RequestError) -> dict:
 
 
 def _text_blocks(blocks, where: str) -> str:
-    if isinstance(blocks, str):
-        return blocks
-    if not isinstance(blocks, list):
-        raise bad(f"{where} must be a string or an array of text blocks", where)
-    texts = []
-    for j, block in enumerate(blocks):
-        if not (isinstance(block, dict) and block.get("type") == "text"
-                and isinstance(block.get("text"), str)):
-            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise bad(f"{where}[{j}] must be a text block: only text is supported here; got "
-                      f"{kind!r}", f"{where}[{j}]")
-        texts.append(block["text"])
-    return "\n".join(texts)
-
-
-def _block_string(block: dict, name: str, where: str) -> str:
-    value = block.get(name)
-    if not isinstance(value, str) or not value:
-        raise bad(f"{where}.{name} is required and must be a non-empty string",
-                  f"{where}.{name}")
-    return value
+    return joined_text(blocks, where, ("text",), "block")
 
 
 def _user(content: list, where: str, calls: set[str]) -> list[dict]:
@@ -66,7 +47,7 @@ def _user(content: list, where: str, calls: set[str]) -> list[dict]:
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
         elif kind == "tool_result":
-            call_id = _block_string(block, "tool_use_id", at)
+            call_id = required_string(block, "tool_use_id", at)
             if call_id not in calls:
                 raise bad(f"{at}.tool_use_id {call_id!r} matches no tool_use block of an "
                           "earlier assistant message", f"{at}.tool_use_id")
@@ -94,10 +75,10 @@ def _assistant(content: list, where: str, calls: set[str]) -> dict:
             arguments = block.get("input", {})
             if not isinstance(arguments, dict):
                 raise bad(f"{at}.input must be an object", f"{at}.input")
-            call_id = _block_string(block, "id", at)
+            call_id = required_string(block, "id", at)
             calls.add(call_id)
             tool_calls.append({"id": call_id, "type": "function", "function": {
-                "name": _block_string(block, "name", at),
+                "name": required_string(block, "name", at),
                 "arguments": json.dumps(arguments)}})
         elif kind in ("thinking", "redacted_thinking"):
             continue  # a thinking model's reasoning sent back: nothing to render
@@ -168,7 +149,7 @@ def chat_tools(tools, request_id: str) -> list[dict] | None:
         if not _served(tool):
             skipped.append(str(tool["type"]))
             continue
-        function = {"name": _block_string(tool, "name", f"tools.{i}")}
+        function = {"name": required_string(tool, "name", f"tools.{i}")}
         if tool.get("description") is not None:
             function["description"] = tool["description"]
         schema = tool.get("input_schema")
