@@ -182,6 +182,16 @@ def test_bad_input_in_anthropic_shape(cluster, body, status, kind, says):
 def test_body_that_is_not_json(cluster, client):
     r = httpx.post(cluster.http_url + "/v1/messages", content=b"{not json", timeout=60)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    # A wrong method or an unknown route under /v1/messages: Anthropic's shape too.
+    for method, path, status, kind in (("GET", "/v1/messages", 405, "invalid_request_error"),
+                                       ("GET", "/v1/messages/count_tokens", 405,
+                                        "invalid_request_error"),
+                                       ("POST", "/v1/messages/batches", 404,
+                                        "not_found_error")):
+        r = httpx.request(method, cluster.http_url + path, json={}, timeout=60)
+        assert r.status_code == status, r.text
+        assert r.json()["type"] == "error" and r.json()["error"]["type"] == kind, r.text
+        assert path in r.json()["error"]["message"]
     with pytest.raises(anthropic.NotFoundError) as e:
         client.messages.create(model="nope", max_tokens=8, messages=QUESTION)
     assert e.value.body["error"]["type"] == "not_found_error"

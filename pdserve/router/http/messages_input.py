@@ -21,16 +21,19 @@ _STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                  429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
 
 
-def error_type(err: RequestError) -> str:
-    """Anthropic's error type of a RequestError (a full queue is overloaded, not a rate
-    limit: the client did nothing wrong)."""
+def error_type(err: RequestError, status: int | None = None) -> str:
+    """Anthropic's error type of a RequestError answered with HTTP ``status`` (its own
+    by default; a full queue is overloaded, not a rate limit: the client did nothing
+    wrong). Another 4xx (a 405) is the client's mistake: invalid_request_error."""
     if err.code == OVERLOADED:
         return "overloaded_error"
-    return _STATUS_TYPES.get(err.http_status, "api_error")
+    status = status or err.http_status
+    return _STATUS_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
 
 
-def error_body(err: RequestError) -> dict:
-    return {"type": "error", "error": {"type": error_type(err), "message": err.message}}
+def error_body(err: RequestError, status: int | None = None) -> dict:
+    return {"type": "error", "error": {"type": error_type(err, status),
+                                       "message": err.message}}
 
 
 def _text_blocks(blocks, where: str) -> str:
