@@ -17,6 +17,7 @@ import pytest
 from pdserve.model.default_model import bundled_model
 from pdserve.model.loader import model_name
 from tests.cluster import launched
+from tests.e2e.test_metrics import eventually, scrape, value
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
            "required": ["city"], "additionalProperties": False}
@@ -209,3 +210,37 @@ def test_10000_tools_or_a_schema_1000_deep_is_a_400(cluster):
             r = httpx.post(cluster.http_url + path, content=content, timeout=60)
             assert r.status_code == 400, r.text
             assert r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+def test_client_gone_mid_tool_call_aborts_and_server_serves(cluster, client):
+    """A streamed tool call whose client hangs up after its first arguments piece, on
+    /v1/messages and /v1/responses: the request is aborted (not generated on for nobody)
+    and the server answers the next request."""
+    # The grammar holds the call open for 200 characters at least: it is still being
+    # written when the client goes, however loaded the host.
+    schema = {"type": "object", "properties": {"city": {"type": "string", "minLength": 200}},
+              "required": ["city"]}
+    for path, body, piece in (
+            ("/v1/messages", {"messages": QUESTION, "max_tokens": 400, "tools": [
+                {"name": "get_weather", "input_schema": schema}],
+                "tool_choice": {"type": "any"}}, "input_json_delta"),
+            ("/v1/responses", {"input": "What is the weather in Paris?",
+                               "max_output_tokens": 400, "tool_choice": "required",
+                               "tools": [{"type": "function", "name": "get_weather",
+                                          "parameters": schema}]},
+             "response.function_call_arguments.delta")):
+        before = value(scrape(cluster.http_url + "/metrics")[1], "pdserve_requests_total",
+                       finish_reason="abort")
+        with httpx.stream("POST", cluster.http_url + path, timeout=60, json={
+                "model": cluster.model, "stream": True, **body}) as r:
+            assert r.status_code == 200
+            assert any(piece in line for line in r.iter_lines())   # then the client goes
+
+        def gone() -> None:
+            _, samples = scrape(cluster.http_url + "/metrics")
+            assert value(samples, "pdserve_requests_total", finish_reason="abort") == \
+                before + 1
+            assert value(samples, "pdserve_requests_running") == 0
+        eventually(gone, 60)
+    m = client.messages.create(model=cluster.model, max_tokens=2, messages=QUESTION)
+    assert m.type == "message" and m.usage.output_tokens >= 1
