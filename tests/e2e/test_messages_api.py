@@ -129,6 +129,12 @@ def test_stop_sequence_is_named_created_and_streamed(client, cluster):
         final = stream.get_final_message()
     assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
     assert final.content[0].text == cut
+    # Chat names it too, as vLLM's choice field stop_reason (where the adapter reads it).
+    chat = httpx.post(cluster.http_url + "/v1/chat/completions", timeout=120, json={
+        "model": cluster.model, "max_tokens": 24, "temperature": 0, "stop": [stop],
+        "messages": ask["messages"]}).json()["choices"][0]
+    assert (chat["finish_reason"], chat["stop_reason"]) == ("stop", stop)
+    assert chat["message"]["content"] == cut
     # Ended by its end of sequence token (no stop sequence met): end_turn, no sequence.
     short = client.messages.create(**{**ask, "max_tokens": 200})
     assert short.stop_sequence is None and short.stop_reason in ("end_turn", "max_tokens")
