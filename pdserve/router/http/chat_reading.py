@@ -3,7 +3,8 @@ turn (text, tool calls, finish reason, usage), from a full chat completion body 
 chunk by chunk from a stream of chat chunk dicts, in OpenAI's tool-call shape
 (``delta.tool_calls[i]`` with ``index``; a call's first delta has ``id``, ``type`` and
 ``function.name``, its arguments follow in string pieces). Each adapter turns the same
-steps into its own events, so neither parses OpenAI chunks itself."""
+steps into its own events, so neither parses OpenAI chunks itself. A refusal of the
+chat path is read back too (``renamed``): named in the fields the client sent."""
 from __future__ import annotations
 
 import re
