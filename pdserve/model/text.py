@@ -16,6 +16,7 @@ class TextDelta:
     token_ids: list[int]
     text: str
     finish_reason: str | None
+    stop_str: str | None = None     # the stop string that ended it (Anthropic's stop_sequence)
 
 
 class RequestOutputState:
@@ -35,6 +36,7 @@ class RequestOutputState:
         self.text = ""
         self.num_emitted_chars = 0
         self.finish_reason: str | None = None
+        self.stop_str: str | None = None
         self._hold = max((len(s) for s in params.stop), default=1) - 1
 
     def add(self, token_ids: list[int], finish_reason: str | None = None) -> TextDelta:
@@ -63,7 +65,7 @@ class RequestOutputState:
             self.num_emitted_chars, len(self.text) - self._undecided_tail())
         delta = self.text[self.num_emitted_chars:end]
         self.num_emitted_chars = end
-        return TextDelta(new_ids, delta, self.finish_reason)
+        return TextDelta(new_ids, delta, self.finish_reason, self.stop_str)
 
     def _undecided_tail(self) -> int:
         """Length of the longest end of the text that begins some stop string. Only
@@ -84,9 +86,9 @@ class RequestOutputState:
     def _cut_at_stop_string(self) -> bool:
         window = self.text[max(0, self.num_emitted_chars - self._hold):]
         base = len(self.text) - len(window)
-        hits = [window.find(s) for s in self.params.stop]
-        hits = [h for h in hits if h >= 0]
+        hits = [(h, s) for s in self.params.stop if (h := window.find(s)) >= 0]
         if not hits:
             return False
-        self.text = self.text[:base + min(hits)]
+        at, self.stop_str = min(hits, key=lambda hit: hit[0])
+        self.text = self.text[:base + at]
         return True

@@ -61,6 +61,7 @@ class StreamEvent:
     # prompt tokens 1..
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
+    stop_str: str | None = None        # on the last event: the stop string that ended it
 
     @property
     def is_last(self) -> bool:
@@ -74,7 +75,7 @@ class StreamEvent:
                            later.completion_tokens or self.completion_tokens,
                            join([lp for lp in (self.logprobs, later.logprobs) if lp])
                            if self.logprobs or later.logprobs else None,
-                           self.prompt_logprobs or later.prompt_logprobs)
+                           self.prompt_logprobs or later.prompt_logprobs, later.stop_str)
 
 
 @dataclass

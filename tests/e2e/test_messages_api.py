@@ -17,6 +17,7 @@ import pytest
 from pdserve.model.default_model import bundled_model
 from pdserve.model.loader import model_name
 from tests.cluster import launched
+from tests.e2e.test_metrics import eventually, scrape, value
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
            "required": ["city"], "additionalProperties": False}
@@ -111,6 +112,34 @@ def test_tool_use_created_streamed_and_answered(client, cluster):
     jsonschema.validate(block.input, WEATHER)
 
 
+def test_stop_sequence_is_named_created_and_streamed(client, cluster):
+    """A stop sequence that ends the text is Anthropic's stop_reason "stop_sequence", with
+    stop_sequence the one that matched (not "end_turn", as an end of sequence token is)."""
+    greedy = {"extra_body": {"temperature": 0}}
+    ask = {"model": cluster.model, "max_tokens": 24, "messages": [
+        {"role": "user", "content": "Name three primary colors."}], **greedy}
+    free = client.messages.create(**ask).content[0].text
+    assert len(free) > 8
+    stop = free[4:6]     # a sequence the greedy text holds, away from its start
+    cut = free[:free.index(stop)]
+    m = client.messages.create(stop_sequences=["never said", stop], **ask)
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", stop)
+    assert m.content[0].text == cut
+    with client.messages.stream(stop_sequences=["never said", stop], **ask) as stream:
+        final = stream.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
+    assert final.content[0].text == cut
+    # Chat names it too, as vLLM's choice field stop_reason (where the adapter reads it).
+    chat = httpx.post(cluster.http_url + "/v1/chat/completions", timeout=120, json={
+        "model": cluster.model, "max_tokens": 24, "temperature": 0, "stop": [stop],
+        "messages": ask["messages"]}).json()["choices"][0]
+    assert (chat["finish_reason"], chat["stop_reason"]) == ("stop", stop)
+    assert chat["message"]["content"] == cut
+    # Ended by its end of sequence token (no stop sequence met): end_turn, no sequence.
+    short = client.messages.create(**{**ask, "max_tokens": 200})
+    assert short.stop_sequence is None and short.stop_reason in ("end_turn", "max_tokens")
+
+
 def test_count_tokens_is_what_a_request_is_billed(client, cluster):
     for extra in ({}, {"tools": [TOOL], "system": "Be brief."}):
         counted = client.messages.count_tokens(model=cluster.model, messages=QUESTION,
@@ -134,6 +163,15 @@ def test_count_tokens_is_what_a_request_is_billed(client, cluster):
      "invalid_request_error", "image"),
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "invalid_request_error",
      "thinking"),
+    ({"thinking": "on"}, 400, "invalid_request_error", "thinking"),
+    ({"tools": [TOOL], "tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}},
+     400, "invalid_request_error", "disable_parallel_tool_use must be a boolean"),
+    # The chat path's refusals name the field as the client sent it (and where: a skipped
+    # server tool keeps its place), not the translated chat field.
+    ({"stop_sequences": [""]}, 400, "invalid_request_error", "stop_sequences=['']"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"},
+                {**TOOL, "input_schema": {"type": "strnig"}}]}, 400,
+     "invalid_request_error", "tools.1.input_schema is not"),
 ])
 def test_bad_input_in_anthropic_shape(cluster, body, status, kind, says):
     request = {"model": cluster.model, "max_tokens": 8, "messages": QUESTION, **body}
@@ -151,6 +189,16 @@ def test_bad_input_in_anthropic_shape(cluster, body, status, kind, says):
 def test_body_that_is_not_json(cluster, client):
     r = httpx.post(cluster.http_url + "/v1/messages", content=b"{not json", timeout=60)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    # A wrong method or an unknown route under /v1/messages: Anthropic's shape too.
+    for method, path, status, kind in (("GET", "/v1/messages", 405, "invalid_request_error"),
+                                       ("GET", "/v1/messages/count_tokens", 405,
+                                        "invalid_request_error"),
+                                       ("POST", "/v1/messages/batches", 404,
+                                        "not_found_error")):
+        r = httpx.request(method, cluster.http_url + path, json={}, timeout=60)
+        assert r.status_code == status, r.text
+        assert r.json()["type"] == "error" and r.json()["error"]["type"] == kind, r.text
+        assert path in r.json()["error"]["message"]
     with pytest.raises(anthropic.NotFoundError) as e:
         client.messages.create(model="nope", max_tokens=8, messages=QUESTION)
     assert e.value.body["error"]["type"] == "not_found_error"
@@ -168,3 +216,37 @@ def test_10000_tools_or_a_schema_1000_deep_is_a_400(cluster):
             r = httpx.post(cluster.http_url + path, content=content, timeout=60)
             assert r.status_code == 400, r.text
             assert r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+def test_client_gone_mid_tool_call_aborts_and_server_serves(cluster, client):
+    """A streamed tool call whose client hangs up after its first arguments piece, on
+    /v1/messages and /v1/responses: the request is aborted (not generated on for nobody)
+    and the server answers the next request."""
+    # The grammar holds the call open for 200 characters at least: it is still being
+    # written when the client goes, however loaded the host.
+    schema = {"type": "object", "properties": {"city": {"type": "string", "minLength": 200}},
+              "required": ["city"]}
+    for path, body, piece in (
+            ("/v1/messages", {"messages": QUESTION, "max_tokens": 400, "tools": [
+                {"name": "get_weather", "input_schema": schema}],
+                "tool_choice": {"type": "any"}}, "input_json_delta"),
+            ("/v1/responses", {"input": "What is the weather in Paris?",
+                               "max_output_tokens": 400, "tool_choice": "required",
+                               "tools": [{"type": "function", "name": "get_weather",
+                                          "parameters": schema}]},
+             "response.function_call_arguments.delta")):
+        before = value(scrape(cluster.http_url + "/metrics")[1], "pdserve_requests_total",
+                       finish_reason="abort")
+        with httpx.stream("POST", cluster.http_url + path, timeout=60, json={
+                "model": cluster.model, "stream": True, **body}) as r:
+            assert r.status_code == 200
+            assert any(piece in line for line in r.iter_lines())   # then the client goes
+
+        def gone() -> None:
+            _, samples = scrape(cluster.http_url + "/metrics")
+            assert value(samples, "pdserve_requests_total", finish_reason="abort") == \
+                before + 1
+            assert value(samples, "pdserve_requests_running") == 0
+        eventually(gone, 60)
+    m = client.messages.create(model=cluster.model, max_tokens=2, messages=QUESTION)
+    assert m.type == "message" and m.usage.output_tokens >= 1

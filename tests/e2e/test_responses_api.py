@@ -107,6 +107,26 @@ def test_function_tool_streamed_and_not(cluster, client):
     jsonschema.validate(json.loads(item.arguments), WEATHER)
 
 
+def test_call_cut_by_max_output_tokens_is_incomplete(cluster, client):
+    """A function call that max_output_tokens cuts is an item of status "incomplete" (an
+    agent runs only completed calls), created and streamed alike."""
+    long = {**TOOL, "parameters": {"type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string", "minLength": 200}}}}   # longer than 20 tokens
+    ask = {"model": cluster.model, "input": "Weather in Paris?", "tools": [long],
+           "tool_choice": "required", "max_output_tokens": 20}
+    r = client.responses.create(**ask)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert [(i.type, i.status) for i in r.output] == [("function_call", "incomplete")]
+    with client.responses.stream(**ask) as stream:
+        events = list(stream)
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.type, i.status) for i in done] == [("function_call", "incomplete")]
+    final = events[-1].response
+    assert final.status == "incomplete"
+    assert [(i.type, i.status) for i in final.output] == [("function_call", "incomplete")]
+    assert final.output[0].arguments == done[0].arguments != ""
+
+
 def test_previous_response_id_carries_the_function_call(cluster, client):
     first = client.responses.create(model=cluster.model, input="What is the weather in Oslo?",
                                     tools=[TOOL], tool_choice="required",
@@ -154,6 +174,14 @@ def test_store_is_bounded_and_measured(cluster, client):
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type", "item_reference"),
     ({"max_output_tokens": 0}, "max_output_tokens", ">= 1"),
     ({"background": True}, "background", "not supported"),
+    # The chat path's refusals name the field as the client sent it (and where: a skipped
+    # hosted tool keeps its place), not the translated chat field.
+    ({"max_output_tokens": 10**30}, "max_output_tokens", "max_output_tokens=10000"),
+    ({"tools": [{"type": "web_search"}, {**TOOL, "parameters": {"type": "strnig"}}]},
+     "tools[1].parameters", "tools[1].parameters"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 5}}}},
+     "text.format.schema", "text.format.schema"),
+    ({"previous_response_id": 5}, "previous_response_id", "must be a string"),
 ])
 def test_bad_input_is_a_400_in_openai_shape(cluster, body, param, says):
     r = httpx.post(cluster.http_url + "/v1/responses", timeout=60, json={

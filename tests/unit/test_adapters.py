@@ -7,10 +7,12 @@ import pytest
 from starlette.requests import Request
 
 from pdserve.router.http.api import make_authorize
-from pdserve.router.http.chat_reading import ARGS, CALL, TEXT, Turn, read_chunk
+from pdserve.router.http.chat_reading import ARGS, CALL, TEXT, Turn, read_chunk, renamed
 from pdserve.router.http.messages_input import chat_body as messages_body
+from pdserve.router.http.messages_input import chat_names as messages_names
 from pdserve.router.http.messages_input import error_type
 from pdserve.router.http.responses_input import chat_body as responses_body
+from pdserve.router.http.responses_input import chat_names as responses_names
 from pdserve.router.streams import RequestError
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}}
@@ -121,3 +123,21 @@ def test_api_key_as_bearer_or_x_api_key():
         with pytest.raises(RequestError) as e:
             authorize(_request(wrong))
         assert e.value.code == "invalid_api_key"
+
+
+def test_chat_refusals_name_the_clients_fields():
+    hosted_first = {"tools": [{"type": "web_search"}, {"type": "function", "name": "f"}]}
+    err = renamed(RequestError("bad_request", "tools[0].function.parameters is not a JSON "
+                               "schema; max_tokens=0 is invalid", "tools[0].function"
+                               ".parameters"), *responses_names(hosted_first))
+    assert err.message == "tools[1].parameters is not a JSON schema; max_output_tokens=0 " \
+        "is invalid" and err.param == "tools[1].parameters" and err.code == "bad_request"
+    err = renamed(RequestError("bad_request", "response_format.json_schema.schema bad",
+                               "response_format.json_schema.schema"), *responses_names({}))
+    assert (err.message, err.param) == ("text.format.schema bad", "text.format.schema")
+    server_first = {"tools": [{"type": "bash_20250124", "name": "bash"}, {"name": "f"}]}
+    err = renamed(RequestError("bad_request", "stop=[''] is invalid; tools[0].function."
+                               "parameters bad; 16 stop strings at most", "stop"),
+                  *messages_names(server_first))
+    assert err.message == "stop_sequences=[''] is invalid; tools.1.input_schema bad; 16 " \
+        "stop strings at most" and err.param == "stop_sequences"

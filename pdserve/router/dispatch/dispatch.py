@@ -349,7 +349,7 @@ class Dispatch:
                                   prompt_tokens=len(flight.prompt),
                                   completion_tokens=len(flight.out.token_ids),
                                   logprobs=head(logprobs, len(delta.token_ids)),
-                                  prompt_logprobs=prompt_logprobs)
+                                  prompt_logprobs=prompt_logprobs, stop_str=delta.stop_str)
         except Exception as exc:  # this request fails; the rest of the batch goes on
             log.exception("serving request %s failed", flight.req_id)
             self.fail_flight(flight, S.INTERNAL, f"internal error while serving the request: "

@@ -68,7 +68,7 @@ async def collect(answer: Answer, choices: Choices, watch: ClientWatch) -> dict:
             text, calls = c.tools.feed(text, final=True)[0], c.tools.calls
         lp = answer.logprobs(c, c.token_ids, join(c.logprobs), 0, with_prompt=True)
         bodies.append(answer.reply.choice(c.index, c.prompt_text + text, finish_reason(
-            c.finish_reason, c.tools), lp, calls))
+            c.finish_reason, c.tools), lp, calls, c.stop_str))
     completion = 0 if opts.echo_only else choices.completion_tokens()
     return answer.reply.full(bodies, answer.num_prompt, completion)
 
@@ -159,7 +159,8 @@ def _event_chunks(answer: Answer, choices: Choices, item, out: list[dict]) -> bo
     if event.finish_reason is not None:
         out.append(reply.chunk(finish_reason=finish_reason(choice.finish_reason,
                                                            choice.tools),
-                               index=choice.index, progress=progress))
+                               index=choice.index, progress=progress,
+                               stop_str=choice.stop_str))
     if choices.done:
         if reply.include_usage:
             completion = 0 if answer.opts.echo_only else choices.completion_tokens()

@@ -25,6 +25,7 @@ from pdserve.common.metrics import metrics_endpoint
 from pdserve.router.http.answers import Answer, ChunkStream, ClientGone, collect, ended_early
 from pdserve.router.http.choices import TokenTexts, prompts, submit_choices
 from pdserve.router.http.messages import add_messages_routes
+from pdserve.router.http.messages_input import error_body as anthropic_error
 from pdserve.router.http.openai_schema import (  # noqa: F401 (re-exported: the app's API)
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_BODY_BYTES,
@@ -137,9 +138,13 @@ def add_error_handlers(app: FastAPI, core) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        core.refused(RequestError(code, str(exc.detail)))
-        body = {"error": {"message": f"{request.method} {request.url.path}: {exc.detail}",
-                          "type": "invalid_request_error", "param": None, "code": code}}
+        err = RequestError(code, f"{request.method} {request.url.path}: {exc.detail}")
+        core.refused(err)
+        if request.url.path.startswith("/v1/messages"):  # Anthropic's clients read its shape
+            body = anthropic_error(err, exc.status_code)
+        else:
+            body = {"error": {"message": err.message, "type": "invalid_request_error",
+                              "param": None, "code": code}}
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 

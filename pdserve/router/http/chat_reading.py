@@ -3,9 +3,11 @@ turn (text, tool calls, finish reason, usage), from a full chat completion body 
 chunk by chunk from a stream of chat chunk dicts, in OpenAI's tool-call shape
 (``delta.tool_calls[i]`` with ``index``; a call's first delta has ``id``, ``type`` and
 ``function.name``, its arguments follow in string pieces). Each adapter turns the same
-steps into its own events, so neither parses OpenAI chunks itself."""
+steps into its own events, so neither parses OpenAI chunks itself. A refusal of the
+chat path is read back too (``renamed``): named in the fields the client sent."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from pdserve.router.streams import INTERNAL, RequestError
@@ -26,6 +28,7 @@ class Turn:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    stop_sequence: str | None = None   # the stop string that ended it (vLLM's stop_reason)
 
 
 # The steps of a streamed turn: ("text", piece), ("call", Call) when a call opens,
@@ -75,6 +78,7 @@ def read_chunk(chunk: dict, turn: Turn, by_index: dict[int, Call]) -> list[tuple
                 steps.append((ARGS, call, function["arguments"]))
         if choice.get("finish_reason"):
             turn.finish_reason = choice["finish_reason"]
+            turn.stop_sequence = choice.get("stop_reason")
     return steps
 
 
@@ -93,4 +97,31 @@ def full_turn(body: dict) -> Turn:
     calls = [Call(c["id"], c["function"]["name"], c["function"].get("arguments") or "")
              for c in message.get("tool_calls") or ()]
     return Turn(message.get("content") or "", calls, choice["finish_reason"],
-                body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"])
+                body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"],
+                choice.get("stop_reason"))
+
+
+_CHAT_TOOL = re.compile(r"(?<![\w.\]])tools\[(\d+)\](?:\.function(?:\.(\w+))?)?")
+
+
+def renamed(err: RequestError, fields: dict[str, str], tool, positions: list[int]
+            ) -> RequestError:
+    """``err``, raised by the chat path on a translated body, naming what the client sent
+    (told of ``max_tokens`` when it sent ``max_output_tokens``, it cannot find its
+    mistake). ``fields``: chat field -> the adapter's (a regex); ``tool(i, name)``: how
+    the adapter writes field ``name`` ("" for the tool itself) of the client's tool ``i``;
+    ``positions``: each chat tool's index in the client's tools (skipped hosted tools
+    shift them)."""
+    def one_tool(m: re.Match) -> str:
+        j = int(m.group(1))
+        return tool(positions[j] if j < len(positions) else j, m.group(2) or "")
+
+    def rename(text: str) -> str:
+        text = _CHAT_TOOL.sub(one_tool, text)
+        for chat, own in fields.items():
+            text = re.sub(r"(?<![\w.\[])" + chat + r"(?![\w\]])", own, text)
+        return text
+    out = RequestError(err.code, rename(err.message),
+                       rename(err.param) if err.param else err.param)
+    out.counted = err.counted
+    return out

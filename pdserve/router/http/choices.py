@@ -105,6 +105,7 @@ class Choice:
     logprobs: list[Logprobs] = field(default_factory=list)
     prompt_logprobs: Logprobs | None = None
     finish_reason: str | None = None
+    stop_str: str | None = None         # the stop string that ended it, if one did
     completion_tokens: int = 0
     num_chars: int = 0                  # text sent so far (streaming), for text_offset
     tools: object = None                # a ToolStream (tool_parsers.py) when calls may come
@@ -118,6 +119,7 @@ class Choice:
             self.prompt_logprobs = event.prompt_logprobs
         self.completion_tokens = event.completion_tokens or len(self.token_ids)
         self.finish_reason = event.finish_reason
+        self.stop_str = event.stop_str
 
 
 class Choices:

@@ -26,10 +26,11 @@ from pdserve.router.http.chat_reading import (
     ChatFailed,
     Turn,
     full_turn,
+    renamed,
     stream_steps,
 )
 from pdserve.router.http.choices import prompts
-from pdserve.router.http.messages_input import chat_body, error_body
+from pdserve.router.http.messages_input import chat_body, chat_names, error_body
 from pdserve.router.http.openai_schema import check_model
 from pdserve.router.http.tools import prepare_tools
 from pdserve.router.http.wait import SSE_HEADERS, EventStream
@@ -38,6 +39,15 @@ from pdserve.router.streams import INTERNAL, RequestError
 logger = logging.getLogger(__name__)
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def stop(turn: Turn) -> dict:
+    """Anthropic's stop_reason and stop_sequence of a turn: one of stop_sequences ended
+    it (the chat path's stop_reason names it), else the chat finish reason's match."""
+    if turn.finish_reason == "stop" and turn.stop_sequence is not None:
+        return {"stop_reason": "stop_sequence", "stop_sequence": turn.stop_sequence}
+    return {"stop_reason": STOP_REASONS.get(turn.finish_reason, "end_turn"),
+            "stop_sequence": None}
 
 
 def _arguments(call: Call) -> dict:
@@ -62,9 +72,8 @@ def full_message(message_id: str, model: str, turn: Turn) -> dict:
     content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": _arguments(c)}
                 for c in turn.calls]
     return {**message_head(message_id, model, turn.prompt_tokens), "content": content,
-            "stop_reason": STOP_REASONS.get(turn.finish_reason, "end_turn"),
-            "usage": {"input_tokens": turn.prompt_tokens,
-                      "output_tokens": turn.completion_tokens}}
+            **stop(turn), "usage": {"input_tokens": turn.prompt_tokens,
+                                    "output_tokens": turn.completion_tokens}}
 
 
 def _event(kind: str, data: dict) -> bytes:
@@ -110,8 +119,7 @@ async def stream_events(stream, head: dict):
             "type": "text", "text": ""}})
     out += _event("content_block_stop", {"index": index})
     out += _event("message_delta", {
-        "delta": {"stop_reason": STOP_REASONS.get(turn.finish_reason, "end_turn"),
-                  "stop_sequence": None},
+        "delta": stop(turn),
         "usage": {"input_tokens": turn.prompt_tokens or head["usage"]["input_tokens"],
                   "output_tokens": turn.completion_tokens}})
     yield out + _event("message_stop", {})
@@ -155,7 +163,7 @@ def add_messages_routes(app: FastAPI, core, authorize, read_json, run):
         try:
             result = await run(core, chat, request, True)
         except RequestError as e:
-            return failure(e)
+            return failure(renamed(e, *chat_names(body)))
         except ClientGone:
             return Response(status_code=499)
         if isinstance(result, dict):
@@ -168,9 +176,12 @@ def add_messages_routes(app: FastAPI, core, authorize, read_json, run):
         try:
             body = await read(request)
             chat = chat_body(body, "count_tokens", count_only=True)
-            check_model(chat, core.model_name)
-            plan = await prepare_tools(chat, core)  # the tools are rendered in the prompt
-            ((_, ids),) = await prompts(core, chat, True, plan)
+            try:
+                check_model(chat, core.model_name)
+                plan = await prepare_tools(chat, core)  # the tools are rendered in the prompt
+                ((_, ids),) = await prompts(core, chat, True, plan)
+            except RequestError as e:  # the chat path's: named in this API's fields
+                raise renamed(e, *chat_names(body)) from None
         except RequestError as e:
             return refuse(e)
         except ClientDisconnect:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 
+from pdserve.router.http.adapter_input import joined_text, required_string
 from pdserve.router.http.openai_schema import bad, get_field
 from pdserve.router.streams import OVERLOADED, RequestError
 
@@ -20,40 +21,23 @@ _STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                  429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
 
 
-def error_type(err: RequestError) -> str:
-    """Anthropic's error type of a RequestError (a full queue is overloaded, not a rate
-    limit: the client did nothing wrong)."""
+def error_type(err: RequestError, status: int | None = None) -> str:
+    """Anthropic's error type of a RequestError answered with HTTP ``status`` (its own
+    by default; a full queue is overloaded, not a rate limit: the client did nothing
+    wrong). Another 4xx (a 405) is the client's mistake: invalid_request_error."""
     if err.code == OVERLOADED:
         return "overloaded_error"
-    return _STATUS_TYPES.get(err.http_status, "api_error")
+    status = status or err.http_status
+    return _STATUS_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
 
 
-def error_body(err: RequestError) -> dict:
-    return {"type": "error", "error": {"type": error_type(err), "message": err.message}}
+def error_body(err: RequestError, status: int | None = None) -> dict:
+    return {"type": "error", "error": {"type": error_type(err, status),
+                                       "message": err.message}}
 
 
 def _text_blocks(blocks, where: str) -> str:
-    if isinstance(blocks, str):
-        return blocks
-    if not isinstance(blocks, list):
-        raise bad(f"{where} must be a string or an array of text blocks", where)
-    texts = []
-    for j, block in enumerate(blocks):
-        if not (isinstance(block, dict) and block.get("type") == "text"
-                and isinstance(block.get("text"), str)):
-            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise bad(f"{where}[{j}] must be a text block: only text is supported here; got "
-                      f"{kind!r}", f"{where}[{j}]")
-        texts.append(block["text"])
-    return "\n".join(texts)
-
-
-def _block_string(block: dict, name: str, where: str) -> str:
-    value = block.get(name)
-    if not isinstance(value, str) or not value:
-        raise bad(f"{where}.{name} is required and must be a non-empty string",
-                  f"{where}.{name}")
-    return value
+    return joined_text(blocks, where, ("text",), "block")
 
 
 def _user(content: list, where: str, calls: set[str]) -> list[dict]:
@@ -66,7 +50,7 @@ def _user(content: list, where: str, calls: set[str]) -> list[dict]:
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
         elif kind == "tool_result":
-            call_id = _block_string(block, "tool_use_id", at)
+            call_id = required_string(block, "tool_use_id", at)
             if call_id not in calls:
                 raise bad(f"{at}.tool_use_id {call_id!r} matches no tool_use block of an "
                           "earlier assistant message", f"{at}.tool_use_id")
@@ -94,10 +78,10 @@ def _assistant(content: list, where: str, calls: set[str]) -> dict:
             arguments = block.get("input", {})
             if not isinstance(arguments, dict):
                 raise bad(f"{at}.input must be an object", f"{at}.input")
-            call_id = _block_string(block, "id", at)
+            call_id = required_string(block, "id", at)
             calls.add(call_id)
             tool_calls.append({"id": call_id, "type": "function", "function": {
-                "name": _block_string(block, "name", at),
+                "name": required_string(block, "name", at),
                 "arguments": json.dumps(arguments)}})
         elif kind in ("thinking", "redacted_thinking"):
             continue  # a thinking model's reasoning sent back: nothing to render
@@ -135,6 +119,24 @@ def chat_messages(body: dict) -> list[dict]:
     return out
 
 
+# The chat fields an error of the chat path may name, as this API's (chat_reading.renamed).
+_CHAT_NAMES = {"stop(?==|$)": "stop_sequences"}
+_TOOL_FIELDS = {"": "", "parameters": ".input_schema"}
+
+
+def _served(tool) -> bool:
+    """Whether a tool becomes a chat tool (server tools are skipped)."""
+    return isinstance(tool, dict) and tool.get("type") in (None, "custom")
+
+
+def chat_names(body: dict) -> tuple:
+    """The arguments of chat_reading.renamed for this request: an error of the chat path
+    named in this API's fields."""
+    tools = body.get("tools") if isinstance(body.get("tools"), list) else []
+    return _CHAT_NAMES, lambda i, name: f"tools.{i}" + _TOOL_FIELDS.get(name, f".{name}"), \
+        [i for i, tool in enumerate(tools) if _served(tool)]
+
+
 def chat_tools(tools, request_id: str) -> list[dict] | None:
     """Client tools (``{name, description, input_schema}``) as chat function tools;
     server tools (``web_search_...``, ``bash_...``: a ``type`` other than custom) are
@@ -147,10 +149,10 @@ def chat_tools(tools, request_id: str) -> list[dict] | None:
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
             raise bad(f"tools.{i} must be an object", f"tools.{i}")
-        if tool.get("type") not in (None, "custom"):
+        if not _served(tool):
             skipped.append(str(tool["type"]))
             continue
-        function = {"name": _block_string(tool, "name", f"tools.{i}")}
+        function = {"name": required_string(tool, "name", f"tools.{i}")}
         if tool.get("description") is not None:
             function["description"] = tool["description"]
         schema = tool.get("input_schema")
@@ -170,9 +172,11 @@ def chat_tool_choice(choice, tools: list[dict] | None) -> tuple[object, bool | N
     if choice is None:
         return None, None
     kind = choice.get("type") if isinstance(choice, dict) else None
-    parallel = None if not isinstance(choice, dict) or \
-        choice.get("disable_parallel_tool_use") is None \
-        else not choice["disable_parallel_tool_use"]
+    disable = choice.get("disable_parallel_tool_use") if kind else None
+    if disable is not None and not isinstance(disable, bool):
+        raise bad(f"tool_choice.disable_parallel_tool_use must be a boolean, got {disable!r}",
+                  "tool_choice.disable_parallel_tool_use")
+    parallel = None if disable is None else not disable
     if kind in ("auto", "none"):
         return kind, parallel
     if kind in ("any", "tool") and not tools:
@@ -193,7 +197,8 @@ def chat_body(body: dict, request_id: str, count_only: bool = False) -> dict:
     """The chat completions body of a Messages request (``count_only``: of a count_tokens
     one, which has no max_tokens)."""
     thinking = body.get("thinking")
-    if isinstance(thinking, dict) and thinking.get("type") not in (None, "disabled"):
+    if thinking is not None and not (isinstance(thinking, dict)
+                                     and thinking.get("type") in (None, "disabled")):
         raise bad("thinking is not supported by this server; leave it out or set its type "
                   "to disabled", "thinking")
     out = {"model": body.get("model"), "messages": chat_messages(body)}

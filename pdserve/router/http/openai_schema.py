@@ -338,6 +338,12 @@ def sse(obj) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+def _stop_reason(stop_str: str | None) -> dict:
+    """vLLM's ``stop_reason`` of a choice, only when a stop string ended it: the
+    Messages adapter answers it as ``stop_sequence``; every other body keeps OpenAI's keys."""
+    return {} if stop_str is None else {"stop_reason": stop_str}
+
+
 @dataclass
 class Reply:
     """The response objects of one request, chat or text completion."""
@@ -353,7 +359,8 @@ class Reply:
 
     def chunk(self, text: str = "", finish_reason: str | None = None,
               role: bool = False, index: int = 0, logprobs: dict | None = None,
-              progress: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+              progress: dict | None = None, tool_calls: list[dict] | None = None,
+              stop_str: str | None = None) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": text} if role else \
                 ({"content": text} if text or finish_reason is None and not tool_calls
@@ -361,7 +368,7 @@ class Reply:
             if tool_calls:
                 delta["tool_calls"] = tool_calls
             choice = {"index": index, "delta": delta, "logprobs": logprobs,
-                      "finish_reason": finish_reason}
+                      "finish_reason": finish_reason, **_stop_reason(stop_str)}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
             out = {**self._head("text_completion"), "choices": [
@@ -377,7 +384,8 @@ class Reply:
                                                                   completion_tokens)}
 
     def choice(self, index: int, text: str, finish_reason: str,
-               logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+               logprobs: dict | None = None, tool_calls: list[dict] | None = None,
+               stop_str: str | None = None) -> dict:
         """One choice of a full (non-streamed) response; content is null when the answer
         is only tool calls, as OpenAI's is."""
         if self.chat:
@@ -385,9 +393,9 @@ class Reply:
             if tool_calls:
                 message.update(content=text or None, tool_calls=tool_calls)
             return {"index": index, "message": message, "logprobs": logprobs,
-                    "finish_reason": finish_reason}
+                    "finish_reason": finish_reason, **_stop_reason(stop_str)}
         return {"index": index, "text": text, "logprobs": logprobs,
-                "finish_reason": finish_reason}
+                "finish_reason": finish_reason, **_stop_reason(stop_str)}
 
     def full(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
         head = self._head("chat.completion" if self.chat else "text_completion")

@@ -28,10 +28,11 @@ from pdserve.router.http.chat_reading import (
     ChatFailed,
     Turn,
     full_turn,
+    renamed,
     stream_steps,
 )
 from pdserve.router.http.openai_schema import bad
-from pdserve.router.http.responses_input import chat_body
+from pdserve.router.http.responses_input import chat_body, chat_names
 from pdserve.router.http.responses_store import ResponsesStore
 from pdserve.router.http.wait import SSE_HEADERS, EventStream
 from pdserve.router.streams import INTERNAL, RequestError
@@ -73,7 +74,7 @@ def _text_part(text: str) -> dict:
 
 def call_item(item_id: str, call: Call, status: str = "completed") -> dict:
     return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
-            "arguments": call.arguments if status == "completed" else "", "status": status}
+            "arguments": "" if status == "in_progress" else call.arguments, "status": status}
 
 
 def finished(head: dict, items: list[dict], turn: Turn) -> dict:
@@ -88,9 +89,17 @@ def finished(head: dict, items: list[dict], turn: Turn) -> dict:
                       "total_tokens": turn.prompt_tokens + turn.completion_tokens}}
 
 
+def last_status(turn: Turn) -> str:
+    """The status of a turn's last output item: the one max_output_tokens cut, if any
+    (an agent must not run a call whose arguments were cut short)."""
+    return "incomplete" if turn.finish_reason == "length" else "completed"
+
+
 def full_items(turn: Turn) -> list[dict]:
     items = [message_item(_id("msg"), turn.text)] if turn.text or not turn.calls else []
-    return items + [call_item(_id("fc"), c) for c in turn.calls]
+    items += [call_item(_id("fc"), c) for c in turn.calls]
+    items[-1]["status"] = last_status(turn)
+    return items
 
 
 def assistant_message(turn: Turn) -> dict:
@@ -129,7 +138,7 @@ class EventWriter:
                               content_index=0, part=_text_part(""))
         return out
 
-    def close(self, text: str = "") -> bytes:
+    def close(self, text: str = "", status: str = "completed") -> bytes:
         """Ends the open item: ``text`` is the whole text of a message item."""
         if self.open is None:
             return b""
@@ -139,11 +148,11 @@ class EventWriter:
                              text=text, logprobs=[])
             out += self.event("response.content_part.done", **where, content_index=0,
                               part=_text_part(text))
-            done = message_item(item["id"], text)
+            done = message_item(item["id"], text, status)
         else:
             out = self.event("response.function_call_arguments.done", **where,
                              name=call.name, arguments=call.arguments)
-            done = call_item(item["id"], call)
+            done = call_item(item["id"], call, status)
         self.items[-1], self.open = done, None
         return out + self.event("response.output_item.done", output_index=where[
             "output_index"], item=done)
@@ -186,9 +195,10 @@ async def stream_events(stream, head: dict, on_done):
         yield writer.event("error", code=err.code, message=err.message, param=err.param) + \
             writer.event("response.failed", response=failed)
         return
-    out = writer.close(turn.text[text_start:])
+    out = writer.close(turn.text[text_start:], last_status(turn))
     if not writer.items:  # nothing was written: still one (empty) message, as full_items
-        out += writer.add(message_item(_id("msg"), "", "in_progress"), None) + writer.close()
+        out += writer.add(message_item(_id("msg"), "", "in_progress"), None) + \
+            writer.close("", last_status(turn))
     response = finished(head, writer.items, turn)
     on_done(response, turn)
     # response.completed even when the status is incomplete (cut at max_output_tokens),
@@ -218,7 +228,10 @@ def add_responses_routes(app: FastAPI, core, authorize, read_json, run, error_re
             history = []
             previous = body.get("previous_response_id")
             if previous is not None:
-                stored = store.get(previous) if isinstance(previous, str) else None
+                if not isinstance(previous, str):  # a malformed id, not an unknown one
+                    raise bad(f"previous_response_id must be a string (a response's id), "
+                              f"got {type(previous).__name__}", "previous_response_id")
+                stored = store.get(previous)
                 if stored is None:
                     raise RequestError(RESPONSE_NOT_FOUND, f"previous_response_id "
                                        f"{previous!r} names no stored response (never "
@@ -245,7 +258,7 @@ def add_responses_routes(app: FastAPI, core, authorize, read_json, run, error_re
         try:
             result = await run(core, chat, request, True)
         except RequestError as e:
-            return error_response(e)
+            return error_response(renamed(e, *chat_names(body)))
         except ClientGone:
             return Response(status_code=499)
         if isinstance(result, dict):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from pdserve.router.http.adapter_input import joined_text, required_string
 from pdserve.router.http.openai_schema import bad, get_field
 
 logger = logging.getLogger(__name__)
@@ -33,28 +34,7 @@ def _refuse_unsupported(body: dict) -> None:
 
 
 def _text(content, where: str) -> str:
-    """A message's content: a string, or text parts (joined with newlines)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad(f"{where} must be a string or an array of text parts", where)
-    texts = []
-    for j, part in enumerate(content):
-        if not (isinstance(part, dict) and part.get("type") in _TEXT_PARTS
-                and isinstance(part.get("text"), str)):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise bad(f"{where}[{j}] must be a text part ({', '.join(_TEXT_PARTS)}): only "
-                      f"text input is supported; got {kind!r}", f"{where}[{j}]")
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
-def _string(item: dict, name: str, where: str) -> str:
-    value = item.get(name)
-    if not isinstance(value, str) or not value:
-        raise bad(f"{where}.{name} is required and must be a non-empty string",
-                  f"{where}.{name}")
-    return value
+    return joined_text(content, where, _TEXT_PARTS, "part")
 
 
 def input_messages(items, history: list[dict]) -> list[dict]:
@@ -80,11 +60,13 @@ def input_messages(items, history: list[dict]) -> list[dict]:
             out.append({"role": role, "content": _text(item.get("content"),
                                                        f"{where}.content")})
         elif kind == "function_call":
-            call = {"id": _string(item, "call_id", where), "type": "function", "function": {
-                "name": _string(item, "name", where),
-                "arguments": item.get("arguments") or "{}"}}
-            if not isinstance(call["function"]["arguments"], str):
+            call_id, arguments = required_string(item, "call_id", where), item.get("arguments")
+            if arguments in (None, ""):  # a parameterless call
+                arguments = "{}"
+            if not isinstance(arguments, str):  # 0, [] or false are no call's arguments
                 raise bad(f"{where}.arguments must be a string of JSON", f"{where}.arguments")
+            call = {"id": call_id, "type": "function", "function": {
+                "name": required_string(item, "name", where), "arguments": arguments}}
             calls.add(call["id"])
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant":  # one turn, several calls
@@ -92,7 +74,7 @@ def input_messages(items, history: list[dict]) -> list[dict]:
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
-            call_id = _string(item, "call_id", where)
+            call_id = required_string(item, "call_id", where)
             if call_id not in calls:
                 raise bad(f"{where}.call_id {call_id!r} matches no function_call of this "
                           "conversation: send that function_call item before it, or the "
@@ -111,6 +93,24 @@ def input_messages(items, history: list[dict]) -> list[dict]:
     return out
 
 
+# The chat fields an error of the chat path may name, as this API's (chat_reading.renamed).
+_CHAT_NAMES = {"max_tokens": "max_output_tokens",
+               r"response_format(?:\.json_schema)?": "text.format"}
+
+
+def _served(tool) -> bool:
+    """Whether a tool becomes a chat tool (hosted tools are skipped)."""
+    return isinstance(tool, dict) and tool.get("type") == "function"
+
+
+def chat_names(body: dict) -> tuple:
+    """The arguments of chat_reading.renamed for this request: an error of the chat path
+    named in this API's fields."""
+    tools = body.get("tools") if isinstance(body.get("tools"), list) else []
+    return _CHAT_NAMES, lambda i, name: f"tools[{i}]" + (f".{name}" if name else ""), \
+        [i for i, tool in enumerate(tools) if _served(tool)]
+
+
 def chat_tools(tools, request_id: str) -> list[dict] | None:
     """Responses' flat function tools as chat tools; other tool types (web_search,
     file_search, mcp, ...: hosted tools this server cannot run) are skipped with one log
@@ -123,10 +123,10 @@ def chat_tools(tools, request_id: str) -> list[dict] | None:
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
             raise bad(f"tools[{i}] must be an object", f"tools[{i}]")
-        if tool.get("type") != "function":
+        if not _served(tool):
             skipped.append(str(tool.get("type")))
             continue
-        function = {"name": _string(tool, "name", f"tools[{i}]")}
+        function = {"name": required_string(tool, "name", f"tools[{i}]")}
         for name in ("description", "parameters"):
             if tool.get(name) is not None:
                 function[name] = tool[name]
