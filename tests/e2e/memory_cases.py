@@ -50,7 +50,7 @@ def guide_bombs(c, _round: int) -> None:
 def hostile_guides(c, round_no: int) -> None:
     """Guides just under the limits, new each round (no cache hit): the router's guide
     check and both nodes' compile threads compile them, and the request is served."""
-    props = ",".join(f'"r{round_no}p{i}":{{"type":"integer"}}' for i in range(900))
+    props = ",".join(f'"r{round_no}p{i}":{{"type":"integer"}}' for i in range(400))
     for guide in ({"json": '{"type":"object","properties":{' + props + "}}"},
                   {"grammar": chained_lark(400).replace('"b"', f'"b{round_no}"')}):
         r = completion(c, {"structured_outputs": guide, "max_tokens": 4, "ignore_eos": False})
