@@ -23,6 +23,7 @@ from typing import Callable
 import msgspec
 
 from pdserve.common import errors as E
+from pdserve.common import heap_dump
 from pdserve.common import protocol as P
 from pdserve.common.gc_heap import freeze_startup_objects
 from pdserve.common.kv_events import KVEventPublisher
@@ -269,6 +270,7 @@ class Node:
             if membership is not None:
                 membership.register()
             freeze_startup_objects()
+            heap_dump.install()  # only with PDSERVE_HEAP_DUMP set
             log.info("%s node %s registered with router %s%s", self.role, self.node_id,
                      ", ".join(self.io.links.wanted),
                      f", KV socket {self.io.hello.kv_address}" if self.io.hello.kv_address else "")

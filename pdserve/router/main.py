@@ -14,6 +14,7 @@ import socket
 import uvicorn
 import uvloop
 
+from pdserve.common import heap_dump
 from pdserve.common.gc_heap import freeze_startup_objects
 from pdserve.common.metrics import start_metrics_server
 from pdserve.common.security import (
@@ -93,6 +94,7 @@ async def _serve(config: RouterConfig, http_socket: socket.socket) -> None:
         membership = RouterMembership(config, core, loop)
         membership.start()  # nodes find this router only now, when it serves
     freeze_startup_objects()
+    heap_dump.install()  # only with PDSERVE_HEAP_DUMP set
     log.info("router ready: http://%s:%d (OpenAI API), control %s, ingress %s",
              config.host, config.http_port, config.control, config.ingress or "off")
     warnings = InsecureWarnings(router_exposures(config))

@@ -1,0 +1,63 @@
+"""Memory that returns under every hostile case of issue 35 (the prompt cases are in
+test_memory.py): 10 rounds of each case (tests/e2e/memory_cases.py), a normal request
+after each, and each process's RSS read from /proc.
+
+Per case and process: RSS after round 10 is within 5 % of RSS after round 1 (the first
+round may fill what stays: a compiled guide in the caches, the decode heap's peak for a
+batch of 64), and within 50 MB of RSS before the case. The figures go to the log
+directory as memory_soak.json (benchmarks/memory_soak.py runs more rounds).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import launched
+from tests.e2e.memory_cases import CASES, MB, soak
+from tests.e2e.test_attack import normal_text, process_tree
+from tests.e2e.test_memory import roles
+
+ROUNDS = 10
+# Open (issue 35): these grow 1-10 MB a round in anonymous memory that is not Python's
+# (tracemalloc, benchmarks/memory_soak.py --heap, sees under 10 MB, all in bounded
+# structures), with or without PDSERVE_MALLOC_TUNING; not strict, RSS is noisy.
+OPEN = {"vanishing producers": "router, prefill and decode RSS climb 6-10 % in 10 rounds",
+        "n=64 logprobs=20": "the router's RSS climbs 5-8 % in 10 rounds"}
+PARAMS = [pytest.param(case, marks=pytest.mark.xfail(reason=OPEN[case], strict=False))
+          if case in OPEN else case for case in CASES]
+FIGURES: dict[str, dict[str, list[int]]] = {}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory):
+    model_dir = Path(tiny_model("llama"))
+    log_dir = tmp_path_factory.mktemp("memory_soak")
+    with launched(model_dir, 1, 1, log_dir=log_dir) as c:
+        c.model = model_dir.name
+        c.pids = process_tree(c.proc.pid)
+        c.baseline = normal_text(c)
+        c.roles = roles(c)
+        for _ in range(5):  # warm: the first requests fill caches that stay
+            normal_text(c)
+        yield c
+        (log_dir / "memory_soak.json").write_text(json.dumps(FIGURES, indent=1))
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", PARAMS)
+def test_rss_returns_and_is_flat_across_rounds(cluster, case):
+    assert {"router", "prefill-0", "decode-0"} <= set(cluster.roles), cluster.roles
+
+    def serve():
+        assert normal_text(cluster) == cluster.baseline
+
+    seen = soak(cluster, cluster.roles, CASES[case], ROUNDS, serve)
+    FIGURES[case] = seen
+    print(case, {name: [v // MB for v in s] for name, s in seen.items()})
+    for name, s in seen.items():
+        assert s[-1] <= s[1] * 1.05, (case, name, [v // MB for v in s])
+        assert s[-1] - s[0] < 50 * MB, (case, name, [v // MB for v in s])
+    assert cluster.pids <= process_tree(cluster.proc.pid), "a process died or restarted"
