@@ -1,7 +1,8 @@
 """``pdserve launch``: a router and its nodes as child processes on this machine.
 
     1. start the router, then N prefill and M decode nodes pointed at it
-    2. wait until the router's /health says every role is live; print the endpoints
+    2. wait until the router's /health says every role is live and every node started is
+       registered with every router; print the endpoints
        (each node gets a free port for its Prometheus /metrics, or --node-metrics-port's
        PORT+k; each decode node a KV port, free or --decode-kv-port's PORT+i)
     3. watch the children; on Ctrl-C/SIGTERM (or the router dying) stop every child:
@@ -172,6 +173,17 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def _nodes_registered(metrics_url: str) -> int:
+    """The nodes a router counts (its pdserve_nodes gauge, every role and state)."""
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=1) as resp:
+            text = resp.read().decode()
+    except (urllib.error.URLError, OSError):
+        return 0
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("pdserve_nodes{")))
+
+
 def _stop(children: dict[str, subprocess.Popen]) -> None:
     for proc in children.values():
         if proc.poll() is None:
@@ -238,14 +250,20 @@ def run_launch(cfg: LaunchConfig) -> int:
             metrics[f"{role}-{i}"] = _metrics_url(node.metrics_port, host)
             events += _kv_events_line(node, f"{role}-{i}")
         deadline = time.monotonic() + cfg.ready_timeout_s
-        while not all(_healthy(f"{url}/health") for url in https):
+        # Ready means every node started here is registered with every router: /health is
+        # ok once one node of each role is, and the ready table lists every node's endpoints.
+        router_metrics = [metrics["router"]] + [f"{url}/metrics" for url in https[1:]]
+        num_nodes = len(_roles(cfg))
+        while not all(_healthy(f"{url}/health") for url in https) or \
+                not all(_nodes_registered(url) >= num_nodes for url in router_metrics):
             dead = [n for n, p in children.items() if p.poll() is not None]
             if dead or stop_requested():
                 why = f"{', '.join(dead)} exited during start-up" if dead else "stopped"
                 print(f"pdserve launch: {why}", file=sys.stderr)
                 return 1
             if time.monotonic() > deadline:
-                print(f"pdserve launch: not healthy after {cfg.ready_timeout_s:g} s",
+                print(f"pdserve launch: not healthy, or not every node registered, after "
+                      f"{cfg.ready_timeout_s:g} s",
                       file=sys.stderr)
                 return 1
             time.sleep(0.2)

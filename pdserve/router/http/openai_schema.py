@@ -70,8 +70,7 @@ def _show(value) -> str:
 
 def get_field(body: dict, name: str, kind: str, default=None):
     """``body[name]`` checked against ``kind`` (a key of _KINDS); absent or null -> default."""
-    value = body.get(name)
-    if value is None:
+    if (value := body.get(name)) is None:
         return default
     if not _KINDS[kind](value):
         raise bad(f"{name} must be {kind}, got {_show(value)}", name)
@@ -241,11 +240,10 @@ def completion_prompt_ids(tokenizer, prompt) -> list[int]:
 
 
 def chat_messages(messages, context: int | None = None) -> list[dict]:
-    """The messages as [{role, content: str}] (text parts joined with newlines), and
-    assistant tool calls and tool results checked against each other (tools.py).
-    ``context``: the model's, in tokens; more messages than that cannot fit (a chat
-    template writes at least a token of its own per message), and are refused before
-    they are copied: 100,000 tiny messages were templated and tokenized, 128 MB kept."""
+    """The messages as [{role, content: str}] (text parts joined with newlines), tool
+    calls and results checked against each other (tools.py). More messages than the
+    ``context`` has tokens cannot fit (a template writes a token per message) and are
+    refused before they are copied (100,000 were templated: 128 MB kept)."""
     if not isinstance(messages, list) or not messages:
         raise bad("messages is required: a non-empty array of {role, content} objects",
                   "messages")
@@ -339,8 +337,8 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def _stop_reason(stop_str: str | None) -> dict:
-    """vLLM's ``stop_reason`` of a choice, only when a stop string ended it: the
-    Messages adapter answers it as ``stop_sequence``; every other body keeps OpenAI's keys."""
+    """vLLM's ``stop_reason``, only when a stop string ended the choice (Messages: its
+    ``stop_sequence``)."""
     return {} if stop_str is None else {"stop_reason": stop_str}
 
 
