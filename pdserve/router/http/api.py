@@ -9,6 +9,7 @@ is supported and what is refused: docs/http-api.md.
 """
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import logging
@@ -60,7 +61,8 @@ from pdserve.router.streams import INTERNAL, RequestError
 logger = logging.getLogger(__name__)
 
 # -- serving ------------------------------------------------------------------------------
-def error_response(err: RequestError) -> JSONResponse:
+def error_response(err: RequestError, body=error_body) -> JSONResponse:
+    """``err`` logged and answered; ``body`` shapes it (OpenAI's, or Anthropic's)."""
     status = err.http_status
     if status >= 500:
         logger.error("request failed (%s): %s", err.code, err.message)
@@ -68,7 +70,7 @@ def error_response(err: RequestError) -> JSONResponse:
         logger.warning("request refused (%s): %s", err.code, err.message)
     # Overloaded, or no node to serve: worth trying again shortly (RFC 9110 Retry-After).
     headers = {"Retry-After": "1"} if status in (429, 503) else None
-    return JSONResponse(error_body(err), status_code=status, headers=headers)
+    return JSONResponse(body(err), status_code=status, headers=headers)
 
 
 def refuse(core, err: RequestError) -> JSONResponse:
@@ -291,7 +293,8 @@ def build_app(core, api_key: str | None = None) -> HotRoutes:
 
     add_token_routes(app, core, authorize, read_json, lambda e: refuse(core, e))
     responses = add_responses_routes(app, core, authorize, read_json, run, error_response)
-    messages = add_messages_routes(app, core, authorize, read_json, run)
+    messages = add_messages_routes(app, core, authorize, read_json, run,
+                                   functools.partial(error_response, body=anthropic_error))
 
     @app.get("/health")
     async def health() -> Response:

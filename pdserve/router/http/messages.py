@@ -125,20 +125,10 @@ async def stream_events(stream, head: dict):
     yield out + _event("message_stop", {})
 
 
-def failure(err: RequestError) -> JSONResponse:
-    """A refused or failed request in Anthropic's error shape, logged as api.py logs."""
-    status = err.http_status
-    if status >= 500:
-        logger.error("request failed (%s): %s", err.code, err.message)
-    else:
-        logger.warning("request refused (%s): %s", err.code, err.message)
-    headers = {"Retry-After": "1"} if status in (429, 503) else None
-    return JSONResponse(error_body(err), status_code=status, headers=headers)
-
-
-def add_messages_routes(app: FastAPI, core, authorize, read_json, run):
+def add_messages_routes(app: FastAPI, core, authorize, read_json, run, failure):
     """POST /v1/messages and /v1/messages/count_tokens on ``app``; returns the
-    /v1/messages handler (api.HotRoutes serves it directly). ``run`` is api.run."""
+    /v1/messages handler (api.HotRoutes serves it directly). ``run`` is api.run;
+    ``failure`` answers a RequestError in Anthropic's shape (api.error_response)."""
     def refuse(err: RequestError) -> Response:
         core.refused(err)
         return failure(err)
