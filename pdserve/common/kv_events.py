@@ -14,6 +14,11 @@ Hashes are pdserve's chained XXH3-64 block keys (``common/block_hash.py``). A no
 publishes ``AllBlocksCleared`` first, so a subscriber drops what an earlier process
 with the same endpoint told it. The socket belongs to the publisher's own thread; the
 node hands it events through a bounded queue and never waits on it.
+
+A batch is numbered when the node hands it over, not when it is sent: a batch the full
+queue drops leaves a hole in the numbers, which a subscriber sees (a gap: it asks the node
+for its whole index, protocol/index.py), and ``last_seq`` is what the node's compute loop
+has published, the number an index dump is taken at.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass, fields, replace
 
 import msgpack
+import msgspec
 import zmq
 
 from pdserve.common.block_hash import BlockRemoved, BlockStored
@@ -93,6 +99,44 @@ class KVEventsConfig:
         return replace(self, endpoint=endpoint, replay_endpoint=replay_endpoint)
 
 
+# What a subscriber decodes (router/kv_index.py): vLLM's own msgspec types, the same
+# tags and field order as encode_events writes.
+class _Event(msgspec.Struct, array_like=True, tag=True, gc=False):
+    pass
+
+
+class StoredEvent(_Event, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+
+
+class RemovedEvent(_Event, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class ClearedEvent(_Event, tag="AllBlocksCleared"):
+    pass
+
+
+class EventBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[StoredEvent | RemovedEvent | ClearedEvent]
+    data_parallel_rank: int | None = None
+
+
+_BATCH = msgspec.msgpack.Decoder(EventBatch)
+
+
+def decode_batch(payload) -> EventBatch:
+    """One published payload; msgspec.ValidationError/DecodeError when it is not one."""
+    return _BATCH.decode(payload)
+
+
 def encode_events(events: list, block_size: int, medium: str) -> list:
     """The allocator's events as vLLM event arrays; a chain of stored blocks (each the
     parent of the next) becomes one BlockStored, as vLLM sends them."""
@@ -128,6 +172,7 @@ class KVEventPublisher(threading.Thread):
         self._stopping = threading.Event()
         self._bound = threading.Event()
         self.num_dropped = 0
+        self.last_seq = -1   # the number of the last batch handed over (-1: none)
         self.failure: BaseException | None = None
         self.endpoint = config.endpoint            # the bound address once started
         self.replay_endpoint = config.replay_endpoint
@@ -146,8 +191,9 @@ class KVEventPublisher(threading.Thread):
             self._put(encode_events(allocator_events, self.block_size, self.medium))
 
     def _put(self, events: list) -> None:
+        self.last_seq += 1
         try:
-            self._queue.put_nowait((time.time(), events))
+            self._queue.put_nowait((self.last_seq, time.time(), events))
         except queue.Full:
             self.num_dropped += 1
             if self.num_dropped == 1 or self.num_dropped % 1000 == 0:
@@ -175,19 +221,17 @@ class KVEventPublisher(threading.Thread):
             return
         self._bound.set()
         topic = self.config.topic.encode()
-        seq = 0
         try:
             while not self._stopping.is_set():
                 if replay is not None and replay.poll(0):
                     self._serve_replay(replay, topic)
                 try:
-                    ts, events = self._queue.get(timeout=0.05)
+                    seq, ts, events = self._queue.get(timeout=0.05)
                 except queue.Empty:
                     continue
                 payload = msgpack.packb([ts, events, self.rank])
                 pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
                 self._buffer.append((seq, payload))
-                seq += 1
         except Exception:  # noqa: BLE001 - events are advisory: the node keeps serving
             log.exception("KV events publisher failed; no more events from this node")
         finally:

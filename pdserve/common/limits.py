@@ -18,6 +18,7 @@ MAX_LOGPROBS = 20       # alternatives per token (OpenAI's and vLLM's default li
 MAX_ID_CHARS = 1024     # request, node and segment ids, dtype and reason codes
 MAX_TEXT_CHARS = 65536  # free text: reasons, error messages, addresses
 MAX_ITEMS = 1 << 20     # entries of any list a message carries (tokens, requests, ...)
+MAX_INDEX_BLOCKS = 1 << 20  # block keys a router indexes per node (and an IndexDump carries)
 
 # ---------------------------------------------------------------- field types with limits
 Count = Annotated[int, Meta(ge=0, le=MAX_WIRE_INT - 1)]        # sizes, indices, pids

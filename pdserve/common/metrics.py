@@ -46,7 +46,6 @@ from prometheus_client import (
     Gauge,
     Histogram,
     ProcessCollector,
-    start_http_server,
 )
 from prometheus_client.core import GaugeMetricFamily
 
@@ -156,6 +155,14 @@ class RouterMetrics(_Metrics):
         self.errors = self._counter("pdserve_request_errors_total", "Requests that failed "
                                     "or were refused (the HTTP edge's 400/401/404/413 too), "
                                     "by error code.", "code")
+        self.index_degraded = Gauge(
+            "pdserve_prefix_index_degraded", "1 while this router's prefix index of a node "
+            "may lack blocks the node holds (its dump not in yet, or events lost and a dump "
+            "on its way); --policy cache_aware only.", [*self.labels, "node"],
+            registry=self.registry)
+        self.index_dumps = self._counter(
+            "pdserve_prefix_index_dumps_total", "Index dumps asked of nodes, by reason "
+            "(joined: a node registered; gap: its events were lost).", "reason")
         self.responses_stored = self._gauge("pdserve_responses_stored", "Responses held "
                                             "for previous_response_id and GET "
                                             "/v1/responses/{id} (--responses-store-*).")
@@ -171,6 +178,18 @@ class RouterMetrics(_Metrics):
         """Gauges read at scrape time: requests in flight, (role, state) of each node."""
         self.registry.register(_RouterGauges(self.labels["model_name"], requests_running,
                                              nodes))
+
+    def prefix_index_degraded(self, node: str, degraded: bool) -> None:
+        self.index_degraded.labels(**self.labels, node=node).set(1 if degraded else 0)
+
+    def prefix_index_node_gone(self, node: str) -> None:
+        try:
+            self.index_degraded.remove(*self.labels.values(), node)
+        except KeyError:
+            pass
+
+    def prefix_index_dump(self, reason: str) -> None:
+        self.index_dumps.labels(**self.labels, reason=reason).inc()
 
     # -- events, in a request's order ------------------------------------------------------------
     def submitted(self, req_id: str) -> None:
@@ -361,38 +380,3 @@ def node_metrics(role: str, model_name: str, node: str) -> NodeMetrics:
     metrics = cls(model_name, node)
     metrics.process = role
     return metrics
-
-
-class MetricsServer:
-    """/metrics on its own port, served from a daemon thread (nodes; the router when
-    ``--metrics-port`` differs from its HTTP port)."""
-
-    def __init__(self, registry: CollectorRegistry, host: str, port: int):
-        try:
-            self._server, self._thread = start_http_server(port, addr=host, registry=registry)
-        except OSError as exc:
-            raise ValueError(f"cannot serve /metrics on {host}:{port}: {exc}") from None
-        self.port = self._server.server_port
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
-
-
-def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> MetricsServer:
-    """Serves ``registry`` at http://host:port/metrics; ValueError if the port is taken."""
-    return MetricsServer(registry, host, port)
-
-
-def metrics_endpoint(registry: CollectorRegistry):
-    """A Starlette endpoint serving ``registry``, for the router's HTTP app. Async, so it
-    runs on the router's loop and reads the core's state from the thread that owns it."""
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-    from starlette.responses import Response
-
-    async def metrics(_request):
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
-    return metrics
-

@@ -114,6 +114,10 @@ class BlockAllocator:
         if self._events is not None:
             self._events.append(BlockStored(block_hash, parent_hash, tokens))
 
+    def cached_hashes(self) -> list[int]:
+        """The keys of every cached block, in the order they were stored."""
+        return list(self._cached)
+
     def record_events(self) -> None:
         """From now on, what the cache stores and evicts is kept for ``drain_events``."""
         if self.enable_caching and self._events is None:

@@ -26,13 +26,14 @@ from pdserve.common import errors as E
 from pdserve.common import heap_dump
 from pdserve.common import protocol as P
 from pdserve.common.gc_heap import freeze_startup_objects
-from pdserve.common.kv_events import KVEventPublisher
-from pdserve.common.metrics import node_metrics, start_metrics_server
+from pdserve.common.metrics import node_metrics
+from pdserve.common.metrics_http import start_metrics_server
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.security import InsecureWarnings, node_curves, node_exposures
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.types import EngineStats, Logprobs
+from pdserve.node import kv_index
 from pdserve.node.config import NodeConfig
 from pdserve.node.io import InboxItem, NodeIO
 from pdserve.node.kv import segment as shm
@@ -53,10 +54,11 @@ IDLE_WAIT_S = 0.05  # longest block on the inbox when idle: bounds lease-expiry 
 
 
 # The engine hands out plain data; what travels is the protocol's (the same fields).
-def wire_stats(s: EngineStats) -> P.NodeStats:
+def wire_stats(s: EngineStats, kv_events_seq: int = -1) -> P.NodeStats:
     return P.NodeStats(num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
                        num_running=s.num_running, num_waiting=s.num_waiting,
-                       queued_prompt_tokens=s.queued_prompt_tokens)
+                       queued_prompt_tokens=s.queued_prompt_tokens,
+                       kv_events_seq=kv_events_seq)
 
 
 def wire_logprobs(lp: Logprobs | None) -> P.Logprobs | None:
@@ -83,6 +85,7 @@ class Node:
                                  head_dim=lay.head_dim, dtype=lay.dtype,
                                  block_size=lay.block_size)
         self.metrics = node_metrics(self.role, self.identity.name, self.node_id)
+        self.kv_events = kv_index.make_publisher(config, self.engine, self.layout.block_size)
         hello = P.Hello(node_id=self.node_id, role=self.role,
                         protocol_version=P.PROTOCOL_VERSION, model=self.identity,
                         kv_layout=self.layout, capacity=self.stats(), pid=os.getpid(),
@@ -101,16 +104,6 @@ class Node:
         self.drain_deadline = 0.0
         self.jobs: dict = {}    # the role's requests by wire id
         self._parked: dict[str, Parked] = {}  # requests whose guide compiles meanwhile
-        self.kv_events = None
-        if config.kv_events is not None and config.kv_events.active:
-            if config.engine.enable_prefix_caching:
-                self.engine.allocator.record_events()
-                medium = "GPU" if str(config.engine.device).startswith("cuda") else "CPU"
-                self.kv_events = KVEventPublisher(config.kv_events, self.layout.block_size,
-                                                  medium)
-            else:
-                log.warning("KV-cache events need prefix caching, which is off: "
-                            "none will be published")
         if config.engine.compute == "none":
             log.warning("COMPUTE NONE: benchmark mode, the forward is skipped and every token "
                         "is %d; outputs are not the model's", self.engine.runner.fixed_token)
@@ -143,7 +136,10 @@ class Node:
         """Ends whatever waited past its deadline; called every turn of the loop."""
 
     def stats(self) -> P.NodeStats:
-        return wire_stats(self.engine.stats())
+        return wire_stats(self.engine.stats(), self.events_seq())
+
+    def events_seq(self) -> int:
+        return self.kv_events.last_seq if self.kv_events is not None else -1
 
     def request_params(self, req_id: str, prompt: list[int],
                        params: SamplingParams) -> SamplingParams:
@@ -257,14 +253,11 @@ class Node:
         metrics_server = start_metrics_server(self.metrics.registry, self.config.metrics_host,
                                               self.config.metrics_port) \
             if self.config.metrics_port else None
-        self.io.start()
-        membership = Membership(self) if self.config.discovery else None
+        membership = None
         try:
-            if self.kv_events is not None:
-                self.kv_events.start_and_wait()
-                log.info("KV-cache events on %s%s", self.kv_events.endpoint,
-                         f", replay on {self.kv_events.replay_endpoint}"
-                         if self.kv_events.replay_endpoint else "")
+            kv_index.start_publisher(self)  # its address is in the Hello the I/O thread says
+            self.io.start()
+            membership = Membership(self) if self.config.discovery else None
             if not self._wait_welcome():
                 return 1
             if membership is not None:
@@ -299,7 +292,8 @@ class Node:
             if self.kv_events is not None:
                 self.kv_events.stop()
             self.io.stop()
-            self.io.join(timeout=5)
+            if self.io.ident is not None:  # (not started when the publisher could not bind)
+                self.io.join(timeout=5)
             self.release()
             if metrics_server is not None:
                 metrics_server.close()
@@ -389,7 +383,10 @@ class Node:
             try:
                 # (A restarted router's work comes back as an Abort from the I/O thread:
                 # that router's requests end, other routers' go on.)
-                self.handle(item)
+                if isinstance(item.msg, P.IndexDumpRequest):
+                    kv_index.answer_dump(self, item.peer, item.msg)
+                else:
+                    self.handle(item)
             except Exception:  # one bad message must not stop the node: its requests fail
                 self.metrics.internal_error(
                     f"{self.role}.handle.{type(item.msg).__name__}", log)

@@ -49,7 +49,9 @@ class NodeConfig:
     kv_events: KVEventsConfig | None = flag(
         None, "Publish KV-cache events in vLLM's format, with vLLM's keys, e.g. "
         "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5560\"}' "
-        "(docs/protocol.md).", name="--kv-events-config", kind="json", default_text="off")
+        "(docs/protocol.md); cache_aware routers build their prefix index from them.",
+        name="--kv-events-config", kind="json",
+        default_text="on with prefix caching, on a free 127.0.0.1 port")
     guide_timeout_s: float = flag(10.0, "Seconds a structured-output guide may take to "
                                   "compile (off the compute loop); past it its request "
                                   "fails.", name="--guide-timeout", min=0, min_open=True)

@@ -62,7 +62,8 @@ MAX_KV_OUT = 256          # KV sockets open at once; past it, the least recently
 KV_PEER_MSGS_PER_S, KV_PEER_BURST = 20_000.0, 40_000.0
 KV_STRANGER_MSGS_PER_S, KV_STRANGER_BURST = 200.0, 400.0
 # What each channel may carry to a node; anything else is answered with an Error.
-CONTROL_IN = (P.Welcome, P.Heartbeat, P.PrefillBatch, P.Reserve, P.Abort, P.Drain, P.Error)
+CONTROL_IN = (P.Welcome, P.Heartbeat, P.PrefillBatch, P.Reserve, P.Abort, P.Drain, P.Error,
+              P.IndexDumpRequest)
 KV_IN_TYPES = (P.KVChunk,)
 KV_OUT_TYPES = (P.KVAck, P.Error)
 
@@ -110,8 +111,10 @@ class NodeIO(threading.Thread):
         self._stopping = threading.Event()
 
     # -- called from the compute thread ------------------------------------------------
-    def send_control(self, msg: P.Message) -> None:
-        self._put(CONTROL, None, msg)
+    def send_control(self, msg: P.Message, to: str | None = None) -> None:
+        """To the routers the message concerns (routers.py), or only to the router ``to``
+        (its control endpoint)."""
+        self._put(CONTROL, to, msg)
 
     def send_kv_reply(self, peer: bytes, msg: P.Message) -> None:
         self._put(KV_IN, peer, msg)
@@ -345,7 +348,9 @@ class NodeIO(threading.Thread):
                 return
             try:
                 if channel == CONTROL:
-                    for link, part in self.links.route(msg):
+                    routes = self.links.route(msg) if peer is None else \
+                        [(link, msg) for link in [self.links.links.get(peer)] if link is not None]
+                    for link, part in routes:
                         send_message(link.sock, part, flags=zmq.NOBLOCK)
                 elif channel == KV_IN:
                     send_routed(kv_in, peer, msg)

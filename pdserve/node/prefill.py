@@ -154,7 +154,7 @@ class PrefillNode(Node):
         sched = self.engine.scheduler
         queued = sum(s.num_tokens - s.num_computed_tokens
                      for s in (*sched.waiting, *sched.running))
-        return wire_stats(self.engine.stats(queued_prompt_tokens=queued))
+        return wire_stats(self.engine.stats(queued_prompt_tokens=queued), self.events_seq())
 
     def step(self) -> None:
         outputs = self.engine.step(on_batch=self._scheduled, on_layer_group=self._ship_group)

@@ -81,6 +81,9 @@ class Control:
         self._keys: dict[str, str] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._sock = None
+        # cache_aware's index feed (kv_index.py), which takes the nodes' index dumps and
+        # the event numbers their heartbeats carry; None with any other policy.
+        self.index_feed = None
 
     def open(self) -> None:
         self._ctx = zmq.asyncio.Context()
@@ -246,7 +249,15 @@ class Control:
         elif isinstance(msg, P.Bye):
             self.apply(self.dispatch.node_gone(self.registry.remove(node_id),
                                                f"node {node_id} left: {msg.reason}", now))
-        elif not isinstance(msg, P.Heartbeat):  # (a heartbeat only says: alive)
+        elif isinstance(msg, P.Heartbeat):  # alive (its stats are the registry's now)
+            if self.index_feed is not None and msg.stats is not None:
+                self.index_feed.heartbeat(node_id, msg.stats)
+        elif isinstance(msg, P.IndexDump):
+            if self.index_feed is not None:
+                self.index_feed.dump(node_id, msg)
+            else:
+                self._refuse(node_id, "IndexDump", "-", "this router keeps no prefix index")
+        else:
             self.apply(self.dispatch.node_message(node_id, msg, now))
 
     def _hello(self, peer: bytes, user: str, msg: P.Hello, now: float) -> None:

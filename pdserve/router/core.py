@@ -8,6 +8,7 @@ state machine (dispatch/) and the control socket (control.py).
     async for event in stream: ...       # StreamEvent; the last one is terminal
     stream.cancel()                      # the client went away: abort on the nodes
     core.health()                        # (ok, reason): loops alive, nodes enough
+    core.ready()                         # (ok, reason): health, and the prefix index in
 
 Everything runs on one asyncio loop (the core is not thread-safe). A request's states,
 failover and the rules for node messages are dispatch's. The way is one way: the core
@@ -32,8 +33,10 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.control import Control
 from pdserve.router.dispatch.dispatch import Dispatch
 from pdserve.router.dispatch.node_messages import CONTROL_IN  # noqa: F401 (part of this API)
+from pdserve.router.dispatch.policies import CacheAware
 from pdserve.router.dispatch.registry import Registry
 from pdserve.router.guide_check import GuideChecker
+from pdserve.router.kv_index import KVIndexFeed
 from pdserve.router.limits import PromptBound, check_request
 from pdserve.router.tokenizing import TokenizerPool
 from pdserve.sim.profile import load_profile, scaled_head_dim, sim_identity
@@ -81,6 +84,11 @@ class RouterCore:
         self.streams: dict[str, S.RequestStream] = {}   # by the client's request id
         self.control = Control(config, self.registry, self.dispatch, self.metrics,
                                self.streams)
+        self.index_feed = None   # cache_aware: its index comes from the nodes' KV events
+        if isinstance(self.policy, CacheAware):
+            self.index_feed = KVIndexFeed(self.policy.index, self.registry, self.control,
+                                          self.metrics)
+            self.control.index_feed = self.index_feed
         self.metrics.watch(lambda: len(self.dispatch.requests), lambda: [
             (n.role, n.state) for n in list(self.registry.nodes.values())])
         self.tokenizing = TokenizerPool(config.tokenizer_threads, config.max_tokenizing)
@@ -151,11 +159,24 @@ class RouterCore:
                            f"{time.monotonic() - self.control.last_tick:.1f} s")
         return self.registry.health()
 
+    def ready(self) -> tuple[bool, str]:
+        """Whether a load balancer should send this router requests (/health): healthy,
+        and with cache_aware its prefix index holds every node's dump (or the node missed
+        its deadline: prefix_index.py). Requests that come anyway are served (submit asks
+        ``health``): an index still filling only costs cache hits."""
+        ok, reason = self.health()
+        if not ok or self.index_feed is None:
+            return ok, reason
+        ready, why = self.index_feed.readiness()
+        return ready, f"{reason}; {why}" if why else reason
+
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
         self.control.open()
         self._tasks = [asyncio.create_task(self.control.receive_loop(), name="receive"),
                        asyncio.create_task(self.control.tick_loop(), name="tick")]
+        if self.index_feed is not None:
+            self._tasks.append(asyncio.create_task(self.index_feed.run(), name="kv-events"))
         log.info("router control socket on %s, model %s", self.config.control, self.model_name)
 
     async def stop(self) -> None:
@@ -166,3 +187,5 @@ class RouterCore:
         self.guides.close()
         self.control.apply(self.dispatch.fail_all(S.NO_NODES, "the router is shutting down"))
         self.control.close()
+        if self.index_feed is not None:
+            self.index_feed.close()

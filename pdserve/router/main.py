@@ -16,7 +16,7 @@ import uvloop
 
 from pdserve.common import heap_dump
 from pdserve.common.gc_heap import freeze_startup_objects
-from pdserve.common.metrics import start_metrics_server
+from pdserve.common.metrics_http import start_metrics_server
 from pdserve.common.security import (
     INGRESS_DOMAIN,
     InsecureWarnings,

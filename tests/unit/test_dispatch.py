@@ -7,10 +7,13 @@ test moves on.
 """
 from __future__ import annotations
 
+import msgpack
 import pytest
 
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
+from pdserve.common.block_hash import block_hashes
+from pdserve.common.kv_events import decode_batch
 from pdserve.common.metrics import RouterMetrics
 from pdserve.common.sampling import SamplingParams
 from pdserve.router import streams as S
@@ -35,7 +38,7 @@ def hello(role: str, node_id: str, pid: int = 1) -> P.Hello:
                    model=MODEL, kv_layout=P.KVLayout(num_layers=2, num_kv_heads=2,
                                                      head_dim=16, dtype="float32",
                                                      block_size=BLOCK),
-                   capacity=stats, pid=pid,
+                   capacity=stats, pid=pid, kv_events="tcp://127.0.0.1:6999",
                    kv_address=f"tcp://127.0.0.1:{7000 + len(node_id)}"
                    if role == "decode" else None)
 
@@ -681,9 +684,12 @@ def test_a_draining_node_keeps_its_requests_and_gets_no_new_ones():
     assert rig.tokens[rid] == [11, 12, 13] and rig.end[rid].finish_reason == "length"
 
 
-def test_cache_aware_sends_a_shared_prefix_back_to_the_same_nodes():
+def test_cache_aware_sends_a_shared_prefix_back_to_the_nodes_that_said_they_hold_it():
     rig = Rig(("prefill", "p0"), ("prefill", "p1"), ("decode", "d0"), ("decode", "d1"),
               policy="cache_aware")
+    index = rig.d.policy.index
+    for node_id, _ in index.due(rig.now):   # every node's dump: empty caches
+        assert index.dump(node_id, 0, [], rig.now)
     shared = list(range(100, 100 + 4 * BLOCK))
     placed = []
     for tail in ([1, 2], [3], [4, 5, 6]):
@@ -692,6 +698,11 @@ def test_cache_aware_sends_a_shared_prefix_back_to_the_same_nodes():
         flight = rig.d.requests[rid]
         placed.append((reserve.prefill_node_id, flight.decode_node))
         rig.grant(flight.decode_node, rid)
+        if len(placed) == 1:  # the two nodes say they stored the prefix (their KV events)
+            batch = msgpack.packb([0.0, [["BlockStored", block_hashes(shared, BLOCK), None,
+                                          shared, BLOCK, None, "CPU"]], 0])
+            for node_id in placed[0]:
+                index.batch(node_id, 1, decode_batch(batch))
     assert len(set(placed)) == 1, placed
 
 

@@ -214,13 +214,39 @@ def make_registry(*roles_ids):
         hello = P.Hello(node_id=node_id, role=role, protocol_version=P.PROTOCOL_VERSION,
                         model=model, kv_layout=P.KVLayout(num_layers=2, num_kv_heads=2, head_dim=16,
                                                   dtype="float32", block_size=16),
-                        capacity=stats, pid=1,
+                        capacity=stats, pid=1, kv_events="tcp://127.0.0.1:2",
                         kv_address="tcp://127.0.0.1:1" if role == "decode" else None)
         assert reg.admit(hello, now=0.0)[0]
     return reg
 
 
-def test_cache_aware_follows_the_prefix_until_the_load_gap_is_too_wide():
+def published(*events, seq_ts=0.0):
+    """What a subscriber decodes of a batch the node published: the node's own encoder
+    (common/kv_events.py), msgpack, then the router's decoder."""
+    import msgpack
+
+    from pdserve.common.kv_events import decode_batch, encode_events
+
+    return decode_batch(msgpack.packb([seq_ts, encode_events(list(events), 16, "CPU"), 0]))
+
+
+def stored(tokens, parent=None):
+    """The allocator's BlockStored events of ``tokens``' full blocks (block size 16)."""
+    hashes, out = block_hashes(tokens, 16), []
+    for i, h in enumerate(hashes):
+        block = tuple(tokens[16 * i:16 * i + 16])
+        out.append(BlockStored(h, hashes[i - 1] if i else parent, block))
+    return out
+
+
+def synced(index, *node_ids, now=0.0):
+    """Every node asked for its dump and answered it empty, as of batch 0."""
+    assert {n for n, _ in index.due(now)} >= set(node_ids)
+    for node_id in node_ids:
+        assert index.dump(node_id, 0, [], now)
+
+
+def test_cache_aware_follows_the_prefix_the_nodes_say_they_hold():
     from pdserve.router.dispatch.placement import Placement
     from pdserve.router.dispatch.policies import CacheAware
 
@@ -228,21 +254,28 @@ def test_cache_aware_follows_the_prefix_until_the_load_gap_is_too_wide():
     placement = Placement()
     policy = CacheAware(reg, placement)
     p0, p1 = reg.nodes["p0"], reg.nodes["p1"]
+    synced(policy.index, "p0", "p1")
     shared = list(range(100, 164))                      # 4 blocks
+    # What this router sent counts for nothing: only what a node says it stored.
     first = policy.pick("prefill", [p0, p1], shared + [1, 2])
     placement.queue(first.node_id, 66)
     other = p1 if first is p0 else p0
-    # Same prefix: the node that has it, although it is busier.
+    assert policy.pick("prefill", [p0, p1], shared + [3]) is other
+    # The busier node said it stored the prefix (another router's request, say): it wins.
+    policy.index.batch(first.node_id, 1, published(*stored(shared)))
+    assert policy.num_indexed_blocks(first.node_id) == 4
     assert policy.pick("prefill", [p0, p1], shared + [3, 4, 5]) is first
     # A new prefix goes to the least loaded.
     assert policy.pick("prefill", [p0, p1], list(range(500, 540))) is other
     # Too busy: past the slack, the least loaded wins even with the prefix elsewhere.
     placement.queue(first.node_id, CacheAware.PREFILL_SLACK_TOKENS + 1)
     assert policy.pick("prefill", [p0, p1], shared + [6]) is other
-    # Bounded by the node's cache size.
-    for i in range(20):
-        policy.pick("prefill", [other], list(range(1000 + 64 * i, 1064 + 64 * i)))
-    assert policy.num_indexed_blocks(other.node_id) == 64
+    # Evicted from its tail: only the head still matches.
+    placement.queue(first.node_id, -CacheAware.PREFILL_SLACK_TOKENS - 1)
+    hashes = block_hashes(shared, 16)
+    policy.index.batch(first.node_id, 2, published(BlockRemoved(hashes[3]),
+                                                   BlockRemoved(hashes[2])))
+    assert policy.index.match(first.node_id, hashes) == 2
 
 
 def test_cache_aware_forgets_departed_and_restarted_nodes():
@@ -251,18 +284,62 @@ def test_cache_aware_forgets_departed_and_restarted_nodes():
     reg = make_registry(("prefill", "p0"), ("prefill", "p1"))
     policy = CacheAware(reg)
     prompt = list(range(100, 164))
-    chosen = policy.pick("prefill", list(reg.nodes.values()), prompt)
-    assert policy.num_indexed_blocks(chosen.node_id) == 4
-    reg.remove(chosen.node_id)
-    policy.pick("prefill", list(reg.nodes.values()), [1])
-    assert policy.num_indexed_blocks(chosen.node_id) == 0
-    # Back as a new process (a new Hello): its cache is empty, so is its index.
-    survivor = next(iter(reg.nodes.values()))
-    policy.pick("prefill", [survivor], prompt)
-    assert policy.num_indexed_blocks(survivor.node_id) == 4
-    assert reg.admit(msgspec.structs.replace(survivor.hello, pid=2), now=0.0)[0]
-    policy.pick("prefill", list(reg.nodes.values()), [1])
-    assert policy.num_indexed_blocks(survivor.node_id) == 0
+    hashes = block_hashes(prompt, 16)
+    synced(policy.index, "p0", "p1")
+    policy.index.batch("p0", 1, published(*stored(prompt)))
+    assert policy.pick("prefill", list(reg.nodes.values()), prompt).node_id == "p0"
+    reg.remove("p0")
+    assert policy.num_indexed_blocks("p0") == 0
+    # Back as a new process (a new Hello): nothing is known of it until its dump.
+    policy.index.batch("p1", 1, published(*stored(prompt)))
+    assert policy.num_indexed_blocks("p1") == 4
+    assert reg.admit(msgspec.structs.replace(reg.nodes["p1"].hello, pid=2), now=0.0)[0]
+    assert policy.num_indexed_blocks("p1") == 0
+    assert policy.index.pending(1.0) == ["p1"]
+    assert policy.index.due(1.0) == [("p1", "joined")]
+    assert policy.index.dump("p1", 7, hashes[:2], 1.0)
+    assert policy.index.match("p1", hashes) == 2 and policy.index.pending(1.0) == []
+
+
+def test_prefix_index_gaps_ask_for_a_dump_and_what_came_meanwhile_is_kept():
+    from pdserve.router.dispatch import prefix_index as X
+
+    index = X.PrefixIndex(deadline_s=10.0)
+    index.add("p0", events=True)
+    index.add("quiet", events=False)   # publishes nothing: never asked, never pending
+    a, b, c = (list(range(k * 100, k * 100 + 16)) for k in (1, 2, 3))
+    ha, hb, hc = (block_hashes(t, 16)[0] for t in (a, b, c))
+    # Joined: pending, asked once; batches before the dump are kept, not applied.
+    assert index.pending(0.0) == ["p0"] and index.due(0.0) == [("p0", "joined")]
+    assert index.due(1.0) == []                              # asked; not again so soon
+    index.batch("p0", 5, published(*stored(b)))
+    index.batch("p0", 6, published(*stored(c)))
+    assert index.match("p0", [hb]) == 0 and index.degraded("p0")
+    # The dump as of batch 5 (a and b); 6 goes on top of it, 5 is in the dump already.
+    assert index.dump("p0", 5, [ha, hb], 1.0)
+    assert [index.match("p0", [h]) for h in (ha, hb, hc)] == [1, 1, 1]
+    assert not index.degraded("p0") and index.pending(1.0) == []
+    assert not index.dump("p0", 6, [], 1.0)                  # nobody asked for that one
+    # A skipped number: a gap; the next dump waits out the backoff after the last one.
+    index.batch("p0", 8, published(BlockRemoved(ha)))
+    assert index.degraded("p0") and index.match("p0", [ha]) == 1   # 8 waits for the dump
+    assert index.due(1.1) == []
+    assert index.due(1.0 + X.MIN_DUMP_INTERVAL_S) == [("p0", "gap")]
+    assert index.dump("p0", 7, [ha, hb, hc], 2.0)
+    assert index.match("p0", [ha]) == 0 and not index.degraded("p0")   # 8 applied on 7
+    # Lost at the tail: the heartbeat said 9 was published; a heartbeat later, still not
+    # here.
+    index.heartbeat("p0", 9)
+    assert not index.degraded("p0")
+    index.heartbeat("p0", 9)
+    assert index.degraded("p0") and index.nodes["p0"].want == "gap"
+    assert index.num_dumps == {"joined": 1, "gap": 1}
+    # A dump that never comes is asked again, and the deadline ends the wait.
+    index.remove("p0")
+    index.add("p1", events=True)
+    assert index.due(20.0) == [("p1", "joined")] and index.pending(20.0) == ["p1"]
+    assert index.due(20.0 + X.DUMP_RETRY_S) == [("p1", "joined")]
+    assert index.pending(30.0) == [] and index.degraded("p1")
 
 
 # -- failover with shared blocks ------------------------------------------------------------

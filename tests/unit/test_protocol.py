@@ -82,6 +82,8 @@ SAMPLES = [
     P.Error(req_id="r0", code=E.TIMEOUT, message="deadline passed"),
     P.Drain(reason="shutdown"),
     P.Bye(node_id="p0", reason="shutdown"),
+    P.IndexDumpRequest(reason="joined"),
+    P.IndexDump(seq=41, block_hashes=[0, 2**64 - 1, 12345]),
 ]
 
 

@@ -5,7 +5,8 @@ tag, its limits and the protocol version live in this package and nowhere else:
 base.py (version, dtypes, the message registry, ProtocolError and Error; the limits
 and the field types that carry them are common/limits.py's, the sampling type is
 common/sampling.py's), messages.py (the control plane), kv.py (the KV plane),
-queue.py (the queue ingress, a public contract of its own: maps, no version).
+index.py (the prefix-index dump), queue.py (the queue ingress, a public contract of its
+own: maps, no version).
 Every type is a ``msgspec.Struct``; the only logic is cross-field validation.
 codec.py turns messages into frames and back. docs/protocol.md is the prose
 version. Import it as one module: ``from pdserve.common import protocol as P``.
@@ -43,6 +44,10 @@ from pdserve.common.protocol.base import (  # noqa: F401 (this package's API)
     Nested,
     NestedMap,
     ProtocolError,
+)
+from pdserve.common.protocol.index import (  # noqa: F401 (this package's API)
+    IndexDump,
+    IndexDumpRequest,
 )
 from pdserve.common.protocol.kv import (  # noqa: F401 (this package's API)
     KVAck,

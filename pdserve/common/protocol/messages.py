@@ -46,6 +46,9 @@ class NodeStats(Nested, kw_only=True):
     num_running: Count
     num_waiting: Count
     queued_prompt_tokens: Count
+    # The number of the last KV-event batch the node published (-1: none, or no events):
+    # a router whose index is behind it for a heartbeat lost some (a gap at the tail).
+    kv_events_seq: Int64 = -1
 
 
 class Logprobs(Nested, kw_only=True):
@@ -113,6 +116,9 @@ class Hello(Message, tag="hello", kw_only=True):
     incarnation: Id = ""
     # Boot id + /dev/shm identity ("" unknown): nodes with equal ids share memory.
     host_id: Annotated[str, Meta(max_length=MAX_HOST_ID)] = ""
+    # Where the node publishes its KV-cache events (vLLM's format, common/kv_events.py);
+    # None: it publishes none (prefix caching off, or turned off).
+    kv_events: Optional[Text] = None
 
     def _validate(self) -> None:
         if self.role not in ROLES:

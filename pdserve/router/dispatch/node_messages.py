@@ -32,7 +32,7 @@ from pdserve.router.dispatch.registry import Registry
 log = logging.getLogger(__name__)
 
 CONTROL_IN = (P.Hello, P.Heartbeat, P.FirstTokens, P.ReserveReply, P.TokenBatch, P.Error,
-              P.Drain, P.Bye)
+              P.Drain, P.Bye, P.IndexDump)
 # Node errors another attempt can fix (a lost or corrupted transfer, a node gone quiet).
 RETRYABLE = (E.LEASE_EXPIRED, E.TIMEOUT, E.CHECKSUM_MISMATCH, E.NO_CAPACITY, E.UNREACHABLE)
 MAX_EARLY_TOKENS = 256     # decode-node tokens held while the first token is on its way

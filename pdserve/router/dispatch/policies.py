@@ -1,17 +1,16 @@
 """Which node gets a request. Pure functions of the live nodes and the dispatch's
-placement (placement.py: its own counts per node); ``cache_aware`` also keeps an index of
-what the router itself sent where, its own state, dropped when the registry says a node
-was removed."""
+placement (placement.py: its own counts per node); ``cache_aware`` also reads a prefix
+index of every node's cache, built from the nodes' own KV events (prefix_index.py), its
+own state, made when the registry says a node registered and dropped when it says the
+node was removed."""
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
 
 from pdserve.common.block_hash import block_hashes
 from pdserve.router.dispatch.placement import Placement
-from pdserve.router.dispatch.registry import REMOVED, NodeInfo, Registry
-
-MAX_INDEX_BLOCKS = 1 << 20  # per node, whatever its cache claims: bounds the router's memory
+from pdserve.router.dispatch.prefix_index import PrefixIndex
+from pdserve.router.dispatch.registry import REGISTERED, REMOVED, NodeInfo, Registry
 
 
 class RoundRobin:
@@ -36,64 +35,41 @@ class CacheAware:
     the least loaded node's by more than a threshold (then the least loaded): SGLang's
     cache-aware policy, on the engine's own block keys.
 
-    The index is the router's picture of each node's prefix cache, built from what it
-    routed there: every block key of every prompt it sent, in least-recently-used order,
-    bounded by the node's cache size (a node evicts in the same order). It is forgotten
-    when the node leaves or comes back as a new process."""
+    The index is the router's picture of each node's prefix cache, built from what the
+    node says it stored and evicted (its KV events, and its dump when they cannot say
+    everything), not from what this router sent: every router on the same nodes sees
+    what the others' requests cached. It is forgotten when the node leaves or comes back
+    as a new process (a new registration)."""
 
     PREFILL_SLACK_TOKENS = 2048   # one step's default token budget
     DECODE_SLACK_REQUESTS = 16
 
     def __init__(self, registry: Registry, placement: Placement | None = None):
         self.load = (placement or Placement()).load
-        self._index: dict[str, tuple[object, OrderedDict]] = {}
+        self.index = PrefixIndex()
         registry.subscribe(self._membership)
+        for node in registry.nodes.values():   # (registered before this policy was made)
+            self._membership(REGISTERED, node)
 
     def _membership(self, event: str, node: NodeInfo) -> None:
-        if event == REMOVED:
-            self._index.pop(node.node_id, None)
+        if event == REGISTERED:
+            self.index.add(node.node_id, events=node.hello.kv_events is not None)
+        elif event == REMOVED:
+            self.index.remove(node.node_id)
 
     def pick(self, role: str, nodes: list[NodeInfo], tokens: list[int]) -> NodeInfo:
         load = self.load
         hashes = block_hashes(tokens, nodes[0].hello.kv_layout.block_size)
-        hits = {n.node_id: self._match(n, hashes) for n in nodes}
+        hits = {n.node_id: self.index.match(n.node_id, hashes) for n in nodes}
         least = min(nodes, key=lambda n: load(role, n))
         best = max(nodes, key=lambda n: (hits[n.node_id], [-x for x in load(role, n)[:2]]))
         slack = self.PREFILL_SLACK_TOKENS if role == "prefill" else self.DECODE_SLACK_REQUESTS
         chosen = best if hits[best.node_id] and \
             load(role, best)[0] - load(role, least)[0] <= slack else least
-        self._remember(chosen, hashes)
         return chosen
 
     def num_indexed_blocks(self, node_id: str) -> int:
-        entry = self._index.get(node_id)
-        return len(entry[1]) if entry else 0
-
-    def _blocks(self, node: NodeInfo) -> OrderedDict:
-        entry = self._index.get(node.node_id)
-        process = (node.hello.pid, node.hello.kv_address)
-        if entry is None or entry[0] != process:  # new, or a new process: an empty cache
-            entry = (process, OrderedDict())
-            self._index[node.node_id] = entry
-        return entry[1]
-
-    def _match(self, node: NodeInfo, hashes: list[int]) -> int:
-        blocks = self._blocks(node)
-        n = 0
-        for h in hashes:
-            if h not in blocks:
-                break
-            n += 1
-        return n
-
-    def _remember(self, node: NodeInfo, hashes: list[int]) -> None:
-        blocks = self._blocks(node)
-        for h in hashes:
-            blocks[h] = None
-            blocks.move_to_end(h)
-        cap = min(MAX_INDEX_BLOCKS, max(1, node.stats.num_total_blocks))
-        while len(blocks) > cap:
-            blocks.popitem(last=False)
+        return self.index.num_blocks(node_id)
 
 
 POLICIES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "cache_aware": CacheAware}

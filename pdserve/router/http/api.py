@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from pdserve.common.errors import REQUEST_TOO_LARGE, UNAUTHORIZED
-from pdserve.common.metrics import metrics_endpoint
+from pdserve.common.metrics_http import metrics_endpoint
 from pdserve.router.http.answers import Answer, ChunkStream, ClientGone, collect, ended_early
 from pdserve.router.http.choices import TokenTexts, prompts, submit_choices
 from pdserve.router.http.messages import add_messages_routes
@@ -298,11 +298,11 @@ def build_app(core, api_key: str | None = None) -> HotRoutes:
 
     @app.get("/health")
     async def health() -> Response:
-        ok, reason = core.health()
+        ok, reason = core.ready()
         # Turns of the router's loops: a monitor (or test) sees them move.
         loops = dict(getattr(core, "loop_ticks", {}))
-        if ok:
-            return JSONResponse({"status": "ok", "loops": loops})
+        if ok:  # (the reason says what serves, and whether the prefix index is degraded)
+            return JSONResponse({"status": "ok", "reason": reason, "loops": loops})
         return JSONResponse({"status": "unavailable", "reason": reason, "loops": loops},
                             status_code=503)
 
