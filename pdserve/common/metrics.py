@@ -160,6 +160,10 @@ class RouterMetrics(_Metrics):
             "may lack blocks the node holds (its dump not in yet, or events lost and a dump "
             "on its way); --policy cache_aware only.", [*self.labels, "node"],
             registry=self.registry)
+        self.index_blocks = Gauge(
+            "pdserve_prefix_index_blocks", "Block keys this router's prefix index holds for "
+            "a node (from its KV events and dumps); --policy cache_aware only.",
+            [*self.labels, "node"], registry=self.registry)
         self.index_dumps = self._counter(
             "pdserve_prefix_index_dumps_total", "Index dumps asked of nodes, by reason "
             "(joined: a node registered; gap: its events were lost).", "reason")
@@ -179,14 +183,16 @@ class RouterMetrics(_Metrics):
         self.registry.register(_RouterGauges(self.labels["model_name"], requests_running,
                                              nodes))
 
-    def prefix_index_degraded(self, node: str, degraded: bool) -> None:
+    def prefix_index(self, node: str, degraded: bool, num_blocks: int) -> None:
         self.index_degraded.labels(**self.labels, node=node).set(1 if degraded else 0)
+        self.index_blocks.labels(**self.labels, node=node).set(num_blocks)
 
     def prefix_index_node_gone(self, node: str) -> None:
-        try:
-            self.index_degraded.remove(*self.labels.values(), node)
-        except KeyError:
-            pass
+        for gauge in (self.index_degraded, self.index_blocks):
+            try:
+                gauge.remove(*self.labels.values(), node)
+            except KeyError:
+                pass
 
     def prefix_index_dump(self, reason: str) -> None:
         self.index_dumps.labels(**self.labels, reason=reason).inc()

@@ -79,8 +79,8 @@ class KVIndexFeed:
             log.info("prefix index of node %s: dump of %d blocks as of event batch %d%s",
                      node_id, len(msg.block_hashes), msg.seq,
                      " (truncated by the node)" if msg.truncated else "")
-        elif self._bad_log(("unasked", node_id)) is not None:
-            log.warning("an index dump from node %s that was not asked for: ignored", node_id)
+        elif self._bad_log(("unasked", node_id)) is not None:  # (or asked twice: a retry)
+            log.info("an index dump from node %s that was not asked for: ignored", node_id)
 
     def heartbeat(self, node_id: str, stats: P.NodeStats) -> None:
         self.index.heartbeat(node_id, stats.kv_events_seq)
@@ -154,7 +154,8 @@ class KVIndexFeed:
         if sends:
             self.control.apply(Output(sends=sends))
         for node_id in self.index.nodes:
-            self.metrics.prefix_index_degraded(node_id, self.index.degraded(node_id))
+            self.metrics.prefix_index(node_id, self.index.degraded(node_id),
+                                      self.index.num_blocks(node_id))
 
     def close(self) -> None:
         for sock in self._subs.values():

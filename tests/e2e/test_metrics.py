@@ -46,7 +46,8 @@ PREFILL = {**NODE, "pdserve_prefill_batch_size": "histogram",
 DECODE = {**NODE, "pdserve_decode_step_seconds": "histogram",
           "pdserve_decode_batch_size": "histogram"}
 # Label keys each process may use besides model_name (le: histogram buckets).
-EXTRA_LABELS = {"router": {"finish_reason", "code", "role", "state", "le", "process", "where"},
+EXTRA_LABELS = {"router": {"finish_reason", "code", "role", "state", "le", "process", "where",
+                           "node", "reason"},  # (node, reason: the prefix index's, cache_aware)
                 "prefill-0": {"node", "le", "process", "where", "path"},
                 "decode-0": {"node", "le", "process", "where"}}
 
