@@ -25,7 +25,13 @@ from pdserve.common.logs import LogThrottle
 from pdserve.common.sockets import make_socket
 from pdserve.router.dispatch.flight import Output
 from pdserve.router.dispatch.prefix_index import PrefixIndex
-from pdserve.router.dispatch.registry import REGISTERED, REMOVED, NodeInfo, Registry
+from pdserve.router.dispatch.registry import (
+    REGISTERED,
+    REMOVED,
+    NodeInfo,
+    Registry,
+    kv_address_problem,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +62,11 @@ class KVIndexFeed:
                 log.warning("node %s publishes no KV events (prefix caching off, or "
                             "--kv-events-config turned them off): cache_aware cannot see "
                             "its cache", node.node_id)
+                return
+            problem = kv_address_problem(address)  # (a node's word: checked as its KV address)
+            if problem is not None:
+                log.warning("node %s's KV-event address is not used (%s); its index comes "
+                            "from dumps only", node.node_id, problem.replace("kv_address", ""))
                 return
             try:
                 sub = make_socket(self._ctx, zmq.SUB, connect=address, rcvhwm=SUB_RCVHWM,
