@@ -90,6 +90,9 @@ class KVIndexFeed:
             log.info("prefix index of node %s: dump of %d blocks as of event batch %d%s",
                      node_id, len(msg.block_hashes), msg.seq,
                      " (truncated by the node)" if msg.truncated else "")
+            # Now, not at the next _ask: the dump may be what makes /health ready, and a
+            # scrape that follows a 200 must see the index it says is in.
+            self._set_metric(node_id)
         elif self._bad_log(("unasked", node_id)) is not None:  # (or asked twice: a retry)
             log.info("an index dump from node %s that was not asked for: ignored", node_id)
 
@@ -165,8 +168,11 @@ class KVIndexFeed:
         if sends:
             self.control.apply(Output(sends=sends))
         for node_id in self.index.nodes:
-            self.metrics.prefix_index(node_id, self.index.degraded(node_id),
-                                      self.index.num_blocks(node_id))
+            self._set_metric(node_id)
+
+    def _set_metric(self, node_id: str) -> None:
+        self.metrics.prefix_index(node_id, self.index.degraded(node_id),
+                                  self.index.num_blocks(node_id))
 
     def close(self) -> None:
         for sock in self._subs.values():
