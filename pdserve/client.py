@@ -4,7 +4,9 @@ One DEALER socket carries every request of a client; replies are told apart by
 id. ``QueueClient`` is blocking and belongs to one thread (as its socket does):
 submit many, then read each ``stream(id)`` — replies of the others wait in
 their buffers meanwhile. ``AsyncQueueClient`` is the same over zmq.asyncio,
-with one reader task routing replies to per-id queues.
+with one reader task routing replies to per-id queues. Given a list of routers, either
+resumes its streams on the next router when its router's connection ends
+(client_streams.py).
 """
 from __future__ import annotations
 
@@ -18,7 +20,16 @@ import click
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
+from pdserve.client_streams import (  # noqa: F401 (QueueError: this module's API)
+    ENDED,
+    QueueError,
+    Streams,
+    close_sockets,
+    endpoints_of,
+)
+from pdserve.client_streams import event as _event
 from pdserve.common.cli_options import sampling_options
 from pdserve.common.protocol import queue as Q
 from pdserve.common.protocol.queue import Done, Tokens  # noqa: F401 (this module's API)
@@ -27,15 +38,6 @@ from pdserve.common.sockets import CurveConfig, make_socket
 DEFAULT_INGRESS = "tcp://127.0.0.1:5557"
 MAX_MSG_SIZE = 4 * 1024 * 1024  # the ingress's default limit: bigger frames are refused
 _POLL_MS = 100  # never wait on the socket without a bound
-
-
-class QueueError(Exception):
-    """An ``error`` answer: ``code`` (bad_request, duplicate_id, overloaded, ...) and why."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
 
 
 @dataclass
@@ -67,18 +69,6 @@ def _cancel_message(rid: str) -> bytes:
     return Q.ENCODER.encode(Q.Cancel(id=rid))
 
 
-def _event(data: bytes) -> tuple[str | None, Tokens | Done | QueueError | None]:
-    """(id, what the answer means); (None, None) for one this client cannot use (another
-    type, a malformed one). Keys it does not know are ignored: answers may grow."""
-    try:
-        msg = Q.ANSWER_DECODER.decode(data)
-    except (msgspec.ValidationError, msgspec.DecodeError):
-        return None, None
-    if isinstance(msg, Q.Error):
-        return msg.id, QueueError(msg.code, msg.message)
-    return msg.id, msg
-
-
 def _collect(rid: str, events) -> Result:
     ids, text = [], []
     for ev in events:
@@ -91,14 +81,42 @@ def _collect(rid: str, events) -> Result:
 
 
 class QueueClient:
-    def __init__(self, address: str = DEFAULT_INGRESS, *, max_msg_size: int = MAX_MSG_SIZE,
-                 send_timeout_s: float = 10.0, curve: CurveConfig | None = None):
+    def __init__(self, address: str | list[str] = DEFAULT_INGRESS, *,
+                 max_msg_size: int = MAX_MSG_SIZE, send_timeout_s: float = 10.0,
+                 curve: CurveConfig | None = None):
+        """``address``: a router's ingress; or a list of them, and a stream whose router's
+        connection ends resumes on the next one by itself."""
         self._ctx = zmq.Context()
-        self._sock = make_socket(self._ctx, zmq.DEALER, connect=address,
-                                 sndtimeo_ms=int(send_timeout_s * 1000), curve=curve)
+        self._streams = Streams(*endpoints_of(address))
+        self._options = dict(sndtimeo_ms=int(send_timeout_s * 1000), curve=curve)
+        self._open()
         self.max_msg_size = max_msg_size
         self._buffers: dict[str, deque] = {}      # id -> events not yet read
         self._discard: dict[str, int] = defaultdict(int)  # id -> abandoned requests to skip
+
+    def _open(self) -> None:
+        self._sock = make_socket(self._ctx, zmq.DEALER, connect=self._streams.endpoint,
+                                 **self._options, **self._streams.socket_options())
+        self._monitor = self._sock.get_monitor_socket(ENDED) if self._streams.resumes \
+            else None
+        self._poller = zmq.Poller()  # the monitor wakes a wait as an answer does
+        for sock in (self._sock, self._monitor):
+            if sock is not None:
+                self._poller.register(sock, zmq.POLLIN)
+
+    def _close_socket(self) -> None:
+        close_sockets(self._sock, self._monitor)
+
+    def _failover(self) -> None:
+        """The router's connection ended: what it sent is read, then every request in
+        flight resumes on the next router."""
+        while self._sock.poll(0):
+            self._route(self._sock.recv())
+        frames = self._streams.failover()
+        self._close_socket()
+        self._open()
+        for data in frames:
+            self._send(data)
 
     def __enter__(self):
         return self
@@ -107,7 +125,7 @@ class QueueClient:
         self.close()
 
     def close(self) -> None:
-        self._sock.close(linger=0)
+        self._close_socket()
         self._ctx.term()
 
     def submit(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
@@ -119,11 +137,13 @@ class QueueClient:
         data = _submit_message(rid, prompt, prompt_token_ids, sampling, self.max_msg_size)
         self._send(data)
         self._buffers[rid] = deque()
+        self._streams.sent(rid, data)
         return rid
 
     def cancel(self, id: str) -> None:
         """Ends the request on the router; its remaining replies are dropped."""
         if self._buffers.pop(id, None) is not None:
+            self._streams.ended(id)
             self._discard[id] += 1
             self._send(_cancel_message(id))
 
@@ -170,9 +190,13 @@ class QueueClient:
                 min(_POLL_MS, int((deadline - time.monotonic()) * 1000))
             if wait_ms <= 0:
                 raise TimeoutError(f"request {rid!r} did not finish in time")
-            if self._sock.poll(wait_ms):
+            ready = dict(self._poller.poll(wait_ms))
+            if self._sock in ready:
                 while self._sock.poll(0):
                     self._route(self._sock.recv())
+            if self._monitor in ready and \
+                    parse_monitor_message(self._monitor.recv_multipart())["event"] == ENDED:
+                self._failover()
         return buf.popleft()
 
     def _route(self, data: bytes) -> None:
@@ -183,21 +207,53 @@ class QueueClient:
                 if not self._discard[rid]:
                     del self._discard[rid]
             return
-        if rid in self._buffers and ev is not None:
+        ev, again = self._streams.answer(rid, ev)
+        if again is not None:  # no router had it: it is submitted again, as it was
+            self._send(again)
+        elif rid in self._buffers and ev is not None:
             self._buffers[rid].append(ev)
+            if isinstance(ev, (Done, QueueError)):
+                self._streams.ended(rid)
 
 
 class AsyncQueueClient:
     """``await client.generate(...)``, ``async for ev in client.stream(id)``; one event loop."""
 
-    def __init__(self, address: str = DEFAULT_INGRESS, *, max_msg_size: int = MAX_MSG_SIZE,
-                 curve: CurveConfig | None = None):
+    def __init__(self, address: str | list[str] = DEFAULT_INGRESS, *,
+                 max_msg_size: int = MAX_MSG_SIZE, curve: CurveConfig | None = None):
         self._ctx = zmq.asyncio.Context()
-        self._sock = make_socket(self._ctx, zmq.DEALER, connect=address, curve=curve)
+        self._streams = Streams(*endpoints_of(address))
+        self._curve = curve
+        self._open()
         self.max_msg_size = max_msg_size
         self._queues: dict[str, asyncio.Queue] = {}
         self._discard: dict[str, int] = defaultdict(int)
         self._reader: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()  # the watch of the router's connection
+
+    def _open(self) -> None:
+        self._sock = make_socket(self._ctx, zmq.DEALER, connect=self._streams.endpoint,
+                                 curve=self._curve, **self._streams.socket_options())
+        self._monitor = self._sock.get_monitor_socket(ENDED) if self._streams.resumes \
+            else None
+
+    async def _watch(self, monitor) -> None:
+        """Until this router's connection ends; then every request in flight resumes on
+        the next router (the reader has taken what the old one sent)."""
+        while parse_monitor_message(await monitor.recv_multipart())["event"] != ENDED:
+            pass
+        self._reader.cancel()
+        while True:  # what the router sent before it went, not read yet
+            try:
+                await self._take(await self._sock.recv(flags=zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        close_sockets(self._sock, monitor)
+        frames = self._streams.failover()
+        self._open()
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+        for data in frames:
+            await self._sock.send(data)
 
     async def __aenter__(self):
         return self
@@ -206,9 +262,10 @@ class AsyncQueueClient:
         self.close()
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-        self._sock.close(linger=0)
+        for task in [self._reader, *self._tasks]:
+            if task is not None:
+                task.cancel()
+        close_sockets(self._sock, self._monitor)
         self._ctx.term()
 
     async def submit(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
@@ -220,11 +277,13 @@ class AsyncQueueClient:
         if self._reader is None:
             self._reader = asyncio.get_running_loop().create_task(self._read())
         self._queues[rid] = asyncio.Queue()
+        self._streams.sent(rid, data)
         await self._sock.send(data)
         return rid
 
     async def cancel(self, id: str) -> None:
         if self._queues.pop(id, None) is not None:
+            self._streams.ended(id)
             self._discard[id] += 1
             await self._sock.send(_cancel_message(id))
 
@@ -267,18 +326,29 @@ class AsyncQueueClient:
         return _collect(rid, events)
 
     async def _read(self) -> None:
+        if self._monitor is not None:  # the watch starts the next reader when it fails over
+            watch = asyncio.get_running_loop().create_task(self._watch(self._monitor))
+            self._tasks.add(watch)
+            watch.add_done_callback(self._tasks.discard)
         while True:
-            data = await self._sock.recv()
-            rid, ev = _event(data)
-            if self._discard.get(rid):
-                if isinstance(ev, (Done, QueueError)):
-                    self._discard[rid] -= 1
-                    if not self._discard[rid]:
-                        del self._discard[rid]
-                continue
-            queue = self._queues.get(rid)
-            if queue is not None and ev is not None:
-                queue.put_nowait(ev)
+            await self._take(await self._sock.recv())
+
+    async def _take(self, data: bytes) -> None:
+        rid, ev = _event(data)
+        if self._discard.get(rid):
+            if isinstance(ev, (Done, QueueError)):
+                self._discard[rid] -= 1
+                if not self._discard[rid]:
+                    del self._discard[rid]
+            return
+        ev, again = self._streams.answer(rid, ev)
+        queue = self._queues.get(rid)
+        if again is not None:  # no router had it: it is submitted again, as it was
+            await self._sock.send(again)
+        elif queue is not None and ev is not None:
+            queue.put_nowait(ev)
+            if isinstance(ev, (Done, QueueError)):
+                self._streams.ended(rid)
 
 
 @click.command("submit")

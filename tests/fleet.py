@@ -27,6 +27,7 @@ class Proc:
     popen: subprocess.Popen
     log_path: Path
     http_url: str = ""
+    ingress: str = ""     # a router's queue ingress
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -69,14 +70,14 @@ class Fleet:
             return False
 
     def router(self, name: str, *extra: str) -> Proc:
-        http = free_port()
+        http, ingress = free_port(), f"tcp://127.0.0.1:{free_port()}"
         return self._spawn(name, [
             sys.executable, "-m", "pdserve.cli", "router", "--log-level", "info",
             "--model", self.model, "--http-port", str(http),
             "--control", f"tcp://127.0.0.1:{free_port()}",
-            "--ingress", f"tcp://127.0.0.1:{free_port()}", "--discovery", self.etcd_url,
+            "--ingress", ingress, "--discovery", self.etcd_url,
             "--discovery-ttl", "3", "--heartbeat-interval", "0.5", *extra],
-            http_url=f"http://127.0.0.1:{http}")
+            http_url=f"http://127.0.0.1:{http}", ingress=ingress)
 
     def node(self, role: str, name: str, *extra: str) -> Proc:
         return self._spawn(name, [

@@ -35,6 +35,7 @@ REQUEST_TOO_LARGE = "request_too_large"  # [413] an HTTP body over the limit
 UNAUTHORIZED = "invalid_api_key"         # [401] no or a wrong API key
 RESPONSE_NOT_FOUND = "response_not_found"  # [404] no stored response of that id
 DUPLICATE_ID = "duplicate_id"            # ingress: the producer's id is in flight already
+STREAM_NOT_FOUND = "stream_not_found"    # [404] a resume no decode node holds the stream of
 HTTP_STATUS = {BAD_REQUEST: 400, NOT_FOUND: 404, OVERLOADED: 429, NO_NODES: 503,
                TIMEOUT: 504, NODE_ERROR: 500, INTERNAL: 500, REQUEST_TOO_LARGE: 413,
-               UNAUTHORIZED: 401, RESPONSE_NOT_FOUND: 404}
+               UNAUTHORIZED: 401, RESPONSE_NOT_FOUND: 404, STREAM_NOT_FOUND: 404}

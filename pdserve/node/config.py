@@ -55,6 +55,10 @@ class NodeConfig:
     guide_timeout_s: float = flag(10.0, "Seconds a structured-output guide may take to "
                                   "compile (off the compute loop); past it its request "
                                   "fails.", name="--guide-timeout", min=0, min_open=True)
+    stream_keep_s: float = flag(30.0, "Seconds a stream is kept after its end, or decoding "
+                                "on after its router went, so that its producer can resume "
+                                "it on another router (docs/queue-protocol.md).",
+                                name="--stream-keep", min=0, roles=("decode",))
     insecure: bool = flag(False, "Start even though the KV socket is open to other machines "
                           "without CURVE (warned every minute).")
 

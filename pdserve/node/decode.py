@@ -10,6 +10,11 @@ A request's way here::
           per chunk, for all its requests)
       --> one TokenBatch per step to the router --> finished/aborted: blocks freed
     A lease that runs out before the KV has arrived frees the blocks and tells the router.
+
+A stream whose Reserve named its origin (a queue producer's) outlives its router: when
+the router goes, it decodes on as an orphan; a ``Resume`` from any router for its
+(producer, id) hands it over with every token made so far; it is kept for
+--stream-keep seconds after its end, or after its router went (node/streams.py).
 """
 from __future__ import annotations
 
@@ -28,8 +33,12 @@ from pdserve.node.config import NodeConfig
 from pdserve.node.io import InboxItem
 from pdserve.node.kv import InboundTransfer, KVReceiver, KVTransferError, TransferState
 from pdserve.node.kv.receiver import Reply
+from pdserve.node.routers import Orphaned
+from pdserve.node.streams import StreamKeeper
 
 log = logging.getLogger(__name__)
+
+MAX_WAITING_RESUMES = 8  # Resumes of one stream waiting for its KV; past it: answered now
 
 
 @dataclass
@@ -41,6 +50,7 @@ class DecodeJob:
     deadline: float = float("inf")       # the request's own: past it the job ends here
     sender: str = ""                     # the one prefill node whose KV is taken ("": any)
     sender_peer: bytes = b""             # and its KV socket identity (P.peer_identity)
+    origin: P.StreamOrigin | None = None  # a resumable stream's (node/streams.py)
 
     @property
     def placed(self) -> bool:
@@ -57,6 +67,8 @@ class DecodeNode(Node):
         self.receiver = KVReceiver(self.identity, self.layout, self.engine.runner.kv_caches,
                                    reply=kv_reply or self.io.send_kv_reply)
         self.jobs: dict[str, DecodeJob] = {}
+        self.kept = StreamKeeper(config.stream_keep_s)
+        self._waiting: dict[str, list[P.Resume]] = {}  # resumes waiting for their KV
         self._senders_pruned = 0.0
         self._step_started, self._batch_size = 0.0, 0  # of the step running, for its metric
 
@@ -72,6 +84,10 @@ class DecodeNode(Node):
             for req_id in msg.req_ids:
                 self.unpark(req_id)
                 self.drop(req_id, "abort")
+        elif isinstance(msg, Orphaned):
+            self._orphaned(msg)
+        elif isinstance(msg, P.Resume):
+            self._answer(msg)
         elif isinstance(msg, P.Error):
             log.warning("error from %s: %s %s", item.channel, msg.code, msg.message)
         elif isinstance(msg, P.Drain):
@@ -116,7 +132,10 @@ class DecodeNode(Node):
         now = time.monotonic()
         self.jobs[msg.req_id] = DecodeJob(seq, transfer, msg.lease_s, now + msg.lease_s,
                                           now + msg.timeout_s if msg.timeout_s else float("inf"),
-                                          sender=msg.prefill_node_id, sender_peer=peer)
+                                          sender=msg.prefill_node_id, sender_peer=peer,
+                                          origin=msg.origin)
+        if msg.origin is not None:
+            self.kept.started(msg.req_id, msg.origin)
         if peer:
             self.io.expected_kv_peers |= {peer}
         return P.ReserveResult(req_id=msg.req_id, ok=True, reason="",
@@ -155,6 +174,7 @@ class DecodeNode(Node):
             if i not in failed and transfer.state is TransferState.SUCCESS:
                 part, job = chunk.parts[i], self.jobs[chunk.parts[i].req_id]
                 self.engine.add_prefilled(job.seq, part.first_token)  # the router has it
+                self._answer_waiting(part.req_id)
                 results.append(P.KVResult(req_id=part.req_id, ok=True))
         if results:
             self.receiver.ack(peer, results)
@@ -167,8 +187,69 @@ class DecodeNode(Node):
                                    f"in [0, {vocab})")
         return None
 
+    # -- streams that outlive their router ------------------------------------------------
+    def _orphaned(self, msg: Orphaned) -> None:
+        """Their router is gone: a resumable stream decodes on (for a resume, within the
+        bound); one that nobody could resume ends now."""
+        now = time.monotonic()
+        for req_id in msg.req_ids:
+            job = self.jobs.get(req_id)
+            if job is not None and job.origin is not None:
+                self.kept.orphaned(req_id, now)  # (KV still coming: the lease bounds it)
+            else:
+                self.unpark(req_id)
+                self.drop(req_id, "abort")
+        log.info("%d requests lost their router (%s): their streams are kept %g s for a "
+                 "resume", len(msg.req_ids), msg.reason, self.kept.keep_s)
+
+    def _answer(self, msg: P.Resume) -> None:
+        """A Resume for a stream whose KV is still arriving waits for it (its first token
+        may have reached the client already): answered once placed, or, if the request
+        ends first, as not found (drop); the router's own timeout bounds the wait."""
+        job = self.jobs.get(self.kept.find(msg.owner, msg.client_id))
+        if job is not None and job.origin is not None and not job.placed:
+            waiting = self._waiting.setdefault(job.seq.seq_id, [])
+            if len(waiting) < MAX_WAITING_RESUMES:
+                waiting.append(msg)
+                return
+        self.io.send_control(self._resume(msg))
+
+    def _answer_waiting(self, req_id: str) -> None:
+        for msg in self._waiting.pop(req_id, ()):
+            self.io.send_control(self._resume(msg))
+
+    def _resume(self, msg: P.Resume) -> P.Resumed:
+        """The stream of (owner, client id), handed to the router that asks: every token it
+        has made, and its end if it has ended; or why not."""
+        def refuse(code: str, reason: str) -> P.Resumed:
+            return P.Resumed(req_id=msg.req_id, ok=False, code=code, reason=reason)
+
+        wire_id = self.kept.find(msg.owner, msg.client_id)
+        job, ended = self.jobs.get(wire_id), self.kept.ended.get(wire_id)
+        if ended is not None:
+            origin, tokens, reason, left = ended.origin, ended.tokens, ended.finish_reason, 0.0
+        elif job is not None and job.placed:
+            origin, tokens, reason = job.origin, job.seq.token_ids, None
+            left = job.deadline - time.monotonic() if job.deadline < float("inf") else 0.0
+        else:
+            return refuse(E.STREAM_NOT_FOUND, f"decode node {self.node_id} holds no stream "
+                          f"{msg.client_id!r} of this producer")
+        made = len(tokens) - origin.num_prompt
+        if msg.held > made:
+            return refuse(E.BAD_REQUEST, f"the producer says it holds {msg.held} tokens of "
+                          f"{msg.client_id!r}; the stream has made {made}")
+        self.kept.adopted(wire_id)
+        log.info("stream %s (%s) resumed from token %d of %d%s", msg.client_id, wire_id,
+                 msg.held, made, f", ended ({reason})" if reason else "")
+        return P.Resumed(req_id=msg.req_id, ok=True, wire_id=wire_id,
+                         prompt_token_ids=list(tokens[:origin.num_prompt]),
+                         sampling=origin.sampling, token_ids=list(tokens[origin.num_prompt:]),
+                         finish_reason=reason, timeout_s=max(0.0, left))
+
     def drop(self, req_id: str, reason: str) -> None:
+        self.kept.forget(req_id)
         job = self.jobs.pop(req_id, None)
+        self._answer_waiting(req_id)  # (not found, now)
         if job is None:
             return
         if job.placed:
@@ -193,7 +274,10 @@ class DecodeNode(Node):
                                          finish_reason=out.finish_reason,
                                          logprobs=wire_logprobs(out.logprobs)))
             if out.finish_reason is not None:
-                del self.jobs[out.req_id]  # the engine has freed its blocks
+                job = self.jobs.pop(out.req_id)  # the engine has freed its blocks
+                if job.origin is not None:
+                    self.kept.finished(out.req_id, job.origin, job.seq.token_ids,
+                                       out.finish_reason, time.monotonic())
         self.send_first_tokens(firsts)  # time to first token
         if items:
             self.io.send_control(P.TokenBatch(items=items))
@@ -218,6 +302,10 @@ class DecodeNode(Node):
             self.drop(job.seq.seq_id, "error")
             self.error_to_router(job.seq.seq_id, E.TIMEOUT, "the request passed its deadline "
                                  "on the decode node")
+        for req_id in self.kept.expired(now):
+            log.info("stream %s freed: no router resumed it within %g s of its router "
+                     "going", req_id, self.kept.keep_s)
+            self.drop(req_id, "abort")
         late = [j for j in self.jobs.values() if not j.placed and now > j.lease_deadline]
         for job in late:
             req_id = job.seq.seq_id

@@ -63,7 +63,7 @@ KV_PEER_MSGS_PER_S, KV_PEER_BURST = 20_000.0, 40_000.0
 KV_STRANGER_MSGS_PER_S, KV_STRANGER_BURST = 200.0, 400.0
 # What each channel may carry to a node; anything else is answered with an Error.
 CONTROL_IN = (P.Welcome, P.Heartbeat, P.PrefillBatch, P.Reserve, P.Abort, P.Drain, P.Error,
-              P.IndexDumpRequest)
+              P.IndexDumpRequest, P.Resume)
 KV_IN_TYPES = (P.KVChunk,)
 KV_OUT_TYPES = (P.KVAck, P.Error)
 
@@ -91,7 +91,7 @@ class NodeIO(threading.Thread):
             burst=KV_PEER_BURST, stranger_rate=KV_STRANGER_MSGS_PER_S,
             stranger_burst=KV_STRANGER_BURST)
         self._throttled_log = LogThrottle(period_s=10.0)
-        self.links = RouterLinks(routers)
+        self.links = RouterLinks(routers, keeps_streams=hello.role == "decode")
         self.hello = hello
         self.kv_bind = kv_bind
         self.advertise_host = advertise_host
@@ -311,17 +311,15 @@ class NodeIO(threading.Thread):
             if before is None or (msg.accepted and msg.router_incarnation
                                   and msg.router_incarnation == before.router_incarnation):
                 return None  # first welcome, or the same router after a stall: resync
-            # Registered anew (the router restarted): the compute loop drops the work the
-            # old router gave it, which nobody is waiting for now; other routers' goes on.
-            owned = sorted(link.owned)
-            self.links.took(link, P.Abort(req_ids=owned, reason=""))
-            log.warning("router %s restarted: dropping its %d requests", link.endpoint,
-                        len(owned))
-            return P.Abort(req_ids=owned, reason="router restarted") if owned else None
+            # Registered anew (the router restarted): the old router's work, which nobody
+            # waits for now, is dropped (a decode node's streams are kept for a resume);
+            # other routers' goes on.
+            log.warning("router %s restarted: its %d requests are gone with it",
+                        link.endpoint, len(link.owned))
+            return self.links.orphan(link, "router restarted")
         if isinstance(msg, P.Heartbeat):
             return None
-        self.links.took(link, msg)
-        return msg
+        return self.links.took(link, msg)
 
     def _inbox_put(self, item: InboxItem) -> None:
         """Never blocks the I/O thread: the bound is kept by not reading the sockets while

@@ -8,6 +8,11 @@ loop sees one stream of work and never names a router: arbitration between route
 what it does already (a decode node's Reserve says yes or no from its free blocks,
 whoever asks; a prefill node batches what it has).
 
+A router that leaves (or restarts) takes its requests with it, except on a decode node,
+whose streams outlive their router (node/streams.py): they become orphans (owner "",
+their tokens go nowhere) and the compute loop keeps them for a resume, which moves a
+stream to the router that asked (``Resumed``). A router may abort only its own requests.
+
 Owned by the node's I/O thread, except ``set_wanted``, which any thread may call (the
 etcd watch does): it replaces the wanted list whole and wakes the I/O thread.
 """
@@ -27,6 +32,15 @@ log = logging.getLogger(__name__)
 
 MAX_OWNED = 200_000  # requests whose router is remembered; past it the oldest are forgotten
 ITEMS = (P.FirstTokens, P.ReserveReply, P.TokenBatch)  # one message, many requests
+ORPHAN = ""  # the owner of a stream whose router is gone: what is about it goes nowhere
+
+
+@dataclass(frozen=True)
+class Orphaned:
+    """I/O thread -> a decode node's compute loop: nobody reads these streams now (their
+    router left or restarted); keep them for a resume, within the bound."""
+    req_ids: list[str]
+    reason: str
 
 
 @dataclass
@@ -40,7 +54,8 @@ class Link:
 
 
 class RouterLinks:
-    def __init__(self, wanted: list[str]):
+    def __init__(self, wanted: list[str], keeps_streams: bool = False):
+        self.keeps_streams = keeps_streams  # a decode node's: orphaned, not aborted
         self.wanted: tuple[str, ...] = tuple(wanted)
         self.links: dict[str, Link] = {}
         self.by_sock: dict[zmq.Socket, Link] = {}
@@ -77,10 +92,8 @@ class RouterLinks:
         for link in gone:
             del self.links[link.endpoint]
             del self.by_sock[link.sock]
-            for req_id in link.owned:
-                self.owner.pop(req_id, None)
-            log.info("router %s left the cluster: %d of its requests end", link.endpoint,
-                     len(link.owned))
+            log.info("router %s left the cluster: %d of its requests %s", link.endpoint,
+                     len(link.owned), "are orphans" if self.keeps_streams else "end")
         return gone
 
     def in_turn(self) -> list[Link]:
@@ -95,13 +108,13 @@ class RouterLinks:
     def sync(self, open_control, poller, socks, hello: P.Hello,
              interval_s: float) -> list[tuple[str, P.Abort]]:
         """Closes the sockets of routers no longer wanted and opens (and says Hello on) one
-        to each router newly wanted. The Aborts of the requests the routers gone gave,
-        for the compute loop: nobody waits for them now."""
+        to each router newly wanted. What the compute loop is told of the requests the
+        routers gone gave (``orphan``): nobody waits for them now."""
         aborts = []
         for link in self.removed(interval_s):
-            if link.owned:
-                aborts.append((link.endpoint, P.Abort(
-                    req_ids=sorted(link.owned), reason="its router left the cluster")))
+            told = self.orphan(link, "its router left the cluster")
+            if told is not None:
+                aborts.append((link.endpoint, told))
             poller.unregister(link.sock)
             socks.remove(link.sock)
             link.sock.close(linger=0)
@@ -137,24 +150,50 @@ class RouterLinks:
                 self.send(link, hello)
 
     # -- whose request -------------------------------------------------------------------------
-    def took(self, link: Link, msg: P.Message) -> None:
-        """Records the requests a router's message gives this node."""
+    def orphan(self, link: Link, reason: str) -> P.Abort | Orphaned | None:
+        """The router of ``link`` is gone (left, or restarted): what the compute loop is
+        told of the requests it gave (None: it gave none). A decode node keeps them as
+        orphans; every other role drops them."""
+        owned, link.owned = sorted(link.owned), set()
+        for req_id in owned:
+            if self.keeps_streams:
+                self.owner[req_id] = ORPHAN
+            else:
+                self.owner.pop(req_id, None)
+        if not owned:
+            return None
+        return Orphaned(owned, reason) if self.keeps_streams else P.Abort(req_ids=owned,
+                                                                          reason=reason)
+
+    def took(self, link: Link, msg: P.Message) -> P.Message | None:
+        """Records the requests a router's message gives this node; what the compute loop
+        gets of it (an Abort keeps only the requests that router gave: another router may
+        have taken a stream over, and an orphan is nobody's to end)."""
         if isinstance(msg, P.PrefillBatch):
             ids = [r.req_id for r in msg.requests]
         elif isinstance(msg, P.Reserve):
             ids = [r.req_id for r in msg.items]
+        elif isinstance(msg, P.Resume):  # the answer goes to the router that asked
+            self.owner[msg.req_id] = link.endpoint
+            return msg
         elif isinstance(msg, P.Abort):
-            for req_id in msg.req_ids:
+            mine = [r for r in msg.req_ids if self.owner.get(r, link.endpoint) == link.endpoint]
+            for req_id in mine:
                 self._forget(req_id)
-            return
+            if len(mine) == len(msg.req_ids):
+                return msg
+            log.info("router %s aborted %d requests it does not own: ignored", link.endpoint,
+                     len(msg.req_ids) - len(mine))
+            return P.Abort(req_ids=mine, reason=msg.reason) if mine else None
         else:
-            return
+            return msg
         for req_id in ids:
             self._forget(req_id)  # an id a router reuses moves to the end
             self.owner[req_id] = link.endpoint
             link.owned.add(req_id)
         while len(self.owner) > MAX_OWNED:
             self._forget(next(iter(self.owner)))
+        return msg
 
     def owned_by(self, endpoint: str) -> list[str]:
         link = self.links.get(endpoint)
@@ -169,6 +208,8 @@ class RouterLinks:
     def route(self, msg: P.Message) -> list[tuple[Link, P.Message]]:
         """Where a message from the compute loop goes: about requests, to their routers
         (a batch split by router); about the node, to every router."""
+        if isinstance(msg, P.Resumed):
+            return self._resumed(msg)
         if isinstance(msg, ITEMS):
             parts: dict[str, list] = {}
             for item in msg.items:
@@ -183,6 +224,19 @@ class RouterLinks:
             endpoint = self._owner_of(req_id)
             return [(self.links[endpoint], msg)] if endpoint in self.links else []
         return [(link, msg) for link in self.links.values()]
+
+    def _resumed(self, msg: P.Resumed) -> list[tuple[Link, P.Message]]:
+        """A Resume's answer goes to the router that asked; a stream handed over is that
+        router's from here on: every message about it queued after this one goes there
+        (this thread routes the outbox in order), every one before went to its old owner."""
+        link = self.links.get(self.owner.pop(msg.req_id, None) or ORPHAN)
+        if link is None:
+            return []
+        if msg.ok:
+            self._forget(msg.wire_id)
+            self.owner[msg.wire_id] = link.endpoint
+            link.owned.add(msg.wire_id)
+        return [(link, msg)]
 
     def _owner_of(self, req_id: str) -> str:
         """The router that gave this request; one we forgot (or never knew): the first."""

@@ -5,6 +5,7 @@ state machine (dispatch/) and the control socket (control.py).
     await core.start()                   # binds the control socket, starts its loops
     core.check(req)                      # RequestError(BAD_REQUEST, message, param)
     stream = core.submit(req)            # never waits on a socket
+    stream = core.resume(owner, id, n, c)  # a queue stream whose router died, resumed here
     async for event in stream: ...       # StreamEvent; the last one is terminal
     stream.cancel()                      # the client went away: abort on the nodes
     core.health()                        # (ok, reason): loops alive, nodes enough
@@ -145,6 +146,20 @@ class RouterCore:
         stream._cancel = self.cancel
         self.streams[req_id] = stream
         self.control.apply(out)
+        return stream
+
+    def resume(self, owner: str, client_id: str, held: int,
+               chars: int | None) -> S.RequestStream:
+        """The stream of a producer whose router died (docs/queue-protocol.md), found on the
+        decode node that keeps it: its events are the tokens after the ``held`` the
+        producer has, then its one terminal event (or an error saying why not). Never waits;
+        RequestError when there is no decode node to ask. (Not refused on a busy clock as a
+        submit is: the stream exists, and the producer may not be able to retry it.)"""
+        req_id = self.dispatch.resumes.start(owner, client_id, held, chars, time.monotonic())
+        stream = S.RequestStream(req_id, [])
+        stream._cancel = self.cancel
+        self.streams[req_id] = stream
+        self.control.apply(self.dispatch.take())
         return stream
 
     def cancel(self, req_id: str) -> None:

@@ -12,6 +12,8 @@ common/protocol/queue.py, which the clients use too. It runs in the router's asy
    ``tokens`` message and, at the end, exactly one ``done`` or ``error``.
    A producer's messages of one loop turn leave together, one multipart message.
 3. A ``cancel`` aborts the stream and answers ``done`` with finish_reason "abort".
+4. A ``resume`` (the producer's router died) is a request too: ``core.resume`` finds its
+   stream on the decode node that keeps it, and it goes on as a submit's would.
 
 Requests are keyed by (producer identity, id): ids are the producer's own.
 Every send is NOBLOCK: a producer that vanished or stopped reading (its queue is
@@ -139,12 +141,12 @@ class Ingress:
             return self._reject(peer, rid, why)
         except Exception as e:  # not MessagePack, or a frame that would grow too far
             return self._reject(peer, None, f"not valid MessagePack: {e}")
-        if isinstance(msg, Q.Submit):
+        if isinstance(msg, (Q.Submit, Q.Resume)):
             self._submit(peer, msg.id, msg)
         else:
             self._cancel(peer, msg.id)
 
-    def _submit(self, peer: bytes, rid: str, msg: Q.Submit) -> None:
+    def _submit(self, peer: bytes, rid: str, msg: Q.Submit | Q.Resume) -> None:
         if (peer, rid) in self._flights:
             return self._duplicate(peer, rid)
         busy = self._over_budget(peer)
@@ -188,9 +190,14 @@ class Ingress:
                 self._in_flight.pop(key[0], None)
         return flight
 
-    async def _start(self, peer: bytes, rid: str, msg: Q.Submit, flight: _Flight) -> None:
+    async def _start(self, peer: bytes, rid: str, msg: Q.Submit | Q.Resume,
+                     flight: _Flight) -> None:
         try:
-            stream = self.core.submit(await self._request(msg))  # core.check runs inside
+            if isinstance(msg, Q.Resume):  # the producer is its identity, as for its flights
+                stream = self.core.resume(peer.hex(), rid, msg.tokens, None if msg.chars is
+                                          msgspec.UNSET else msg.chars)
+            else:  # the decode node keeps the stream for a resume: whose it is goes along
+                stream = self.core.submit(await self._request(msg, (peer.hex(), rid)))
         except RequestError as e:
             self._ended((peer, rid))
             self._send_error(peer, rid, e.code, e.message)
@@ -203,7 +210,7 @@ class Ingress:
         flight.stream, flight.prompt_tokens = stream, len(stream.prompt_token_ids)
         stream.sink = functools.partial(self._deliver, peer, rid, flight)
 
-    async def _request(self, msg: Q.Submit) -> GenerationRequest:
+    async def _request(self, msg: Q.Submit, origin: tuple[str, str]) -> GenerationRequest:
         """The GenerationRequest of a submit whose types the decoder checked; RequestError
         (bad_request) naming the field for what the types cannot say."""
         has_text, has_ids = msg.prompt is not msgspec.UNSET, msg.prompt_token_ids is not \
@@ -226,7 +233,7 @@ class Ingress:
             params = SamplingParams(**kwargs)
         except ValueError as e:
             raise RequestError(BAD_REQUEST, str(e), str(e).split("=", 1)[0]) from None
-        return GenerationRequest(prompt_token_ids=list(ids), params=params)
+        return GenerationRequest(prompt_token_ids=list(ids), params=params, origin=origin)
 
     def _cancel(self, peer: bytes, rid: str) -> None:
         """Ends the request with done/abort now; an id not in flight is ignored, since its
@@ -354,8 +361,8 @@ def _explain(data: bytes, error: msgspec.ValidationError) -> tuple[str | None, s
         return None, f"message must be a MessagePack map, got {type(msg).__name__}"
     rid, kind = msg.get("id"), msg.get("type")
     readable = rid if isinstance(rid, str) and 0 < len(rid) <= Q.MAX_ID_CHARS else None
-    if kind not in ("submit", "cancel"):
-        return readable, f"field 'type' must be 'submit' or 'cancel', got {_describe(kind)}"
+    if kind not in ("submit", "cancel", "resume"):
+        return readable, f"field 'type' must be {Q.FIELD_TYPES['type']}, got {_describe(kind)}"
     unknown = sorted(str(k) for k in msg if k not in SUBMIT_FIELDS)
     if kind == "submit" and unknown:
         return readable, (f"unknown field(s) {', '.join(unknown)}; allowed: "

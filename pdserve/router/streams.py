@@ -21,6 +21,7 @@ from pdserve.common.errors import (  # noqa: F401 (the front-ends' names: S.BAD_
     NODE_ERROR,
     NOT_FOUND,
     OVERLOADED,
+    STREAM_NOT_FOUND,
     TIMEOUT,
 )
 from pdserve.common.logprobs import join
@@ -47,6 +48,9 @@ class GenerationRequest:
     params: SamplingParams
     request_id: str | None = None      # None: the router makes one
     timeout_s: float | None = None     # None: the router's default deadline
+    # (producer identity hex, the producer's id) of a queue request: its decode node keeps
+    # its stream for a resume on another router (docs/queue-protocol.md); None: not kept
+    origin: tuple[str, str] | None = None
 
 
 @dataclass

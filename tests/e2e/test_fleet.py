@@ -4,20 +4,26 @@ a process the test signals by PID (tests/fleet.py). The routers run --policy cac
 whose prefix index comes from the nodes' own KV events and dumps."""
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import msgpack
 import pytest
+import zmq
 
+from pdserve.client import AsyncQueueClient, Done, QueueClient
 from pdserve.common.sockets import free_port
 from tests.e2e.test_metrics import eventually, scrape, value
 from tests.fleet import fleet, healthy, wait_for
 
 TTL_S = 3  # --discovery-ttl of every process in tests/fleet.py
+STREAM_KEEP_S = 4  # decode-0's --stream-keep in the model fleet
 DECODE_BLOCKS = 12  # decode-0's KV cache: 2 of the arbitration test's requests (5 blocks each)
 # How a router says it dropped prefill-1: by its heartbeats, its socket or its lease.
 DROPPED = re.compile(r"node prefill-1 (missed|is not connected|left etcd)")
@@ -241,23 +247,128 @@ def test_a_router_sigkilled_the_other_keeps_serving(cluster):
         assert complete(alive, model, f"new request {i}")["usage"]["completion_tokens"] == 6
 
 
-def test_token_exact_through_either_router(tiny_model, tmp_path):
-    """The real model (a tiny random checkpoint): each router's greedy tokens are the
-    offline engine's."""
-    from pdserve import LLM, SamplingParams
-
+@pytest.fixture(scope="module")
+def model_fleet(tiny_model, tmp_path_factory):
+    """etcd + 2 routers + 1 prefill + 1 decode running the real model (a tiny random
+    checkpoint, float32); the decode node keeps streams STREAM_KEEP_S for a resume."""
     model = tiny_model("llama")
-    want = LLM(model=model).generate(["Two routers"], SamplingParams(
-        temperature=0, max_tokens=8, ignore_eos=True))[0].text
-    with fleet(tmp_path, model) as f:
+    with fleet(tmp_path_factory.mktemp("model_fleet"), model) as f:
         routers = [f.router("router-a"), f.router("router-b")]
-        nodes = [f.node("prefill", "prefill-0"), f.node("decode", "decode-0")]
+        nodes = [f.node("prefill", "prefill-0"),
+                 f.node("decode", "decode-0", "--stream-keep", str(STREAM_KEEP_S))]
         for r in routers:
             wait_for(lambda r=r: healthy(r), 120, f"{r.name} not healthy", r, *nodes)
-        for r in routers:
-            got = complete(r, model, "Two routers", 8)
-            assert got["usage"]["completion_tokens"] == 8
-            assert got["choices"][0]["text"] == want, (r.name, got, want)
+        yield f, model, routers, nodes
+
+
+def test_token_exact_through_either_router(model_fleet):
+    """The real model: each router's greedy tokens are the offline engine's."""
+    from pdserve import LLM, SamplingParams
+
+    f, model, routers, nodes = model_fleet
+    want = LLM(model=model).generate(["Two routers"], SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True))[0].text
+    for r in routers:
+        got = complete(r, model, "Two routers", 8)
+        assert got["usage"]["completion_tokens"] == 8
+        assert got["choices"][0]["text"] == want, (r.name, got, want)
+
+
+def producer(identity: bytes, endpoint: str):
+    """A raw queue producer (docs/queue-protocol.md) with the socket identity given."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+def answer(sock, message: dict, timeout_s: float = 30.0) -> dict:
+    """Sends ``message``; the first answer about its id that ends it (error or done)."""
+    sock.send(msgpack.packb(message))
+    deadline = time.monotonic() + timeout_s
+    while sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+        for frame in sock.recv_multipart():
+            got = msgpack.unpackb(frame)
+            if got.get("id") == message["id"] and got["type"] in ("error", "done"):
+                return got
+    pytest.fail(f"no answer to {message} in {timeout_s:g} s")
+
+
+async def async_stream(routers, prompt, greedy, started, got) -> None:
+    async with AsyncQueueClient(routers) as client:
+        rid = await client.submit(prompt_token_ids=prompt, **greedy)
+        ids, text, ends = [], [], []
+        async for ev in client.stream(rid, timeout_s=120):
+            if isinstance(ev, Done):
+                ends.append(ev.finish_reason)
+                continue
+            ids += ev.token_ids
+            text.append(ev.text)
+            started.set()
+        got.append((ids, "".join(text), ends))
+
+
+def test_a_stream_outlives_its_router(model_fleet):
+    """Router A SIGKILLed mid-stream: a QueueClient given both routers resumes on B and
+    gets exactly the remaining tokens, in order, equal to an unfaulted run, and one done.
+    A stream nobody resumes is held (a resume claiming too much says how much it made),
+    and freed after --stream-keep. A resume of an id no decode node holds, or by another
+    producer, is a clear error."""
+    f, model, (a, b), nodes = model_fleet
+    prompt, n = list(range(5, 25)), 300
+    greedy = dict(max_tokens=n, temperature=0, ignore_eos=True)
+    with QueueClient(b.ingress) as plain:  # the unfaulted run (the single-router call)
+        want = plain.generate(prompt_token_ids=prompt, timeout_s=120, **greedy)
+    assert len(want.token_ids) == n
+    orphan = producer(b"orphan-producer", a.ingress)  # never resumes
+    orphan.send(msgpack.packb({"type": "submit", "id": "o1", "prompt_token_ids": prompt,
+                               "max_tokens": 1000 - len(prompt), "ignore_eos": True}))
+    assert orphan.poll(60_000), "no tokens for the orphan"
+    started, async_got = threading.Event(), []  # the AsyncQueueClient's stream, meanwhile
+    later = threading.Thread(target=asyncio.run, args=(async_stream(
+        [a.ingress, b.ingress], prompt, greedy, started, async_got),))
+    later.start()
+    ids, text, dones = [], [], []
+    try:
+        with QueueClient([a.ingress, b.ingress]) as client:
+            rid = client.submit(prompt_token_ids=prompt, **greedy)
+            for ev in client.stream(rid, timeout_s=120):
+                if isinstance(ev, Done):
+                    dones.append(ev)
+                    continue
+                if not ids:  # both clients are streaming through A: A dies
+                    assert started.wait(60), "the async client got no token"
+                    os.kill(a.popen.pid, signal.SIGKILL)
+                    a.popen.wait()
+                ids += ev.token_ids
+                text.append(ev.text)
+    finally:
+        later.join(150)
+    assert ids == want.token_ids and "".join(text) == want.text
+    assert [d.finish_reason for d in dones] == ["length"] and dones[0].usage == want.usage
+    assert async_got == [(want.token_ids, want.text, ["length"])]
+    resumed = re.search(rf"stream {rid} \(\S+\) resumed from token (\d+) of (\d+)(, ended)?",
+                        nodes[1].log())
+    assert resumed and int(resumed.group(1)) < n, nodes[1].log()[-3000:]
+    orphan.close()
+    again, other = producer(b"orphan-producer", b.ingress), producer(b"someone-else", b.ingress)
+    try:
+        too_many = answer(again, {"type": "resume", "id": "o1", "tokens": 2**31 - 1})
+        assert too_many["code"] == "bad_request" and "the stream has made" in \
+            too_many["message"], too_many
+        for sock, rid_ in ((other, "o1"), (again, "never-submitted")):
+            missing = answer(sock, {"type": "resume", "id": rid_, "tokens": 0})
+            assert missing["code"] == "stream_not_found", missing
+            assert "no decode node holds stream" in missing["message"], missing
+        held_at = time.monotonic()
+        wait_for(lambda: answer(again, {"type": "resume", "id": "o1", "tokens": 2**31 - 1})[
+            "code"] == "stream_not_found", STREAM_KEEP_S + 30, "the orphan was never freed",
+            nodes[1])
+        assert time.monotonic() - held_at < STREAM_KEEP_S + 30
+    finally:
+        again.close()
+        other.close()
 
 
 def test_launch_routers_2_needs_no_etcd(tiny_model, tmp_path):

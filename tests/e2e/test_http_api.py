@@ -552,3 +552,12 @@ def test_tokenizer_info_serves_lm_evals_remote_tokenizer(cluster, model_dir, tok
     messages = [{"role": "user", "content": "Hello there"}]
     assert remote.apply_chat_template(messages) == \
         hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def test_a_stream_resume_over_http_is_a_clear_404(cluster):
+    """The documented minimum for a client whose router died: any router answers where
+    the client would resume, saying what it can do instead (docs/http-api.md)."""
+    r = httpx.get(cluster.http_url + "/v1/streams/chatcmpl-123?from=4", timeout=30)
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert err["code"] == "stream_not_found" and "send the request again" in err["message"]

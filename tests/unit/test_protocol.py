@@ -84,6 +84,15 @@ SAMPLES = [
     P.Bye(node_id="p0", reason="shutdown"),
     P.IndexDumpRequest(reason="joined"),
     P.IndexDump(seq=41, block_hashes=[0, 2**64 - 1, 12345]),
+    # streams that outlive their router (issue 31)
+    P.Reserve(items=[P.ReserveRequest(
+        req_id="r0", prompt_token_ids=[1, 2, 3], sampling=SAMPLING, prefill_node_id="p0",
+        lease_s=5.0, origin=P.StreamOrigin(owner="70647100", client_id="job-1", num_prompt=2,
+                                           sampling=SAMPLING))]),
+    P.Resume(req_id="req-1", owner="70647100", client_id="job-1", held=4),
+    P.Resumed(req_id="req-1", ok=False, code="stream_not_found", reason="not here"),
+    P.Resumed(req_id="req-1", ok=True, wire_id="r0~1", prompt_token_ids=[1, 2],
+              sampling=SAMPLING, token_ids=[3, 4, 5], finish_reason="length", timeout_s=9.5),
 ]
 
 

@@ -10,7 +10,7 @@ import zmq
 
 from pdserve.common import protocol as P
 from pdserve.common.sampling import SamplingParams
-from pdserve.node.routers import RouterLinks
+from pdserve.node.routers import Orphaned, RouterLinks
 
 A, B = "tcp://127.0.0.1:1", "tcp://127.0.0.1:2"
 
@@ -74,5 +74,27 @@ def test_a_router_gone_from_etcd_keeps_its_link_while_it_talks(links):
     links.links[B].last_message = time.monotonic() - 10  # B silent past 3 intervals
     gone = links.removed(1.0)
     assert [link.endpoint for link in gone] == [B] and gone[0].owned == {"b1"}
-    assert list(links.links) == [A] and "b1" not in links.owner
+    assert list(links.links) == [A]
+    told = links.orphan(gone[0], "its router left the cluster")  # (sync() tells the loop)
+    assert told == P.Abort(req_ids=["b1"], reason="its router left the cluster")
+    assert "b1" not in links.owner
     gone[0].sock.close(0)  # the caller's to close (NodeIO does)
+
+
+def test_a_decode_nodes_stream_outlives_its_router_and_moves_to_the_one_resuming(links):
+    """A decode node's requests whose router went are orphans (their messages go nowhere,
+    no router may abort them); a Resumed moves one to the router that asked, in order."""
+    links.keeps_streams = True
+    links.took(links.links[A], reserve("a1", "a2"))
+    told = links.orphan(links.links[A], "router restarted")
+    assert told == Orphaned(["a1", "a2"], "router restarted")
+    items = P.TokenBatch(items=[P.TokenItem(req_id="a1", token_ids=[7])])
+    assert links.route(items) == []  # nobody reads them now
+    assert links.took(links.links[B], P.Abort(req_ids=["a1"], reason="x")) is None
+    links.took(links.links[B], P.Resume(req_id="look-1", owner="p", client_id="c"))
+    found = P.Resumed(req_id="look-1", ok=True, wire_id="a1")
+    assert [link.endpoint for link, _ in links.route(found)] == [B]
+    assert [link.endpoint for link, _ in links.route(items)] == [B]
+    assert links.took(links.links[A], P.Abort(req_ids=["a1"], reason="late")) is None
+    mine = P.Abort(req_ids=["a1"], reason="done")
+    assert links.took(links.links[B], mine) == mine and "a1" not in links.owner

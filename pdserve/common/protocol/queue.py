@@ -17,7 +17,7 @@ from typing import Annotated, Optional, Union
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-from pdserve.common.limits import MAX_ID_CHARS, TokenIds, allowed
+from pdserve.common.limits import MAX_ID_CHARS, MAX_INT, TokenIds, allowed
 from pdserve.common.sampling import FIELD_TYPES as SAMPLING_TYPES
 
 _Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
@@ -54,9 +54,22 @@ class Cancel(msgspec.Struct, tag="cancel", tag_field="type"):
     id: _Id
 
 
+class Resume(msgspec.Struct, tag="resume", tag_field="type", kw_only=True,
+             forbid_unknown_fields=True):
+    """producer -> any router: go on with my request ``id``, whose router was lost; I hold
+    its first ``tokens`` token ids and ``chars`` characters of its text (so the text goes
+    on exactly where it stopped, stop strings and split characters included; left out:
+    the text of those tokens as this router decodes it). The producer is told by its
+    socket identity, which must be the one it submitted with (docs/queue-protocol.md)."""
+    id: _Id
+    tokens: Annotated[int, Meta(ge=0, lt=MAX_INT)]
+    chars: Union[Annotated[int, Meta(ge=0)], UnsetType] = UNSET
+
+
 # How each field of Submit is described when a value does not fit (the error message
 # says "field 'X' must be <this>, got ..."); derived from the types above.
-FIELD_TYPES = {"type": "'submit' or 'cancel'", **allowed(Submit, none="nil")}
+FIELD_TYPES = {"type": "'submit', 'cancel' or 'resume'", **allowed(Submit, none="nil"),
+               "tokens": "an integer in [0, 2^31)", "chars": "a non-negative integer"}
 SAMPLING_FIELDS = tuple(f for f in Submit.__struct_fields__ if f in SAMPLING_TYPES)
 
 
@@ -90,5 +103,5 @@ class Error(msgspec.Struct, tag="error", tag_field="type"):
 
 
 ENCODER = msgspec.msgpack.Encoder()
-PRODUCER_DECODER = msgspec.msgpack.Decoder(Union[Submit, Cancel])   # the ingress reads
+PRODUCER_DECODER = msgspec.msgpack.Decoder(Union[Submit, Cancel, Resume])  # the ingress reads
 ANSWER_DECODER = msgspec.msgpack.Decoder(Union[Tokens, Done, Error])  # clients read

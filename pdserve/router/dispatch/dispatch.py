@@ -7,7 +7,7 @@ sends what it returns; router/core.py is the asyncio shell the front ends call.
 
     d = Dispatch(registry, "round_robin", metrics, config, vocab_size, eos_ids, max_len)
     req_id, out = d.submit(GenerationRequest, now)     # RequestError if refused
-    out = d.node_message(node_id, msg, now)     # ReserveReply, FirstTokens, TokenBatch, Error
+    out = d.node_message(node_id, msg, now)  # ReserveReply, FirstTokens, TokenBatch, Error
     out = d.flush(now)       # one PrefillBatch per prefill node for what was queued since
     out = d.tick(now)        # deadlines, retries
     out = d.node_gone(node, why, now) / d.send_failed(node_id, msg, now) / d.cancel(id, now)
@@ -25,9 +25,9 @@ A request's way (``State``)::
 Failover: when a node dies or leaves, or a transfer fails in a way another try can fix,
 the request goes round again under a new wire id (``<id>~<attempt>``): its prompt plus
 every token already streamed go to a prefill node, and decoding continues on a decode
-node. The client's stream just continues: messages for an earlier attempt's wire id are
-ignored, so no token is seen twice or lost, and a greedy (or seeded) request's output
-equals a run without the failure. After MAX_ATTEMPTS failures the request fails.
+node. Messages for an earlier attempt's wire id are ignored, so no token is seen twice
+or lost, and a greedy (or seeded) output equals a run without the failure. After
+MAX_ATTEMPTS failures the request fails.
 """
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ from pdserve.router.dispatch.node_messages import NodeMessages
 from pdserve.router.dispatch.placement import Placement
 from pdserve.router.dispatch.policies import make_policy
 from pdserve.router.dispatch.registry import LIVE, NodeInfo, Registry
+from pdserve.router.dispatch.resume import Resumes, stream_origin
 
 log = logging.getLogger(__name__)
 
@@ -62,22 +63,23 @@ class Dispatch:
     """The state machine. It holds its parts: the ``placement`` (what it put on which
     node), the ``policy`` named (ranking nodes by the placement), the ``batcher`` (what
     leaves at the next flush) and the ``node_messages`` rules (who may say what; they act
-    on requests through this object's verbs, listed in node_messages.Attempts). The
-    ``registry`` is read for members only: who is one is control's business.
-    ``tokenizer`` None: no text, token ids only."""
+    on requests through this object's verbs, listed in node_messages.Attempts), and the
+    ``resumes`` (streams whose router died, resumed here). The ``registry`` is read for
+    members only: who is one is control's business. ``tokenizer`` None: token ids only."""
 
     def __init__(self, registry: Registry, policy: str, metrics: RouterMetrics,
                  config: RouterConfig, vocab_size: int, eos_token_ids: tuple[int, ...],
                  max_model_len: int, tokenizer=None):
         self.registry, self.metrics, self.config = registry, metrics, config
-        self.eos_token_ids = tuple(eos_token_ids)
         self.max_model_len, self.tokenizer = max_model_len, tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
         self.flights: dict[str, Flight] = {}    # by wire id (the current attempt's)
         self.requests: dict[str, Flight] = {}   # by the client's request id
         self.placement = Placement()
         self.policy = make_policy(policy, registry, self.placement)
         self.batcher = Batcher()
         self.node_messages = NodeMessages(registry, self.placement, vocab_size, self)
+        self.resumes = Resumes(self)
         # Nodes serve several routers: an id made here must not be another router's too.
         self._ids = map(f"req-{os.urandom(4).hex()}-{{}}".format, itertools.count())
         self._out = Output()
@@ -118,15 +120,13 @@ class Dispatch:
         for wire_id, why in too_big:
             self.fail_flight(self.flights[wire_id], S.BAD_REQUEST, why)
         for node_id, msg in messages:
-            if isinstance(msg, P.Reserve):
-                self.send(node_id, msg)
-                continue
             try:
-                self.metrics.dispatched(self.flights[r.req_id].req_id for r in msg.requests)
+                if isinstance(msg, P.PrefillBatch):
+                    self.metrics.dispatched(self.flights[r.req_id].req_id for r in msg.requests)
                 self.send(node_id, msg)
             except Exception:  # these requests fail; the other batches still leave
                 self.metrics.internal_error("router.flush", log)
-                for r in msg.requests:
+                for r in getattr(msg, "requests", ()):
                     if r.req_id in self.flights:
                         self.fail_flight(self.flights[r.req_id], S.INTERNAL,
                                          "internal error while dispatching; see the router's log")
@@ -137,9 +137,8 @@ class Dispatch:
         """Registers the request and starts its first attempt; its id and the output.
         RequestError (OVERLOADED, BAD_REQUEST) when it cannot be taken: nothing changed."""
         if len(self.requests) >= self.config.max_pending_requests:
-            raise S.RequestError(S.OVERLOADED, (
-                f"{len(self.requests)} requests in flight, the limit is "
-                f"{self.config.max_pending_requests}: retry later"))
+            raise S.RequestError(S.OVERLOADED, f"{len(self.requests)} requests in flight, the "
+                                 f"limit is {self.config.max_pending_requests}: retry later")
         req_id = req.request_id or next(self._ids)
         if req_id in self.requests or req_id in self.flights:
             raise S.RequestError(S.BAD_REQUEST, f"request id {req_id!r} is already in flight")
@@ -149,7 +148,7 @@ class Dispatch:
         # Everything that can fail runs before the flight is registered.
         flight = Flight(req_id, req_id, list(req.prompt_token_ids), req.params.for_nodes(), out,
                         deadline=now + timeout, created=now,
-                        wire_prompt=list(req.prompt_token_ids))
+                        wire_prompt=list(req.prompt_token_ids), origin=req.origin)
         self.flights[req_id] = self.requests[req_id] = flight
         self.metrics.submitted(req_id)
         try:
@@ -161,16 +160,15 @@ class Dispatch:
 
     def cancel(self, req_id: str, now: float) -> Output:
         """The client went away: abort on its nodes, end its stream with "abort"."""
-        flight = self.requests.get(req_id)
-        if flight is not None:
+        self.resumes.cancel(req_id)
+        if (flight := self.requests.get(req_id)) is not None:
             log.info("request %s cancelled by its client after %d tokens", req_id,
                      len(flight.out.token_ids))
             self._finish(flight, S.StreamEvent([], "", finish_reason="abort"), abort=True)
         return self.take()
 
     def fail(self, req_id: str, code: str, message: str) -> Output:
-        flight = self.requests.get(req_id)
-        if flight is not None:
+        if (flight := self.requests.get(req_id)) is not None:
             self.fail_flight(flight, code, message)
         return self.take()
 
@@ -184,6 +182,7 @@ class Dispatch:
         """Deadlines, and the retries of WAITING requests whose time has come."""
         for flight in list(self.requests.values()):
             self._guarded("router.tick.request", self._tick_flight, flight, now)
+        self.resumes.tick(now)
         return self.take()
 
     def _guarded(self, where: str, step, flight: Flight, *args) -> None:
@@ -261,7 +260,7 @@ class Dispatch:
             req_id=flight.wire_id, prompt_token_ids=flight.wire_prompt, sampling=flight.spec,
             prefill_node_id=prefill.node_id, prefill_incarnation=prefill.hello.incarnation,
             lease_s=self.config.reserve_lease_s,
-            timeout_s=max(1.0, flight.deadline - now)))
+            timeout_s=max(1.0, flight.deadline - now), origin=stream_origin(flight)))
 
     def _pick_prefill(self, flight: Flight, now: float) -> NodeInfo | None:
         """The prefill node for this attempt; None: there is none, and the flight waits

@@ -41,6 +41,7 @@ class Flight:
     wire_prompt: list[int] = field(default_factory=list)  # prompt + tokens of earlier attempts
     skip_blocks: int = 0        # leading KV blocks the reserving decode node has cached
     waits: int = 0              # looks for a live prefill node that found none
+    origin: tuple[str, str] | None = None  # a resumable stream's (producer, id): resume.py
 
 
 @dataclass

@@ -32,7 +32,7 @@ from pdserve.router.dispatch.registry import Registry
 log = logging.getLogger(__name__)
 
 CONTROL_IN = (P.Hello, P.Heartbeat, P.FirstTokens, P.ReserveReply, P.TokenBatch, P.Error,
-              P.Drain, P.Bye, P.IndexDump)
+              P.Drain, P.Bye, P.IndexDump, P.Resumed)
 # Node errors another attempt can fix (a lost or corrupted transfer, a node gone quiet).
 RETRYABLE = (E.LEASE_EXPIRED, E.TIMEOUT, E.CHECKSUM_MISMATCH, E.NO_CAPACITY, E.UNREACHABLE)
 MAX_EARLY_TOKENS = 256     # decode-node tokens held while the first token is on its way
@@ -81,6 +81,8 @@ class NodeMessages:
                 self._tokens(node_id, item)
         elif isinstance(msg, P.Error):
             self._node_error(node_id, msg, now)
+        elif isinstance(msg, P.Resumed):  # (a stream whose router died: resume.py)
+            self.attempts.resumes.reply(node_id, msg, now)
         else:
             self._drop(node_id, type(msg).__name__, "-", "not a message about requests")
 

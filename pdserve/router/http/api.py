@@ -56,7 +56,7 @@ from pdserve.router.http.structured import vet_guide
 from pdserve.router.http.tokens import add_token_routes
 from pdserve.router.http.tools import prepare_tools
 from pdserve.router.http.wait import SSE_HEADERS, ClientWatch, EventStream
-from pdserve.router.streams import INTERNAL, RequestError
+from pdserve.router.streams import INTERNAL, STREAM_NOT_FOUND, RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -290,6 +290,20 @@ def build_app(core, api_key: str | None = None) -> HotRoutes:
         except RequestError as e:
             return refuse(core, e)
         return JSONResponse(model_card())
+
+    @app.get("/v1/streams/{stream_id}")
+    async def stream_resume(request: Request, stream_id: str) -> Response:
+        """Where an HTTP client whose router died asks to go on (docs/http-api.md, "When a
+        router dies"): HTTP streams are not kept for a resume yet, and this says so."""
+        try:
+            authorize(request)
+        except RequestError as e:
+            return refuse(core, e)
+        return refuse(core, RequestError(STREAM_NOT_FOUND, (
+            f"stream {stream_id[:100]!r} cannot be resumed: HTTP streams are not kept for a "
+            "resume; send the request again (a greedy or seeded request gives the same "
+            "tokens), or use the queue ingress, whose streams resume on another router "
+            "(docs/queue-protocol.md)")))
 
     add_token_routes(app, core, authorize, read_json, lambda e: refuse(core, e))
     responses = add_responses_routes(app, core, authorize, read_json, run, error_response)
