@@ -141,3 +141,21 @@ def test_chat_refusals_name_the_clients_fields():
                   *messages_names(server_first))
     assert err.message == "stop_sequences=[''] is invalid; tools.1.input_schema bad; 16 " \
         "stop strings at most" and err.param == "stop_sequences"
+
+
+def test_many_hosted_tools_are_skipped_in_one_short_log_line(caplog):
+    """A body may list any number of tools only their own platform runs: both adapters
+    skip them (the function tool is kept) and name a few in one log line of bounded size."""
+    hosted = [{"type": f"hosted_{i}_" + "x" * 500} for i in range(10_000)]
+    function = {"type": "function", "name": "get", "parameters": PARAMS}
+    custom = {"name": "get", "input_schema": PARAMS}
+    with caplog.at_level("INFO", logger="pdserve.router.http.adapter_input"):
+        chat, _ = responses_body({"model": "m", "input": "Hi", "tools": [*hosted, function]},
+                                 [], "resp_1")
+        assert [t["function"]["name"] for t in chat["tools"]] == ["get"]
+        chat = messages_body({"model": "m", "max_tokens": 5, "tools": [*hosted, custom],
+                              "messages": [{"role": "user", "content": "Hi"}]}, "msg_1")
+        assert [t["function"]["name"] for t in chat["tools"]] == ["get"]
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all("skipped tool types" in line for line in lines), lines
+    assert all(len(line) < 1000 for line in lines), [len(line) for line in lines]

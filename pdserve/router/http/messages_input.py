@@ -8,13 +8,11 @@ refused and what is ignored: docs/http-api.md."""
 from __future__ import annotations
 
 import json
-import logging
 
+from pdserve.router.http import adapter_input
 from pdserve.router.http.adapter_input import joined_text, required_string
 from pdserve.router.http.openai_schema import bad, get_field
 from pdserve.router.streams import OVERLOADED, RequestError
-
-logger = logging.getLogger(__name__)
 
 _STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                  403: "permission_error", 404: "not_found_error", 413: "request_too_large",
@@ -141,30 +139,20 @@ def chat_tools(tools, request_id: str) -> list[dict] | None:
     """Client tools (``{name, description, input_schema}``) as chat function tools;
     server tools (``web_search_...``, ``bash_...``: a ``type`` other than custom) are
     skipped with one log line, as the Responses adapter skips hosted tools."""
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise bad("tools must be an array of tools", "tools")
-    out, skipped = [], []
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict):
-            raise bad(f"tools.{i} must be an object", f"tools.{i}")
-        if not _served(tool):
-            skipped.append(str(tool["type"]))
-            continue
-        function = {"name": required_string(tool, "name", f"tools.{i}")}
-        if tool.get("description") is not None:
-            function["description"] = tool["description"]
-        schema = tool.get("input_schema")
-        if not isinstance(schema, dict):
-            raise bad(f"tools.{i}.input_schema is required and must be a JSON Schema object",
-                      f"tools.{i}.input_schema")
-        function["parameters"] = schema
-        out.append({"type": "function", "function": function})
-    if skipped:
-        logger.info("message %s: skipped server tool types %s (only client tools are "
-                    "served)", request_id, sorted(set(skipped)))
-    return out or None
+    return adapter_input.chat_tools(tools, _served, "tools.{}".format, _function,
+                                    f"message {request_id}", "only client tools are served")
+
+
+def _function(tool: dict, where: str) -> dict:
+    function = {"name": required_string(tool, "name", where)}
+    if tool.get("description") is not None:
+        function["description"] = tool["description"]
+    schema = tool.get("input_schema")
+    if not isinstance(schema, dict):
+        raise bad(f"{where}.input_schema is required and must be a JSON Schema object",
+                  f"{where}.input_schema")
+    function["parameters"] = schema
+    return function
 
 
 def chat_tool_choice(choice, tools: list[dict] | None) -> tuple[object, bool | None]:

@@ -8,12 +8,9 @@ skipped, logged once per request); ``text.format`` -> ``response_format``;
 docs/http-api.md."""
 from __future__ import annotations
 
-import logging
-
+from pdserve.router.http import adapter_input
 from pdserve.router.http.adapter_input import joined_text, required_string
 from pdserve.router.http.openai_schema import bad, get_field
-
-logger = logging.getLogger(__name__)
 
 # Known fields that change what is generated and are not implemented: refused unless
 # neutral (absent, null, or the value shown).
@@ -115,26 +112,16 @@ def chat_tools(tools, request_id: str) -> list[dict] | None:
     """Responses' flat function tools as chat tools; other tool types (web_search,
     file_search, mcp, ...: hosted tools this server cannot run) are skipped with one log
     line, as a client that lists them (Codex does) still wants an answer."""
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise bad("tools must be an array of tools", "tools")
-    out, skipped = [], []
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict):
-            raise bad(f"tools[{i}] must be an object", f"tools[{i}]")
-        if not _served(tool):
-            skipped.append(str(tool.get("type")))
-            continue
-        function = {"name": required_string(tool, "name", f"tools[{i}]")}
-        for name in ("description", "parameters"):
-            if tool.get(name) is not None:
-                function[name] = tool[name]
-        out.append({"type": "function", "function": function})
-    if skipped:
-        logger.info("response %s: skipped tool types %s (only function tools are served)",
-                    request_id, sorted(set(skipped)))
-    return out or None
+    return adapter_input.chat_tools(tools, _served, "tools[{}]".format, _function,
+                                    f"response {request_id}", "only function tools are served")
+
+
+def _function(tool: dict, where: str) -> dict:
+    function = {"name": required_string(tool, "name", where)}
+    for name in ("description", "parameters"):
+        if tool.get(name) is not None:
+            function[name] = tool[name]
+    return function
 
 
 def chat_tool_choice(choice, tools: list[dict] | None):
