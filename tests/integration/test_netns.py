@@ -182,7 +182,7 @@ def test_nodes_cut_off_from_etcd_serve_on(tiny_model, tmp_path):
             wait_for(lambda: not f.records("nodes"), 4 * NODE_TTL_S + 5,
                      "the cut nodes' records outlived their leases", *routers, *nodes)
             for r in routers:  # each router saw the records go, and kept the nodes
-                wait_for(lambda r=r: r.log().count("left etcd but still heartbeats") == 2,
+                wait_for(lambda r=r: r.log().count("left etcd but still heartbeats") >= 2,
                          10, f"{r.name} did not see the records go", r)
             time.sleep(1.0)  # streams go on meanwhile
         finally:
