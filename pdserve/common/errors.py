@@ -21,9 +21,13 @@ INTERNAL = "internal"
 UNREACHABLE = "unreachable"  # a peer's address cannot be connected to
 NAME_TAKEN = "name_taken"    # Welcome.code: another live connection holds this node id
 BAD_GUIDE = "bad_guide"      # a request's structured-output guide failed on the node (400)
+# Both ways: a decode node tells a stream's old router that another router's Resume took it
+# over; that router ends the producer's request there with it [409].
+STREAM_MOVED = "stream_moved"
 WIRE_CODES = (BAD_MESSAGE, VERSION_MISMATCH, UNKNOWN_TYPE, UNEXPECTED_TYPE, TOO_LARGE,
               LAYOUT_MISMATCH, MODEL_MISMATCH, CHECKSUM_MISMATCH, NO_CAPACITY,
-              LEASE_EXPIRED, TIMEOUT, ABORTED, INTERNAL, UNREACHABLE, NAME_TAKEN, BAD_GUIDE)
+              LEASE_EXPIRED, TIMEOUT, ABORTED, INTERNAL, UNREACHABLE, NAME_TAKEN, BAD_GUIDE,
+              STREAM_MOVED)
 
 # To clients, with the HTTP status in brackets.
 BAD_REQUEST = "bad_request"              # [400] the request itself is wrong
@@ -38,4 +42,5 @@ DUPLICATE_ID = "duplicate_id"            # ingress: the producer's id is in flig
 STREAM_NOT_FOUND = "stream_not_found"    # [404] a resume no decode node holds the stream of
 HTTP_STATUS = {BAD_REQUEST: 400, NOT_FOUND: 404, OVERLOADED: 429, NO_NODES: 503,
                TIMEOUT: 504, NODE_ERROR: 500, INTERNAL: 500, REQUEST_TOO_LARGE: 413,
-               UNAUTHORIZED: 401, RESPONSE_NOT_FOUND: 404, STREAM_NOT_FOUND: 404}
+               UNAUTHORIZED: 401, RESPONSE_NOT_FOUND: 404, STREAM_NOT_FOUND: 404,
+               STREAM_MOVED: 409}

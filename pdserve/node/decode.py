@@ -88,6 +88,13 @@ class DecodeNode(Node):
             self._orphaned(msg)
         elif isinstance(msg, P.Resume):
             self._answer(msg)
+        elif isinstance(msg, P.Release):  # (only what that router owned: RouterLinks)
+            now = time.monotonic()
+            for req_id in msg.req_ids:  # a running stream is an orphan again; an ended
+                if req_id in self.jobs:  # one stays kept as it was
+                    self.kept.orphaned(req_id, now)
+            log.info("%d resumed streams handed back (%s): kept %g s for another resume",
+                     len(msg.req_ids), msg.reason, self.kept.keep_s)
         elif isinstance(msg, P.Error):
             log.warning("error from %s: %s %s", item.channel, msg.code, msg.message)
         elif isinstance(msg, P.Drain):

@@ -63,7 +63,7 @@ KV_PEER_MSGS_PER_S, KV_PEER_BURST = 20_000.0, 40_000.0
 KV_STRANGER_MSGS_PER_S, KV_STRANGER_BURST = 200.0, 400.0
 # What each channel may carry to a node; anything else is answered with an Error.
 CONTROL_IN = (P.Welcome, P.Heartbeat, P.PrefillBatch, P.Reserve, P.Abort, P.Drain, P.Error,
-              P.IndexDumpRequest, P.Resume)
+              P.IndexDumpRequest, P.Resume, P.Release)
 KV_IN_TYPES = (P.KVChunk,)
 KV_OUT_TYPES = (P.KVAck, P.Error)
 

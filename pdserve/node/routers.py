@@ -11,7 +11,8 @@ whoever asks; a prefill node batches what it has).
 A router that leaves (or restarts) takes its requests with it, except on a decode node,
 whose streams outlive their router (node/streams.py): they become orphans (owner "",
 their tokens go nowhere) and the compute loop keeps them for a resume, which moves a
-stream to the router that asked (``Resumed``). A router may abort only its own requests.
+stream to the router that asked (``Resumed``; a router that then does not want it hands
+it back, ``Release``). A router may abort only its own requests.
 
 Owned by the node's I/O thread, except ``set_wanted``, which any thread may call (the
 etcd watch does): it replaces the wanted list whole and wakes the I/O thread.
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.common.transport import SendError, send_message
 
@@ -176,6 +178,12 @@ class RouterLinks:
         elif isinstance(msg, P.Resume):  # the answer goes to the router that asked
             self.owner[msg.req_id] = link.endpoint
             return msg
+        elif isinstance(msg, P.Release):  # handed over, not wanted: nobody's again
+            mine = [r for r in msg.req_ids if self.owner.get(r) == link.endpoint]
+            for req_id in mine:
+                link.owned.discard(req_id)
+                self.owner[req_id] = ORPHAN
+            return P.Release(req_ids=mine, reason=msg.reason) if mine else None
         elif isinstance(msg, P.Abort):
             mine = [r for r in msg.req_ids if self.owner.get(r, link.endpoint) == link.endpoint]
             for req_id in mine:
@@ -228,15 +236,24 @@ class RouterLinks:
     def _resumed(self, msg: P.Resumed) -> list[tuple[Link, P.Message]]:
         """A Resume's answer goes to the router that asked; a stream handed over is that
         router's from here on: every message about it queued after this one goes there
-        (this thread routes the outbox in order), every one before went to its old owner."""
+        (this thread routes the outbox in order), every one before went to its old owner.
+        An old owner still linked (the producer resumed while its router still served the
+        stream) is told it moved, after the last of its tokens, so that it ends its
+        request now rather than at its deadline."""
         link = self.links.get(self.owner.pop(msg.req_id, None) or ORPHAN)
         if link is None:
             return []
+        out: list[tuple[Link, P.Message]] = [(link, msg)]
         if msg.ok:
+            old = self.links.get(self.owner.get(msg.wire_id) or ORPHAN)
+            if old is not None and old is not link:
+                out.append((old, P.Error(req_id=msg.wire_id, code=E.STREAM_MOVED,
+                                         message="a resume on another router took the "
+                                                 "stream over")))
             self._forget(msg.wire_id)
             self.owner[msg.wire_id] = link.endpoint
             link.owned.add(msg.wire_id)
-        return [(link, msg)]
+        return out
 
     def _owner_of(self, req_id: str) -> str:
         """The router that gave this request; one we forgot (or never knew): the first."""

@@ -2,11 +2,12 @@
 
 The record (control, ingress and HTTP endpoints) is what nodes watch to find every
 router of the cluster and connect to each. The nodes' records are watched too: a node
-whose key left etcd (its lease expired: dead, or cut off from etcd longer than its TTL)
-and whose incarnation is the one registered here is dropped at once, its requests moved,
-rather than after the heartbeats say so. A node that only lost etcd but still heartbeats
-keeps serving: the heartbeats on the control socket are the router's liveness, etcd
-only says who exists (so etcd stopped for a while drops no one).
+whose key left etcd (its lease expired: dead, or cut off from etcd longer than its TTL),
+whose incarnation is the one registered here and which has missed a heartbeat is
+dropped at once, its requests moved, rather than after ``liveness`` missed heartbeats.
+A node that only lost etcd but still heartbeats keeps serving: the heartbeats on the
+control socket are the router's liveness, etcd only says who exists (so etcd stopped for
+a while, or a node's path to it cut, drops no one).
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import time
 from pdserve.common import discovery as D
 
 log = logging.getLogger(__name__)
+
+SILENT_BEATS = 2  # heartbeat intervals without a word before a node whose record left is gone
 
 
 class RouterMembership:
@@ -63,8 +66,13 @@ class RouterMembership:
             node = registry.nodes.get(node_id)
             if node is None or node.hello.incarnation != incarnation:
                 continue  # not ours, or registered again since (a newer epoch)
-            if time.monotonic() - node.last_seen < self.config.heartbeat_interval_s:
-                continue  # alive on its socket; it writes its record again once it can
+            silent = time.monotonic() - node.last_seen
+            if silent < SILENT_BEATS * self.config.heartbeat_interval_s:
+                # Alive on its socket (a heartbeat a little late is not silence): only its
+                # path to etcd is broken, and it writes its record again once it can.
+                log.info("node %s left etcd but still heartbeats (%.1f s ago): kept",
+                         node_id, silent)
+                continue
             registry.remove(node_id)
             control.apply(self.core.dispatch.node_gone(
                 node, f"node {node_id} left etcd (its lease expired)", time.monotonic()))

@@ -21,6 +21,7 @@ from pdserve.common.errors import (  # noqa: F401 (the front-ends' names: S.BAD_
     NODE_ERROR,
     NOT_FOUND,
     OVERLOADED,
+    STREAM_MOVED,
     STREAM_NOT_FOUND,
     TIMEOUT,
 )

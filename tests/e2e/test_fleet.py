@@ -116,7 +116,7 @@ def test_etcd_stopped_for_5s_drops_no_node(cluster):
     assert served >= 2
     for r in routers:
         since = r.log()[start[r.name]:]
-        assert "missed" not in since and "left etcd" not in since, since[-3000:]
+        assert "missed" not in since and "left etcd (" not in since, since[-3000:]
         complete(r, model, "after the stop")
     # The stop outlasted the leases (3 s): etcd expired them on waking, and each node
     # wrote its record again under a new lease, a later epoch.
@@ -307,6 +307,68 @@ async def async_stream(routers, prompt, greedy, started, got) -> None:
             text.append(ev.text)
             started.set()
         got.append((ids, "".join(text), ends))
+
+
+def read_until(sock, rid: str, stop, timeout_s: float = 60.0) -> tuple[list[int], list[dict]]:
+    """The token ids and the ends (error or done) ``sock`` gets about ``rid`` until
+    ``stop(ids, ends)`` holds."""
+    ids, ends, deadline = [], [], time.monotonic() + timeout_s
+    while not stop(ids, ends):
+        assert sock.poll(max(1, int((deadline - time.monotonic()) * 1000))), (ids, ends)
+        for frame in sock.recv_multipart():
+            got = msgpack.unpackb(frame)
+            if got.get("id") == rid:
+                ids += got.get("token_ids", [])
+                if got["type"] in ("error", "done"):
+                    ends.append(got)
+    return ids, ends
+
+
+def test_a_resume_refused_or_of_a_live_stream(model_fleet):
+    """Both routers alive. A resume on B whose `chars` is more than its tokens' text is
+    refused and the stream stays, for a resume that says what the producer holds; a
+    resume of a stream that A still serves moves it: A ends its request at once with
+    stream_moved (it used to wait for its deadline, then end it a second time), and B
+    streams the rest, exactly the unfaulted run's tokens, and one done. A flood of
+    resumes is answered, every one, and B serves on."""
+    f, model, (a, b), nodes = model_fleet
+    prompt, n = list(range(30, 50)), 600
+    greedy = dict(max_tokens=n, temperature=0, ignore_eos=True)
+    with QueueClient(b.ingress) as plain:
+        want = plain.generate(prompt_token_ids=prompt, timeout_s=120, **greedy)
+    on_a, on_b = producer(b"mover", a.ingress), producer(b"mover", b.ingress)
+    try:
+        on_a.send(msgpack.packb({"type": "submit", "id": "m1", "prompt_token_ids": prompt,
+                                 **greedy}))
+        held, _ = read_until(on_a, "m1", lambda ids, ends: len(ids) >= 5 or ends)
+        refused = answer(on_b, {"type": "resume", "id": "m1", "tokens": len(held),
+                                "chars": 10**6})
+        assert refused["code"] == "bad_request" and "stream stays" in refused["message"]
+        moved_at = time.monotonic()
+        on_b.send(msgpack.packb({"type": "resume", "id": "m1", "tokens": len(held)}))
+        rest, ends_b = read_until(on_b, "m1", lambda ids, ends: ends)
+        more, ends_a = read_until(on_a, "m1", lambda ids, ends: ends)
+        assert [e["type"] for e in ends_b] == ["done"] and ends_b[0]["finish_reason"] == \
+            "length", ends_b
+        assert [e.get("code") for e in ends_a] == ["stream_moved"], ends_a
+        assert time.monotonic() - moved_at < 60  # not A's deadline (600 s)
+        assert held + rest == want.token_ids
+        assert held + more == want.token_ids[:len(held) + len(more)]  # A's, until it moved
+        assert not on_a.poll(500) and not on_b.poll(0)  # no second end on either
+        # A flood of resumes of ids nobody holds: each answered, the router serves on.
+        for i in range(300):
+            on_b.send(msgpack.packb({"type": "resume", "id": f"x{i}", "tokens": 0}))
+        codes: dict[str, int] = {}
+        while sum(codes.values()) < 300:
+            assert on_b.poll(30_000), codes
+            for frame in on_b.recv_multipart():
+                got = msgpack.unpackb(frame)
+                codes[got["code"]] = codes.get(got["code"], 0) + 1
+        assert set(codes) <= {"stream_not_found", "overloaded"}, codes
+        assert complete(b, model)["usage"]["completion_tokens"] == 6
+    finally:
+        on_a.close()
+        on_b.close()
 
 
 def test_a_stream_outlives_its_router(model_fleet):

@@ -3,63 +3,32 @@ namespace of their own, joined by veth pairs to a bridge in a "switch" namespace
 a decode node's link mid-stream must move its requests to the other decode node with no
 token lost or repeated. Everything here (namespaces, links, addresses, processes) is made
 by the test and removed by it; no traffic leaves these namespaces."""
+import contextlib
 import json
-import os
-import shutil
+import re
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
+import httpx
 import pytest
 
 from pdserve import LLM, SamplingParams
+from tests.fleet import fleet, healthy, wait_for
+from tests.netns import Inside, in_ns, needs_netns, network, sh
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"),
-                                reason="needs root and iproute2 to make network namespaces")
+pytestmark = needs_netns
 
 NET = "10.231.7"   # the test hosts' own subnet, inside the namespaces only
 HOSTS = {"r": 1, "p": 2, "d0": 3, "d1": 4}
 
 
-def sh(*args):
-    subprocess.run(args, check=True, capture_output=True, timeout=30)
-
-
 @pytest.fixture
 def hosts():
-    tag = f"pd{os.getpid() % 100000}"
-    ns = {h: f"{tag}-{h}" for h in HOSTS}
-    switch = f"{tag}-sw"
-    made = []
-    try:
-        sh("ip", "netns", "add", switch)
-        made.append(switch)
-        sh("ip", "netns", "exec", switch, "ip", "link", "add", "br0", "type", "bridge")
-        sh("ip", "netns", "exec", switch, "ip", "link", "set", "br0", "up")
-        for h, n in ns.items():
-            sh("ip", "netns", "add", n)
-            made.append(n)
-            host_end, switch_end = f"{tag}{h}h", f"{tag}{h}s"
-            sh("ip", "link", "add", host_end, "type", "veth", "peer", "name", switch_end)
-            sh("ip", "link", "set", host_end, "netns", n)
-            sh("ip", "link", "set", switch_end, "netns", switch)
-            sh("ip", "netns", "exec", switch, "ip", "link", "set", switch_end, "master", "br0")
-            sh("ip", "netns", "exec", switch, "ip", "link", "set", switch_end, "up")
-            sh("ip", "netns", "exec", n, "ip", "addr", "add", f"{NET}.{HOSTS[h]}/24", "dev",
-               host_end)
-            sh("ip", "netns", "exec", n, "ip", "link", "set", host_end, "up")
-            sh("ip", "netns", "exec", n, "ip", "link", "set", "lo", "up")
-        yield ns, switch, tag
-    finally:
-        for n in made:
-            subprocess.run(["ip", "netns", "del", n], capture_output=True)
-
-
-def in_ns(ns, *cmd, log=None):
-    return subprocess.Popen(["ip", "netns", "exec", ns, *cmd],
-                            stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True)
+    with network(NET, HOSTS) as net:
+        yield net
 
 
 CLIENT = textwrap.dedent("""
@@ -90,7 +59,7 @@ CLIENT = textwrap.dedent("""
 
 
 def test_cutting_a_decode_link_mid_stream_fails_over(hosts, tiny_model, tmp_path):
-    ns, switch, tag = hosts
+    ns, switch = hosts.ns, hosts.switch
     model = tiny_model("llama")
     prompts = [[5 + i, 6, 7, 8 + i] for i in range(6)]
     want = [o.text for o in LLM(model=model).generate(
@@ -127,7 +96,7 @@ def test_cutting_a_decode_link_mid_stream_fails_over(hosts, tiny_model, tmp_path
         procs.append(client)
         assert client.stdout.readline().strip() == "STREAMING"
         # Cut decode node d0's cable at the switch.
-        sh("ip", "netns", "exec", switch, "ip", "link", "set", f"{tag}d0s", "down")
+        sh("ip", "netns", "exec", switch, "ip", "link", "set", hosts.cable("d0"), "down")
         out, _ = client.communicate(timeout=180)
         result = json.loads(out.strip().splitlines()[-1].removeprefix("RESULT "))
         assert [r.get("text") for r in result] == want, result
@@ -138,3 +107,100 @@ def test_cutting_a_decode_link_mid_stream_fails_over(hosts, tiny_model, tmp_path
             if p.poll() is None:
                 p.kill()
             p.wait()
+
+
+FLEET_NET = "10.231.8"  # etcd's host, the routers' host, the nodes' host
+FLEET_HOSTS = {"etcd": 1, "routers": 2, "nodes": 3}
+NODE_TTL_S = 2  # the nodes' --discovery-ttl: the cut outlasts it
+
+
+def stream_until(router, model: str, prompt: list[int], max_tokens: int,
+                 stop: threading.Event) -> list[dict]:
+    """Streams ``prompt`` through ``router`` again and again until ``stop``: for each
+    request, the text streamed and every finish reason seen (a user's view)."""
+    out = []
+    with httpx.Client(timeout=120) as client:
+        while not stop.is_set():
+            text, finishes = "", []
+            with client.stream("POST", router.http_url + "/v1/completions", json={
+                    "model": model, "prompt": prompt, "max_tokens": max_tokens,
+                    "temperature": 0, "ignore_eos": True, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        finishes.append(f"error: {chunk['error']}")
+                        continue
+                    text += chunk["choices"][0]["text"]
+                    if chunk["choices"][0].get("finish_reason"):
+                        finishes.append(chunk["choices"][0]["finish_reason"])
+            out.append({"text": text, "finishes": finishes})
+    return out
+
+
+def test_nodes_cut_off_from_etcd_serve_on(tiny_model, tmp_path):
+    """The nodes' host loses etcd (etcd's packets to it vanish, as in a partition) longer
+    than the nodes' lease, while streams flow through both routers: their records leave
+    etcd, yet no router drops a node that still heartbeats; every request completes once
+    with an unfaulted run's tokens; and once etcd is reachable the nodes register again
+    (new leases, later epochs)."""
+    model = tiny_model("llama")
+    prompts = [[5 + i, 6, 7, 8 + i] for i in range(4)]
+    n = 40
+    want = [o.text for o in LLM(model=model).generate(
+        prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))]
+    with contextlib.ExitStack() as stack:
+        net = stack.enter_context(network(FLEET_NET, FLEET_HOSTS))
+        inside = stack.enter_context(Inside(net.ns["routers"], threads=len(prompts) + 1))
+        f = stack.enter_context(fleet(tmp_path, model, net.addr["etcd"], net.ns["etcd"],
+                                      inside))
+        on_routers = dict(host=net.addr["routers"], ns=net.ns["routers"])
+        routers = [f.router(name, **on_routers) for name in ("router-a", "router-b")]
+        ttl = ("--discovery-ttl", str(NODE_TTL_S))
+        nodes = [f.node("prefill", "prefill-0", *ttl, ns=net.ns["nodes"]),
+                 f.node("decode", "decode-0", *ttl, "--insecure", "--kv-bind",
+                        f"tcp://{net.addr['nodes']}:5600", ns=net.ns["nodes"])]
+        for r in routers:
+            wait_for(lambda r=r: inside.call(healthy, r), 120, f"{r.name} not healthy",
+                     r, *nodes)
+            for node in nodes:
+                wait_for(lambda r=r, node=node: f"node {node.name} joined" in r.log(), 60,
+                         f"{node.name} never joined {r.name}", r, node)
+        wait_for(lambda: len(f.records("nodes")) == 2, 30, "the nodes never registered",
+                 *nodes)
+        epochs = {k: e for k, (_rec, e) in f.records("nodes").items()}
+        since = {p.name: len(p.log()) for p in (*routers, *nodes)}  # (a start may be slow)
+        stop = threading.Event()
+        flows = [inside.submit(stream_until, routers[i % 2], model.name, p, n, stop)
+                 for i, p in enumerate(prompts)]
+        time.sleep(1.0)  # streams are under way through both routers
+        cut = ("ip", "netns", "exec", net.ns["etcd"], "ip", "route", "add", "blackhole",
+               f"{net.addr['nodes']}/32")
+        sh(*cut)
+        try:
+            wait_for(lambda: not f.records("nodes"), 4 * NODE_TTL_S + 5,
+                     "the cut nodes' records outlived their leases", *routers, *nodes)
+            for r in routers:  # each router saw the records go, and kept the nodes
+                wait_for(lambda r=r: r.log().count("left etcd but still heartbeats") >= 2,
+                         10, f"{r.name} did not see the records go", r)
+            time.sleep(1.0)  # streams go on meanwhile
+        finally:
+            sh(*(a if a != "add" else "del" for a in cut))
+        wait_for(lambda: len(f.records("nodes")) == 2, 30, "the nodes did not register again",
+                 *nodes)
+        again = {k: e for k, (_rec, e) in f.records("nodes").items()}
+        assert again.keys() == epochs.keys() and all(again[k] > epochs[k] for k in again)
+        stop.set()
+        results = [flow.result(timeout=120) for flow in flows]
+        for i, got in enumerate(results):
+            assert got, f"prompt {i} never completed"
+            for one in got:
+                assert one == {"text": want[i], "finishes": ["length"]}, (i, one, want[i])
+        print("requests completed during the test:", sum(len(g) for g in results))
+        for r in routers:
+            log = r.log()[since[r.name]:]
+            assert not re.search(r"missed|left etcd \(|restarted|moves to other", log), log
+        for node in nodes:
+            log = node.log()[since[node.name]:]
+            assert "registering again" in log and "left the cluster" not in log, log[-3000:]

@@ -89,6 +89,7 @@ SAMPLES = [
         req_id="r0", prompt_token_ids=[1, 2, 3], sampling=SAMPLING, prefill_node_id="p0",
         lease_s=5.0, origin=P.StreamOrigin(owner="70647100", client_id="job-1", num_prompt=2,
                                            sampling=SAMPLING))]),
+    P.Release(req_ids=["r0~1"], reason="a refused resume"),
     P.Resume(req_id="req-1", owner="70647100", client_id="job-1", held=4),
     P.Resumed(req_id="req-1", ok=False, code="stream_not_found", reason="not here"),
     P.Resumed(req_id="req-1", ok=True, wire_id="r0~1", prompt_token_ids=[1, 2],

@@ -98,3 +98,31 @@ def test_a_decode_nodes_stream_outlives_its_router_and_moves_to_the_one_resuming
     assert links.took(links.links[A], P.Abort(req_ids=["a1"], reason="late")) is None
     mine = P.Abort(req_ids=["a1"], reason="done")
     assert links.took(links.links[B], mine) == mine and "a1" not in links.owner
+
+
+def test_a_stream_resumed_while_its_router_serves_it_moves_and_that_router_is_told(links):
+    links.keeps_streams = True
+    links.took(links.links[A], reserve("a1"))
+    links.took(links.links[B], P.Resume(req_id="look-1", owner="p", client_id="c"))
+    out = links.route(P.Resumed(req_id="look-1", ok=True, wire_id="a1"))
+    assert [(link.endpoint, type(msg).__name__) for link, msg in out] == [
+        (B, "Resumed"), (A, "Error")]
+    assert out[1][1].req_id == "a1" and out[1][1].code == "stream_moved"
+    assert links.owner["a1"] == B and links.links[A].owned == set()
+    items = P.TokenBatch(items=[P.TokenItem(req_id="a1", token_ids=[7])])
+    assert [link.endpoint for link, _ in links.route(items)] == [B]
+
+
+def test_a_released_stream_is_an_orphan_again_and_only_its_owner_releases_it(links):
+    links.keeps_streams = True
+    links.took(links.links[A], reserve("a1"))
+    links.orphan(links.links[A], "router restarted")
+    links.took(links.links[B], P.Resume(req_id="look-1", owner="p", client_id="c"))
+    links.route(P.Resumed(req_id="look-1", ok=True, wire_id="a1"))
+    assert links.took(links.links[A], P.Release(req_ids=["a1"], reason="x")) is None
+    assert links.owner["a1"] == B
+    back = links.took(links.links[B], P.Release(req_ids=["a1", "b9"], reason="refused"))
+    assert back == P.Release(req_ids=["a1"], reason="refused")
+    assert links.owner["a1"] == "" and links.links[B].owned == set()
+    items = P.TokenBatch(items=[P.TokenItem(req_id="a1", token_ids=[7])])
+    assert links.route(items) == []  # nobody's until the next resume

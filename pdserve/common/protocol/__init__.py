@@ -76,6 +76,7 @@ from pdserve.common.protocol.messages import (  # noqa: F401 (this package's API
     ReserveReply,
     ReserveRequest,
     ReserveResult,
+    Release,
     Resume,
     Resumed,
     StreamOrigin,

@@ -32,7 +32,7 @@ from pdserve.common.limits import (  # noqa: F401 (the limits and field types of
     list_of,
 )
 
-PROTOCOL_VERSION = 9  # what each version added: docs/protocol.md, "Versioning"
+PROTOCOL_VERSION = 10  # what each version added: docs/protocol.md, "Versioning"
 MAX_HEADER_BYTES = 16 * 1024 * 1024  # a header is metadata; KV travels in frames
 MAX_HOST_ID = 256       # Hello.host_id: boot id + /dev/shm identity
 MAX_KV_PARTS = 4096     # requests in one KVChunk

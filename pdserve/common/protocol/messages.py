@@ -248,6 +248,15 @@ class Resume(Message, tag="resume", kw_only=True):
 
 
 @_message
+class Release(Message, tag="release", kw_only=True):
+    """router -> decode node: streams a Resume handed to this router that it will not serve
+    (the producer's resume was refused, or came too late): orphans again, kept for
+    another resume within the node's bound, where an Abort would end them."""
+    req_ids: list_of(Id)
+    reason: Text
+
+
+@_message
 class Resumed(Message, tag="resumed", kw_only=True):
     """decode -> the router that sent Resume: not here / refused (ok false, reason), or the
     stream, whose tokens go to that router from now on: the client's prompt and sampling,

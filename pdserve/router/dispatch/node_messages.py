@@ -184,6 +184,10 @@ class NodeMessages:
             self.attempts.retry(flight, f"node {node_id}: {msg.message} ({msg.code})", now)
         elif msg.code == E.BAD_GUIDE:  # the request's own grammar: no node will do better
             self.attempts.fail_flight(flight, S.BAD_REQUEST, f"node {node_id}: {msg.message}")
+        elif msg.code == E.STREAM_MOVED and node_id == flight.decode_node:
+            # Its producer resumed it on another router, which streams the rest.
+            self.attempts.fail_flight(flight, S.STREAM_MOVED, f"decode node {node_id}: "
+                                      f"{msg.message}; its tokens and its end go there")
         else:
             self.attempts.fail_flight(flight, S.NODE_ERROR,
                                       f"node {node_id}: {msg.message} ({msg.code})")

@@ -82,8 +82,9 @@ class Resumes:
     def reply(self, node_id: str, msg: P.Resumed, now: float) -> None:
         lookup = self.pending.get(msg.req_id)
         if lookup is None or node_id not in lookup.asked:
-            if msg.ok:  # handed to us for a lookup that ended: nobody wants it
-                self.d.send(node_id, P.Abort(req_ids=[msg.wire_id], reason="not resumed"))
+            if msg.ok:  # handed to us for a lookup that ended (timed out): not ours to end
+                self.d.send(node_id, P.Release(req_ids=[msg.wire_id],
+                                               reason="its resume had timed out"))
             return
         if msg.ok:
             del self.pending[msg.req_id]
@@ -122,11 +123,11 @@ class Resumes:
                                  d.max_model_len)
         out.add(tokens[:lookup.held])  # what the producer has: only the rest is new to it
         if lookup.chars is not None:
-            if lookup.chars > len(out.text):
-                d.send(node_id, P.Abort(req_ids=[msg.wire_id], reason="a bad resume"))
+            if lookup.chars > len(out.text):  # the producer's mistake: its stream stays
+                d.send(node_id, P.Release(req_ids=[msg.wire_id], reason="a refused resume"))
                 self._fail(lookup, S.BAD_REQUEST, f"the producer says it holds {lookup.chars} "
                            f"characters of text; its {lookup.held} tokens make "
-                           f"{len(out.text)}")
+                           f"{len(out.text)} (the stream stays for a resume that says so)")
                 return
             out.num_emitted_chars = lookup.chars
         timeout = msg.timeout_s or d.config.request_timeout_s
