@@ -745,3 +745,17 @@ def test_aborts_merge_only_into_a_nodes_latest_message():
         ("p0", P.Abort(req_ids=["a", "b"], reason="x")),
         ("d0", P.Abort(req_ids=["a", "b"], reason="x")),
         ("p0", P.Drain(reason="d")), ("p0", abort("c")), ("p0", abort("e", "y"))]
+
+
+def test_a_resume_needs_no_answer_from_a_decode_node_that_died():
+    """A lookup asks every decode node; one that dies meanwhile held nothing any more, so
+    the lookup ends on the others' answers, at once, not at its timeout."""
+    rig = Rig(("prefill", "p0"), ("decode", "d0"), ("decode", "d1"))
+    req_id = rig.d.resumes.start("70726f64", "job-1", 3, None, rig.now)
+    rig.apply(rig.d.take())
+    assert {node for node, msg in rig.inbox if isinstance(msg, P.Resume)} == {"d0", "d1"}
+    rig.gone("d0")
+    assert req_id not in rig.end
+    rig.apply(rig.d.node_message("d1", P.Resumed(req_id=req_id, ok=False,
+                                                 code=E.STREAM_NOT_FOUND), rig.now))
+    assert rig.end[req_id].error.code == E.STREAM_NOT_FOUND

@@ -208,6 +208,7 @@ class Dispatch:
         """A node left or died (already out of the registry): its requests move."""
         if node is not None:
             log.warning("%s", why)
+            self.resumes.node_gone(node.node_id)
             for wire_id in self.placement.drop(node.node_id):
                 if (flight := self.flights.get(wire_id)) is not None:
                     self._guarded("router.node_gone.request", self.retry, flight, why, now)

@@ -90,9 +90,18 @@ class Resumes:
             del self.pending[msg.req_id]
             self._adopt(lookup, node_id, msg, now)
             return
-        lookup.asked.discard(node_id)
         if msg.code != E.STREAM_NOT_FOUND:
             lookup.refusal = (msg.code, msg.reason)
+        self._not_there(lookup, node_id)
+
+    def node_gone(self, node_id: str) -> None:
+        """A decode node left or died: whatever stream it held went with it, so a lookup
+        need not wait for its answer (nor time out on it)."""
+        for lookup in [k for k in self.pending.values() if node_id in k.asked]:
+            self._not_there(lookup, node_id)
+
+    def _not_there(self, lookup: Lookup, node_id: str) -> None:
+        lookup.asked.discard(node_id)
         if not lookup.asked:
             self._fail(lookup, *(lookup.refusal or (E.STREAM_NOT_FOUND, (
                 f"no decode node holds stream {lookup.client_id!r} of this producer: it "
