@@ -20,7 +20,7 @@ from datetime import datetime
 import torch
 
 from pdserve.bench.cluster import machine
-from pdserve.model.cpu_linear import OneDNNLinear, onednn_available
+from pdserve.model.cpu_linear import OneDNNLinear, onednn_available, onednn_runs
 from pdserve.model.default_model import default_model_dir
 from pdserve.model.loader import load_model
 
@@ -51,6 +51,9 @@ def main() -> None:
     a = ap.parse_args()
     if not onednn_available():
         raise SystemExit("this torch has no oneDNN: nothing to compare")
+    if not onednn_runs(getattr(torch, a.dtype)):
+        raise SystemExit(f"this CPU cannot reorder {a.dtype} weights for oneDNN (no AVX512 "
+                         f"BW/VL/DQ or AVX-NE-CONVERT): nothing to compare")
     torch.set_num_threads(a.threads)
     model = load_model(a.model or default_model_dir(), a.dtype, "cpu")
     model.fuse_projections()

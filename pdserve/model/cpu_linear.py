@@ -14,9 +14,10 @@ Numerics: in float32, the products are still summed in float32, but in oneDNN's 
 results differ from ``F.linear``'s (and transformers') in the last bits: about 1e-6
 relative. In bfloat16 ``F.linear`` already calls oneDNN, without the reordered weight:
 the bits are the same (tested), the 30 layers' projections at 16 rows in 0.59 of the time.
-Rows do not depend on the other rows of the batch from 2 rows up (as with MKL, one row
-takes another kernel). ``EngineConfig.cpu_linear = "torch"`` keeps ``F.linear``, bit for
-bit transformers' CPU path in float32.
+bfloat16 needs AVX512 (BW, VL, DQ) or AVX-NE-CONVERT; on an AVX2-only CPU "auto" keeps
+``F.linear`` for bfloat16. Rows do not depend on the other rows of the batch from 2 rows
+up (as with MKL, one row takes another kernel). ``EngineConfig.cpu_linear = "torch"`` keeps
+``F.linear``, bit for bit transformers' CPU path in float32.
 """
 from __future__ import annotations
 
@@ -30,6 +31,15 @@ _DTYPES = (torch.float32, torch.bfloat16)
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
                                                             "_linear_pointwise")
+
+
+def onednn_runs(dtype: torch.dtype) -> bool:
+    """Whether this CPU can reorder a ``dtype`` weight. bfloat16's reorder needs AVX512-BW/VL/DQ
+    or AVX-NE-CONVERT: an AVX2-only CPU (seen on the dev machine's AMD EPYC days) raises at
+    load, while F.linear still runs bfloat16 there through its own path."""
+    if dtype not in _DTYPES or not onednn_available():
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def resolve_cpu_linear(mode: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -47,8 +57,12 @@ def resolve_cpu_linear(mode: str, device: torch.device, dtype: torch.dtype) -> s
         if not onednn_available():
             raise ValueError("cpu_linear 'onednn' needs a torch built with oneDNN (mkldnn), "
                              "and this one is not; use 'torch' or 'auto'")
+        if not onednn_runs(dtype):
+            raise ValueError("cpu_linear 'onednn' in bfloat16 needs a CPU with AVX512-BW, "
+                             "-VL and -DQ or AVX-NE-CONVERT, and this one has neither; use "
+                             "'torch' or 'auto'")
     if mode == "auto":
-        return "onednn" if usable and onednn_available() else "torch"
+        return "onednn" if usable and onednn_runs(dtype) else "torch"
     return mode
 
 

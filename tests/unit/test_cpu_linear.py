@@ -6,9 +6,17 @@ import pytest
 import torch
 
 from pdserve import LLM
-from pdserve.model.cpu_linear import OneDNNLinear, onednn_available, resolve_cpu_linear
+from pdserve.model.cpu_linear import (
+    OneDNNLinear,
+    onednn_available,
+    onednn_runs,
+    resolve_cpu_linear,
+)
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+needs_onednn_bf16 = pytest.mark.skipif(
+    not onednn_runs(torch.bfloat16),
+    reason="this CPU has no AVX512-BW/VL/DQ or AVX-NE-CONVERT: oneDNN cannot reorder bfloat16")
 CPU = torch.device("cpu")
 
 
@@ -26,7 +34,7 @@ def test_onednn_linear_is_f_linear_to_float32_rounding(rows, bias):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@needs_onednn
+@needs_onednn_bf16
 @pytest.mark.parametrize("rows", [1, 2, 16, 64])
 def test_in_bfloat16_onednn_linear_gives_f_linears_bits(rows):
     # F.linear already runs bfloat16 through oneDNN; the reordered weight changes no bit.
@@ -54,6 +62,9 @@ def test_a_row_does_not_depend_on_the_rest_of_the_batch():
 def test_auto_takes_onednn_for_float32_and_bfloat16_on_the_cpu():
     want = "onednn" if onednn_available() else "torch"
     assert resolve_cpu_linear("auto", CPU, torch.float32) == want
+    # bfloat16 as far as this CPU can reorder it (an AVX2-only one cannot): both ways run
+    want = "onednn" if onednn_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported() \
+        else "torch"
     assert resolve_cpu_linear("auto", CPU, torch.bfloat16) == want
     assert resolve_cpu_linear("auto", CPU, torch.float16) == "torch"
     assert resolve_cpu_linear("auto", torch.device("cuda"), torch.float32) == "torch"
@@ -63,6 +74,9 @@ def test_auto_takes_onednn_for_float32_and_bfloat16_on_the_cpu():
 def test_asking_for_onednn_where_it_cannot_run_says_why():
     with pytest.raises(ValueError, match="bfloat16 models on the CPU, not float16 on cpu"):
         resolve_cpu_linear("onednn", CPU, torch.float16)
+    if onednn_available() and not onednn_runs(torch.bfloat16):
+        with pytest.raises(ValueError, match="bfloat16 needs a CPU with AVX512-BW"):
+            resolve_cpu_linear("onednn", CPU, torch.bfloat16)
     with pytest.raises(ValueError, match="cpu_linear must be 'auto', 'onednn' or 'torch'"):
         resolve_cpu_linear("mkl", CPU, torch.float32)
     with pytest.raises(ValueError, match="cpu_linear must be one of"):
