@@ -38,7 +38,7 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_make_serve_model_and_sigint_to_makes_pid(tiny_model):
+def test_make_serve_model_and_sigint_to_makes_pid(tiny_model, tmp_path):
     venv = Path(sys.prefix)
     model = tiny_model()
     http = free_port()
@@ -46,14 +46,17 @@ def test_make_serve_model_and_sigint_to_makes_pid(tiny_model):
             f"--ingress tcp://127.0.0.1:{free_port()} --threads 1")
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL")}
     # -o: the venv counts as installed (this test must never reinstall it).
+    # Output to a file, not a pipe: an unread pipe that fills would stall the nodes' logging.
+    log = tmp_path / "make-serve.log"
     started: set[int] = set()
-    make = subprocess.Popen(["make", "-s", "-o", f"{venv}/.installed", "serve", f"VENV={venv}",
-                             f"MODEL={model}", f"ARGS={args}"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with open(log, "w") as out:
+        make = subprocess.Popen(["make", "-s", "-o", f"{venv}/.installed", "serve",
+                                 f"VENV={venv}", f"MODEL={model}", f"ARGS={args}"], cwd=ROOT,
+                                env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 180
         while True:
-            assert make.poll() is None, make.stdout.read()
+            assert make.poll() is None, log.read_text()
             try:
                 if httpx.get(f"http://127.0.0.1:{http}/health", timeout=1).status_code == 200:
                     break
@@ -66,11 +69,16 @@ def test_make_serve_model_and_sigint_to_makes_pid(tiny_model):
         started |= descendants(make.pid)
         assert len(started) >= 3  # the launcher, the router, the nodes
         os.kill(make.pid, signal.SIGINT)
-        make.wait(timeout=60)
+        try:
+            make.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            alive_now = [p for p in started if alive(p)]
+            raise AssertionError(f"make still running 60 s after SIGINT; alive: {alive_now}; "
+                                 f"output:\n{log.read_text()[-4000:]}") from None
         deadline = time.monotonic() + 10
         while any(alive(p) for p in started) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not [p for p in started if alive(p)], make.stdout.read()
+        assert not [p for p in started if alive(p)], log.read_text()
     finally:
         if make.poll() is None:
             make.kill()
