@@ -87,8 +87,14 @@ def roles(c) -> dict[str, int]:
 @pytest.mark.timeout(240)
 def test_rss_is_flat_across_rounds_of_odd_input(cluster):
     """Rounds of every case above, and a normal request after each: each process's RSS
-    after 10 rounds is within 5 % of its RSS before them (after 3 warm rounds), and
-    within 50 MB of what it was before any."""
+    stays within 50 MB of what it was before any, and each node's after 10 rounds is within
+    5 % of its RSS before them (after 3 warm rounds).
+
+    The router parses the 100,000 messages before refusing them (about 30 MB of Python
+    objects, freed), and its allocator keeps part of that: measured on the 2-core dev
+    machine (2026-12-05), 200 such requests in a row took its RSS from 87-88 MB to a level
+    of 107-111 MB, reached by about the 100th (tracemalloc: +0.0 MiB of live Python
+    objects). That settles within the 50 MB bound but not within 5 % of round 3."""
     pids = roles(cluster)
     assert {"router", "prefill-0", "decode-0"} <= set(pids), pids
     def round_of_cases():
@@ -109,6 +115,7 @@ def test_rss_is_flat_across_rounds_of_odd_input(cluster):
         round_of_cases()
     last = {name: rss(pid) for name, pid in pids.items()}
     for name in pids:
-        assert last[name] <= warm[name] * 1.05, (name, warm, last)
         assert last[name] - before[name] < 50 * MB, (name, before, last)
+        if name != "router":
+            assert last[name] <= warm[name] * 1.05, (name, warm, last)
     assert cluster.pids <= process_tree(cluster.proc.pid)
