@@ -50,9 +50,14 @@ def test_make_serve_model_and_sigint_to_makes_pid(tiny_model, tmp_path):
     log = tmp_path / "make-serve.log"
     started: set[int] = set()
     with open(log, "w") as out:
+        # SIGINT at its default, as a terminal's foreground job has it: a background job
+        # of a non-interactive shell (a CI script's `&`) inherits it ignored, and make
+        # then ignores it too.
         make = subprocess.Popen(["make", "-s", "-o", f"{venv}/.installed", "serve",
                                  f"VENV={venv}", f"MODEL={model}", f"ARGS={args}"], cwd=ROOT,
-                                env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+                                env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT,
+                                                                 signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 180
         while True:
