@@ -163,20 +163,31 @@ def _assert_equal(got, want) -> None:
 
 
 def test_cache_aware_routes_to_what_the_nodes_said_they_cached(cluster):
-    """Prefixes sent through router A are found through router B (which never sent them:
-    its index is the nodes' KV events), and through router C, started after the caches
-    were warm: it is not ready (503) until every node's index dump is in, then routes
-    by the dumps."""
+    """Prefixes sent through another router, W, are found through router B (which never
+    sent them: its index is the nodes' KV events), and through router C, started after
+    the caches were warm: it is not ready (503) until every node's index dump is in, then
+    routes by the dumps."""
     f, model, routers, nodes = cluster
-    a, b = routers
+    b = routers[1]
     prefill = nodes[:2]
     prefixes = [[(37 * i + 101 * k) % 900 + 3 for i in range(64)] for k in range(6)]  # 4 blocks
-    # At once through A: its placement spreads them over both prefill nodes.
-    queried = [prefix_tokens([n])[0] for n in prefill]
-    with ThreadPoolExecutor(6) as pool:
-        list(pool.map(lambda p: complete_ids(a, model, p + [1]), prefixes))
-    spread = [prefix_tokens([n])[0] - q for n, q in zip(prefill, queried)]
-    assert all(spread), f"A sent every prefix to one node ({spread}): nothing to tell apart"
+    # W places them round robin, one after another: both prefill nodes hold some. (Sent at
+    # once through a cache_aware router, the least loaded node took all six on a busy
+    # machine, when each prefill ended before the next request came.)
+    w = f.router("router-w", "--policy", "round_robin")
+    try:
+        for n in prefill:
+            wait_for(lambda n=n: f"node {n.name} joined" in w.log(), 60,
+                     f"{n.name} never joined {w.name}", w, n)
+        wait_for(lambda: healthy(w), 60, "router W not healthy", w)
+        queried = [prefix_tokens([n])[0] for n in prefill]
+        for p in prefixes:
+            complete_ids(w, model, p + [1])
+        spread = [prefix_tokens([n])[0] - q for n, q in zip(prefill, queried)]
+        assert all(spread), f"W sent every prefix to one node ({spread})"
+    finally:
+        os.kill(w.popen.pid, signal.SIGKILL)
+        w.popen.wait()
     wait_for(lambda: index_blocks(b) >= 6 * 4, 10, "B's index lacks A's prefixes", b)
     follow_ups_hit(b, model, prefill, prefixes, [2, 3])
     # A late router: the nodes' dumps, not events it never saw, give it the warm caches.
