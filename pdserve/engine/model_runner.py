@@ -14,7 +14,7 @@ from pdserve.engine.decode_window import DecodeWindows
 from pdserve.engine.inputs import ModelInputs, build_model_inputs
 from pdserve.engine.sampler import make_generator, sample
 from pdserve.engine.scheduler import ScheduledBatch
-from pdserve.model.cpu_linear import resolve_cpu_linear
+from pdserve.model.cpu_linear import bound_onednn_caches, resolve_cpu_linear
 from pdserve.model.llama import LlamaForCausalLM
 
 
@@ -54,6 +54,7 @@ class ModelRunner:
         model.fuse_projections()
         self.linear = resolve_cpu_linear(cpu_linear, torch.device(device), dtype)
         if self.linear == "onednn":
+            bound_onednn_caches()  # before the first reorder: oneDNN reads the caps then
             model.use_onednn()
         self.model = model
         self.compute = compute
