@@ -20,15 +20,16 @@ up (as with MKL, one row takes another kernel). ``EngineConfig.cpu_linear = "tor
 ``F.linear``, bit for bit transformers' CPU path in float32.
 
 Memory: oneDNN keeps, per weight shape and row count, a primitive (oneDNN's own cache) and
-a computation that holds buffers about the size of its output (ideep's cache, in torch):
-540 KiB for 2 rows of a 576 -> 1536 projection, 12 MiB for 2,000. Both caches hold 1,024
-entries by default, and a node sees a new row count in most batches: 3 such projections
-run at row counts 1 to 299 grew a process by 541 MiB, the LM head alone (49,152 outputs)
-by up to 400 MiB over batches of 1 to 64 rows. ``bound_onednn_caches`` caps both at
+a computation that holds buffers growing with its rows (ideep's cache, in torch): 540 KiB
+for 2 rows of a 576 -> 1536 projection, 12 MiB for 2,000. Both caches hold 1,024 entries
+by default, and a node sees a new row count in most batches: 3 such projections run at
+row counts 1 to 299 grew a process by 541 MiB. ``bound_onednn_caches`` caps both at
 ``CACHE_ENTRIES`` (set in the environment before the first oneDNN call, which reads it;
-the same run: +91 MiB), and ``OneDNNLinear`` takes at most ``MAX_ROWS`` rows a call (a
+the same run: +41-53 MiB), and ``OneDNNLinear`` takes at most ``MAX_ROWS`` rows a call (a
 prefill's longer input in pieces), which bounds each entry. A batch of a row count not
-among the last few makes its primitives again: tens of microseconds a shape.
+among the last few makes its primitives again: a decode step cycling through 10 batch
+sizes took 91 ms at 32 entries against 84 at 64 (4 rows), the same at 16 and 48 rows
+(benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from torch import nn
 
 # oneDNN's primitive cache, and ideep's computation cache (its older name in torch)
 CACHE_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
-CACHE_ENTRIES = 64
+CACHE_ENTRIES = 32
 MAX_ROWS = 256  # rows of one oneDNN call: a piece keeps the GEMM compute-bound
 
 # float16 keeps F.linear: its reorder needs AVX-NE-CONVERT or AVX512-FP16

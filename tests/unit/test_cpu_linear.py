@@ -102,7 +102,7 @@ print(rss() - before)
 def test_a_new_row_count_in_every_batch_keeps_no_unbounded_memory():
     """oneDNN's caches keep buffers per row count: 3 projections at 299 row counts grew a
     process by 541 MiB with their default 1,024 entries (2-core AMD EPYC, 2026-12-05),
-    91 MiB with the engine's caps."""
+    41-53 MiB with the engine's caps (32 entries each)."""
     env = {k: v for k, v in os.environ.items()
            if k not in CACHE_ENV and k != "DNNL_PRIMITIVE_CACHE_CAPACITY"}
     run = subprocess.run([sys.executable, "-c", ROW_COUNTS], env=env, capture_output=True,
