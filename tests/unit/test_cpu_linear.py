@@ -80,7 +80,7 @@ def test_past_max_rows_a_row_still_does_not_depend_on_the_batch():
 
 
 ROW_COUNTS = """
-import os, sys, torch
+import torch
 from pdserve.model.cpu_linear import OneDNNLinear, bound_onednn_caches
 bound_onednn_caches()
 torch.set_num_threads(1)
