@@ -4,9 +4,11 @@
 
 - split: each node ``--threads cores/2`` (launch's default before 2026-12-05);
 - shared, spinning: each node every core, ``OMP_WAIT_POLICY=ACTIVE`` (OpenMP threads
-  spin between parallel regions);
+  spin between parallel regions, also in the node that has nothing to do);
 - shared, passive: each node every core, ``OMP_WAIT_POLICY=PASSIVE`` (launch's default
   now: idle threads sleep);
+- decode first: shared, passive, and the prefill nodes reniced to 10 once started, so
+  that a decode step takes the cores ahead of a prefill;
 - colocated: one node that prefills and decodes, every core.
 
 Each is driven by ``pdserve bench``: one request at a time (``--b1-prompts`` of 128
@@ -32,6 +34,7 @@ WAYS = {
     "split": (["--threads", str(max(1, CORES // 2))], {}),
     "spinning": (["--threads", str(CORES)], {"OMP_WAIT_POLICY": "ACTIVE"}),
     "passive": ([], {"OMP_WAIT_POLICY": "PASSIVE"}),
+    "decode-first": ([], {"OMP_WAIT_POLICY": "PASSIVE"}),
     "colocated": (["--colocated"], {}),
 }
 
@@ -50,6 +53,18 @@ def bench(url: str, n: int, concurrency: int, input_len: int, output_len: int) -
             return json.load(f)
 
 
+def renice_prefill(pgid: int) -> None:
+    from tests.cluster import child_config
+
+    out = subprocess.run(["ps", "-o", "pid=", "-g", str(pgid)], capture_output=True,
+                         text=True).stdout.split()
+    for pid in map(int, out):
+        cfg = child_config(pid)
+        if cfg and str(cfg["config"].get("node_id", "")).startswith("prefill-"):
+            for task in os.listdir(f"/proc/{pid}/task"):   # every thread of it
+                os.setpriority(os.PRIO_PROCESS, int(task), 10)
+
+
 def run(way: str, b1_prompts: int) -> dict:
     args, env = WAYS[way]
     saved = dict(os.environ)
@@ -57,6 +72,8 @@ def run(way: str, b1_prompts: int) -> dict:
     os.environ.update(env)   # the nodes inherit it through launch
     try:
         with launched(*args, ready_timeout_s=600) as cluster:
+            if way == "decode-first":
+                renice_prefill(cluster.proc.pid)
             one = bench(cluster.http_url, b1_prompts, 1, 128, 64)
             many = bench(cluster.http_url, 32, 16, 256, 64)
     finally:

@@ -116,11 +116,11 @@ def _node_env(cfg: LaunchConfig, node: NodeConfig, log_level: str) -> dict[str, 
     default threads), and their OpenMP threads sleep at the end of a parallel region
     (OMP_WAIT_POLICY=PASSIVE, unless this environment says otherwise) instead of spinning
     for the next: so a role with work takes the cores the other leaves idle, and a busy
-    role does not lose them to the other's spinning. Measured on 2 cores, 1P1D
-    (benchmarks/launch_threads.py, RESULTS.md "Threads of nodes that share a machine"):
-    cores split one each, 74.7 ms a token at batch 1 and 37 tokens/s at 16 concurrent
-    requests; every core to each, spinning, 51.6 ms and 39 tokens/s; every core, passive,
-    54.6 ms and 60 tokens/s."""
+    role does not lose them to the other's spinning. On 2 cores, 1P1D, two runs
+    (benchmarks/launch_threads.py; RESULTS.md "Threads of nodes that share a machine"):
+    one core each, 73-75 ms a token at batch 1 and 37-51 tokens/s at 16 concurrent
+    requests; every core each, passive, 54-59 ms and 55-61 tokens/s; spinning
+    (OMP_WAIT_POLICY=ACTIVE), 149 ms and 22 tokens/s."""
     env = child_env(node, log_level)
     if node.engine.compute == "model" and len(_roles(cfg)) > 1:
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
