@@ -32,9 +32,8 @@ import threading
 import time
 from datetime import datetime, timezone
 
-import numpy as np
-
 from pdserve.bench.cluster import launched, machine, metric_totals
+from pdserve.bench.metrics import goodput
 
 sys.path.insert(0, os.path.dirname(__file__))
 from sim_fleet import processes  # noqa: E402 (beside this script)
@@ -53,16 +52,6 @@ def bench(url: str, a, out: str) -> dict:
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=1800)
     with open(out) as f:
         return json.load(f)
-
-
-def goodput(result: dict, slo_ttft_s: float, slo_itl_s: float) -> float:
-    good = 0
-    for ttft, itl, err in zip(result["ttfts"], result["itls"], result["errors"]):
-        if err or ttft is None or ttft > slo_ttft_s:
-            continue
-        if not itl or float(np.percentile(itl, 99)) <= slo_itl_s:
-            good += 1
-    return good / result["duration"]
 
 
 def cpu_of(pid: int) -> float:
