@@ -37,6 +37,7 @@ class RequestRecord:
     success: bool = False
     error: str = ""
     generated_text: str = ""
+    output_ids: list[int] | None = None    # the answer's ids, where the backend sends them
 
     @property
     def ttft(self) -> float:
