@@ -135,3 +135,24 @@ def test_run_conversations_in_order(tiny_model):
     lens = [r.prompt_len for r in records]
     assert lens[:3] == [24, 24 + 1 + 8, 33 + 1 + 8]
     assert min(r.start for r in records) >= 0 and duration > 0
+
+
+def test_merge_results_of_clients_side_by_side():
+    """Two clients' results (one per router) make one: requests together, the longer
+    duration, figures computed again; conversations numbered apart."""
+    from pdserve.bench import report
+
+    def one(ttfts, duration):
+        recs = [RequestRecord(10, start=0.0, end=t + 0.2, chunk_times=[t, t + 0.1, t + 0.2],
+                              output_tokens=3, success=True) for t in ttfts]
+        m = metrics.compute_metrics(recs, duration, [99])
+        return report.result_dict(m, recs, ("ttft", "itl"), num_prompts=len(recs),
+                                  conversation_index=[0] * len(recs),
+                                  turn_index=list(range(len(recs))))
+
+    merged = report.merge_results([one([0.1, 0.2], 2.0), one([0.3], 3.0)], [50])
+    assert merged["completed"] == 3 and merged["num_prompts"] == 3
+    assert merged["duration"] == 3.0 and merged["request_throughput"] == pytest.approx(1.0)
+    assert merged["ttfts"] == pytest.approx([0.1, 0.2, 0.3])
+    assert merged["median_ttft_ms"] == pytest.approx(200)
+    assert merged["conversation_index"] == [0, 0, 1] and merged["turn_index"] == [0, 1, 0]
