@@ -14,7 +14,8 @@ conversation back to the prefill node holding it gets prefix hits). Every reques
 ``ignore_eos`` with ``--output-len`` tokens. A request is good when its TTFT and the 99th
 percentile of its own inter-token gaps are within the SLO; goodput is good requests per
 second (pdserve.bench.metrics.goodput). Router CPU is user + system time of every router
-process over the run, per completed request. The hit rate is the prefill nodes' prefix-cache
+process over the run, less their idle rate (measured over ``--idle-s`` before) times the
+run's wall time, per completed request. The hit rate is the prefill nodes' prefix-cache
 hits over lookups (tokens). With ``--kill-quarter`` a second run per policy SIGKILLs a
 quarter of the prefill and of the decode nodes, by PID, ``--kill-after`` seconds in, and
 counts what completed.
@@ -118,7 +119,14 @@ def run(a, policy: str, kill: bool) -> dict:
         urls = cluster.metrics_urls()  # launch is ready: every node is on every router
         routers = [cluster.http_url] + [urls[f"router-{i}"].removesuffix("/metrics")
                                         for i in range(1, a.routers)]
-        cpu0, (q0, h0) = cluster.cpu_seconds()["router"], prefix_totals(urls)
+        # The routers' idle CPU (heartbeats, metrics), measured here and taken off the
+        # run's: each client takes seconds to start on a loaded machine, and that wait
+        # would otherwise count against the requests of a short run.
+        idle0, t_idle = cluster.cpu_seconds()["router"], time.monotonic()
+        time.sleep(a.idle_s)
+        cpu0, t0 = cluster.cpu_seconds()["router"], time.monotonic()
+        idle_rate = (cpu0 - idle0) / (t0 - t_idle)
+        q0, h0 = prefix_totals(urls)
         killed: list[str] = []
         if kill:
             victims = [f"prefill-{i}" for i in range(a.prefill // 4)] + \
@@ -132,7 +140,9 @@ def run(a, policy: str, kill: bool) -> dict:
             threading.Thread(target=killer, daemon=True).start()
         with tempfile.TemporaryDirectory() as tmp:
             result = bench(routers, a, tmp)
-        router_cpu = cluster.cpu_seconds()["router"] - cpu0  # every router's, summed
+        # every router's, summed, less what they would have used idle meanwhile
+        router_cpu = cluster.cpu_seconds()["router"] - cpu0 - \
+            idle_rate * (time.monotonic() - t0)
         # a killed node's counters are gone with it: the hit rate is of runs without kills
         q1, h1 = (q0, h0) if kill else prefix_totals(urls)
     done = result["completed"]
@@ -143,6 +153,7 @@ def run(a, policy: str, kill: bool) -> dict:
             "p99_ttft_ms": round(result.get("p99_ttft_ms") or 0, 1),
             "p99_itl_ms": round(result.get("p99_itl_ms") or 0, 1),
             "router_cpu_ms_per_req": round(1e3 * router_cpu / max(1, done), 3),
+            "routers_idle_cpu_pct": round(100 * idle_rate, 2),
             "prefix_hit_rate": None if kill else round((h1 - h0) / max(1.0, q1 - q0), 3)}
 
 
@@ -166,6 +177,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     ap.add_argument("--slo-itl-ms", type=float, default=100.0)
+    ap.add_argument("--idle-s", type=float, default=3.0,
+                    help="seconds of the routers' idle CPU measured, to take off the run's")
     ap.add_argument("--kill-quarter", action="store_true")
     ap.add_argument("--kill-after", type=float, default=3.0)
     a = ap.parse_args()
