@@ -249,7 +249,9 @@ def _result_path(o: dict, result: dict) -> Path:
               default="random", show_default=True,
               help="multi-turn: chat conversations whose turns resend the history (the "
               "prompt before, the server's answer, a new user message), each turn sent once "
-              "the one before is answered; --num-prompts counts turns.")
+              "the one before is answered; --num-prompts counts turns, --request-rate and "
+              "--max-concurrency pace turns. Token ids on /v1/completions and the ingress, "
+              "messages on chat.")
 @click.option("--dataset-path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="ShareGPT JSON file.")
 @click.option("--num-prompts", type=click.IntRange(min=1), default=1000, show_default=True)
