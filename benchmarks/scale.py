@@ -17,8 +17,8 @@ second (pdserve.bench.metrics.goodput). Router CPU is user + system time of ever
 process over the run, less their idle rate (measured over ``--idle-s`` before) times the
 run's wall time, per completed request. The hit rate is the prefill nodes' prefix-cache
 hits over lookups (tokens). With ``--kill-quarter`` a second run per policy SIGKILLs a
-quarter of the prefill and of the decode nodes, by PID, ``--kill-after`` seconds in, and
-counts what completed.
+quarter of the prefill and of the decode nodes, by PID, ``--kill-after`` seconds after
+the first prompt reaches a prefill node, and counts what completed.
 
     python benchmarks/scale.py [--prefill 8] [--decode 8] [--routers 1]
         [--profile h100-llama3-8b] [--policies round_robin,least_loaded,cache_aware]
@@ -133,6 +133,10 @@ def run(a, policy: str, kill: bool) -> dict:
                 [f"decode-{i}" for i in range(a.decode // 4)]
 
             def killer():
+                # from the first prompt a prefill node sees, not from the clients' start:
+                # they take seconds to start on a loaded machine
+                while prefix_totals(urls)[0] == q0:
+                    time.sleep(0.1)
                 time.sleep(a.kill_after)
                 for name in victims:
                     os.kill(pids[name], signal.SIGKILL)
