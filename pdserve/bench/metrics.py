@@ -177,9 +177,9 @@ def compute_metrics(records: list[RequestRecord], duration: float,
 def goodput(result: dict, slo_ttft_s: float, slo_itl_s: float) -> float:
     """Requests per second of a saved result (report.result_dict) that completed with a TTFT
     of at most ``slo_ttft_s`` and the 99th percentile of their own inter-token gaps at most
-    ``slo_itl_s`` (a request with one chunk meets the ITL SLO). The scale benchmarks' SLO:
-    per request, unlike ``--goodput``'s TPOT, so that one long stall inside a stream counts
-    against the request it hit."""
+    ``slo_itl_s`` (a request with one chunk meets the ITL SLO): the SLO of the fleet
+    benchmarks and of ``pdserve plan``'s advisor. Per request, unlike ``--goodput``'s
+    TPOT, so that one long stall inside a stream counts against the request it hit."""
     good = 0
     for ttft, itl, err in zip(result["ttfts"], result["itls"], result["errors"]):
         if err or ttft is None or ttft > slo_ttft_s:
