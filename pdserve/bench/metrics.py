@@ -37,6 +37,7 @@ class RequestRecord:
     success: bool = False
     error: str = ""
     generated_text: str = ""
+    output_ids: list[int] | None = None    # the answer's ids, where the backend sends them
 
     @property
     def ttft(self) -> float:
@@ -173,6 +174,21 @@ def compute_metrics(records: list[RequestRecord], duration: float,
                "itl": stat_ms(itls, percentiles), "e2el": stat_ms(e2els, percentiles)})
 
 
+def goodput(result: dict, slo_ttft_s: float, slo_itl_s: float) -> float:
+    """Requests per second of a saved result (report.result_dict) that completed with a TTFT
+    of at most ``slo_ttft_s`` and the 99th percentile of their own inter-token gaps at most
+    ``slo_itl_s`` (a request with one chunk meets the ITL SLO): the SLO of the fleet
+    benchmarks and of ``pdserve plan``'s advisor. Per request, unlike ``--goodput``'s
+    TPOT, so that one long stall inside a stream counts against the request it hit."""
+    good = 0
+    for ttft, itl, err in zip(result["ttfts"], result["itls"], result["errors"]):
+        if err or ttft is None or ttft > slo_ttft_s:
+            continue
+        if not itl or float(np.percentile(itl, 99)) <= slo_itl_s:
+            good += 1
+    return good / result["duration"] if result["duration"] > 0 else 0.0
+
+
 def records_from_result(result: dict) -> list[RequestRecord]:
     """Rebuilds the records of a saved result (report.result_dict), to recompute any figure."""
     records = []
@@ -193,16 +209,3 @@ def records_from_result(result: dict) -> list[RequestRecord]:
             success=ok, error=result["errors"][i],
             generated_text=result["generated_texts"][i]))
     return records
-
-
-def goodput(result: dict, slo_ttft_s: float, slo_itl_s: float) -> float:
-    """Requests per second of a saved result (report.result_dict) that completed with a
-    TTFT within ``slo_ttft_s`` and the 99th percentile of their own inter-token gaps within
-    ``slo_itl_s``: the SLO of the fleet benchmarks and of ``pdserve plan``'s advisor."""
-    good = 0
-    for ttft, itl, err in zip(result["ttfts"], result["itls"], result["errors"]):
-        if err or ttft is None or ttft > slo_ttft_s:
-            continue
-        if not itl or float(np.percentile(itl, 99)) <= slo_itl_s:
-            good += 1
-    return good / result["duration"]
