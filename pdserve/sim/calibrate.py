@@ -39,6 +39,7 @@ from pdserve.sim import roofline as R
 from pdserve.sim.profile import DTYPE_BYTES, profile_from_dict
 
 DEFAULT_PROMPT_LENS = (16, 64, 128)
+MAX_FIT_ERROR = 0.25   # measured here, the points are within ~2 % of the fit
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,8 @@ def nnls(rows: list[list[float]], ys: list[float]) -> list[float]:
 def fit_roofline(profile, times: StepTimes) -> Fit:
     """The roofline's coefficients for ``profile``'s model that best fit ``times``, each
     point weighted by 1/its time (relative error); ValueError when the times do not
-    fit a roofline (a rate fitted as infinite)."""
+    fit a roofline (a rate fitted as infinite, or a point missed by over MAX_FIT_ERROR).
+    """
     w = R.weight_bytes_read(profile)
     kv = R.kv_bytes_per_token(profile)
     rows, ys = [], []
@@ -159,12 +161,13 @@ def fit_roofline(profile, times: StepTimes) -> Fit:
     for c, t in sorted(times.decode.items()):
         rows.append([0.0, (w + c * kv) / t, 1.0 / t])
         ys.append(1.0)
-    f, b, overhead = nnls(rows, ys)
-    if f <= 0 or b <= 0:
+    x = nnls(rows, ys)
+    worst = max(abs(sum(r_i * x_i for r_i, x_i in zip(r, x)) - 1) for r in rows)
+    if x[0] <= 0 or x[1] <= 0 or worst > MAX_FIT_ERROR:
         raise ValueError(f"the step times measured do not fit the roofline (seconds per "
-                         f"FLOP {f:g}, per byte {b:g}): prefill {times.prefill}, "
-                         f"decode {times.decode}")
-    return Fit(f, b, overhead)
+                         f"FLOP {x[0]:g}, per byte {x[1]:g}, a point missed by "
+                         f"{worst:.0%}): prefill {times.prefill}, decode {times.decode}")
+    return Fit(*x)
 
 
 # -- the profile ------------------------------------------------------------------------------
