@@ -193,3 +193,16 @@ def records_from_result(result: dict) -> list[RequestRecord]:
             success=ok, error=result["errors"][i],
             generated_text=result["generated_texts"][i]))
     return records
+
+
+def goodput(result: dict, slo_ttft_s: float, slo_itl_s: float) -> float:
+    """Requests per second of a saved result (report.result_dict) that completed with a
+    TTFT within ``slo_ttft_s`` and the 99th percentile of their own inter-token gaps within
+    ``slo_itl_s``: the SLO of the fleet benchmarks and of ``pdserve plan``'s advisor."""
+    good = 0
+    for ttft, itl, err in zip(result["ttfts"], result["itls"], result["errors"]):
+        if err or ttft is None or ttft > slo_ttft_s:
+            continue
+        if not itl or float(np.percentile(itl, 99)) <= slo_itl_s:
+            good += 1
+    return good / result["duration"]
