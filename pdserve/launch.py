@@ -1,6 +1,7 @@
 """``pdserve launch``: a router and its nodes as child processes on this machine.
 
-    1. start the router, then N prefill and M decode nodes pointed at it
+    1. start the router, then N prefill and M decode nodes pointed at it (simulated nodes
+       forked from one process that has imported torch: forkserver.py)
     2. wait until the router's /health says every role is live and every node started is
        registered with every router; print the endpoints
        (each node gets a free port for its Prometheus /metrics, or --node-metrics-port's
@@ -22,11 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from pdserve.common.config_fields import check_fields, flag
-from pdserve.common.config_io import child_env
+from pdserve.common.config_io import ENV, child_env
 from pdserve.common.kv_events import KVEventsConfig
 from pdserve.common.logs import DEFAULT_LEVEL
 from pdserve.common.sockets import free_port
 from pdserve.engine.config import EngineConfig
+from pdserve.forkserver import ForkedNode, ForkServer
 from pdserve.node.config import NodeConfig
 from pdserve.router.config import RouterConfig
 
@@ -55,6 +57,10 @@ class LaunchConfig:
         "--host 0.0.0.0, else 127.0.0.1).", min=1, max=65535,
         default_text="a free port per decode node")
     compute: str = EngineConfig.compute   # "none": fixed tokens; "simulated": sim/
+    fork_nodes: bool = flag(True, "Fork the simulated nodes from one process that has "
+                            "imported torch, so that they share its memory (~150 MiB a "
+                            "node otherwise); --no-fork-nodes starts each as its own "
+                            "program, as other nodes are.")
     # Each role's node config from the --node-arg flags: (config, log level, the flags given)
     node_configs: dict[str, tuple[NodeConfig, str, set[str]]] = field(default_factory=dict)
     log_level: str = DEFAULT_LEVEL
@@ -184,7 +190,7 @@ def _nodes_registered(metrics_url: str) -> int:
                    if line.startswith("pdserve_nodes{")))
 
 
-def _stop(children: dict[str, subprocess.Popen]) -> None:
+def _stop(children: dict[str, subprocess.Popen | ForkedNode]) -> None:
     for proc in children.values():
         if proc.poll() is None:
             proc.terminate()
@@ -230,7 +236,8 @@ def run_launch(cfg: LaunchConfig) -> int:
 
     def stop_requested() -> bool:
         return bool(requested) or make_interrupted()
-    children: dict[str, subprocess.Popen] = {}
+    children: dict[str, subprocess.Popen | ForkedNode] = {}
+    server = None
     host = "127.0.0.1" if _open(cfg) else cfg.router.host
     routers = _routers(cfg)  # once: every node must name the same ones
     https = [f"http://{host}:{r.http_port}" for r in routers]
@@ -243,12 +250,20 @@ def run_launch(cfg: LaunchConfig) -> int:
         for i, router in enumerate(routers):
             children[f"router-{i}" if i else "router"] = subprocess.Popen(
                 _child("router"), env=child_env(router, cfg.log_level))
+        if cfg.fork_nodes and cfg.compute == "simulated":
+            server = ForkServer()   # it imports while the routers start
+        forks = []
         for k, (role, i) in enumerate(_roles(cfg)):
             node, log_level = _node_config(cfg, role, i, k, routers)
-            children[f"{role}-{i}"] = subprocess.Popen(_child(role),
-                                                       env=child_env(node, log_level))
+            env = child_env(node, log_level)
+            if server and node.engine.compute == "simulated":
+                forks.append((f"{role}-{i}", role, env[ENV]))
+            else:
+                children[f"{role}-{i}"] = subprocess.Popen(_child(role), env=env)
             metrics[f"{role}-{i}"] = _metrics_url(node.metrics_port, host)
             events += _kv_events_line(node, f"{role}-{i}")
+        if server:
+            children.update(server.fork(forks, cfg.ready_timeout_s))
         deadline = time.monotonic() + cfg.ready_timeout_s
         # Ready means every node started here is registered with every router: /health is
         # ok once one node of each role is, and the ready table lists every node's endpoints.
@@ -299,4 +314,6 @@ def run_launch(cfg: LaunchConfig) -> int:
             time.sleep(0.2)
         return 0
     finally:
+        if server:
+            server.close()
         _stop(children)
