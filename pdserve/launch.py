@@ -1,7 +1,7 @@
 """``pdserve launch``: a router and its nodes as child processes on this machine.
 
     1. start the router, then N prefill and M decode nodes pointed at it (simulated nodes
-       forked from one process that has imported torch: forkserver.py)
+       forked from one process that has imported torch: forked_nodes.py)
     2. wait until the router's /health says every role is live and every node started is
        registered with every router; print the endpoints
        (each node gets a free port for its Prometheus /metrics, or --node-metrics-port's
@@ -28,7 +28,7 @@ from pdserve.common.kv_events import KVEventsConfig
 from pdserve.common.logs import DEFAULT_LEVEL
 from pdserve.common.sockets import free_port
 from pdserve.engine.config import EngineConfig
-from pdserve.forkserver import ForkedNode, ForkServer
+from pdserve.forked_nodes import ForkedNode, ForkServer
 from pdserve.node.config import NodeConfig
 from pdserve.router.config import RouterConfig
 
@@ -228,31 +228,13 @@ def _make_interrupted() -> Callable[[], bool]:
     return lambda: os.getppid() != ppid or catches_sigint() is False
 
 
-def run_launch(cfg: LaunchConfig) -> int:
-    requested = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: requested.append(True))
-    make_interrupted = _make_interrupted()
-
-    def stop_requested() -> bool:
-        return bool(requested) or make_interrupted()
-    children: dict[str, subprocess.Popen | ForkedNode] = {}
-    server = None
-    host = "127.0.0.1" if _open(cfg) else cfg.router.host
-    routers = _routers(cfg)  # once: every node must name the same ones
-    https = [f"http://{host}:{r.http_port}" for r in routers]
-    http = https[0]
-    metrics = {"router": _metrics_url(cfg.router.metrics_port, host)
-               if cfg.router.metrics_port else f"{http}/metrics"}
-    metrics.update({f"router-{i}": f"{url}/metrics" for i, url in enumerate(https) if i})
-    events = ""
+def _start_nodes(cfg: LaunchConfig, routers: list[RouterConfig], host: str,
+                 children: dict, metrics: dict[str, str]) -> str:
+    """Starts every node into ``children`` (simulated ones forked, unless --no-fork-nodes),
+    its /metrics URL into ``metrics``; returns the ready table's KV-events lines."""
+    server = ForkServer() if cfg.fork_nodes and cfg.compute == "simulated" else None
+    events, forks = "", []   # (the server imports while the routers start)
     try:
-        for i, router in enumerate(routers):
-            children[f"router-{i}" if i else "router"] = subprocess.Popen(
-                _child("router"), env=child_env(router, cfg.log_level))
-        if cfg.fork_nodes and cfg.compute == "simulated":
-            server = ForkServer()   # it imports while the routers start
-        forks = []
         for k, (role, i) in enumerate(_roles(cfg)):
             node, log_level = _node_config(cfg, role, i, k, routers)
             env = child_env(node, log_level)
@@ -264,6 +246,33 @@ def run_launch(cfg: LaunchConfig) -> int:
             events += _kv_events_line(node, f"{role}-{i}")
         if server:
             children.update(server.fork(forks, cfg.ready_timeout_s))
+    finally:
+        if server:
+            server.close()
+    return events
+
+
+def run_launch(cfg: LaunchConfig) -> int:
+    requested = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: requested.append(True))
+    make_interrupted = _make_interrupted()
+
+    def stop_requested() -> bool:
+        return bool(requested) or make_interrupted()
+    children: dict[str, subprocess.Popen | ForkedNode] = {}
+    host = "127.0.0.1" if _open(cfg) else cfg.router.host
+    routers = _routers(cfg)  # once: every node must name the same ones
+    https = [f"http://{host}:{r.http_port}" for r in routers]
+    http = https[0]
+    metrics = {"router": _metrics_url(cfg.router.metrics_port, host)
+               if cfg.router.metrics_port else f"{http}/metrics"}
+    metrics.update({f"router-{i}": f"{url}/metrics" for i, url in enumerate(https) if i})
+    try:
+        for i, router in enumerate(routers):
+            children[f"router-{i}" if i else "router"] = subprocess.Popen(
+                _child("router"), env=child_env(router, cfg.log_level))
+        events = _start_nodes(cfg, routers, host, children, metrics)
         deadline = time.monotonic() + cfg.ready_timeout_s
         # Ready means every node started here is registered with every router: /health is
         # ok once one node of each role is, and the ready table lists every node's endpoints.
@@ -314,6 +323,4 @@ def run_launch(cfg: LaunchConfig) -> int:
             time.sleep(0.2)
         return 0
     finally:
-        if server:
-            server.close()
         _stop(children)
