@@ -73,7 +73,7 @@ def cpu_s(pid: int) -> float:
 
 
 async def burst(url: str, model: str, n: int, concurrency: int, tokens: int,
-                prompt_len: int) -> tuple[int, float]:
+                prompt_len: int, errors: dict[str, int]) -> tuple[int, float]:
     sem = asyncio.Semaphore(concurrency)
     ok = 0
 
@@ -82,7 +82,11 @@ async def burst(url: str, model: str, n: int, concurrency: int, tokens: int,
         body = {"model": model, "max_tokens": tokens, "ignore_eos": True,
                 "prompt": [1000 + (i * 7919 + k * 31) % 40000 for k in range(prompt_len)]}
         async with sem:
-            r = await client.post(f"{url}/v1/completions", json=body, timeout=300)
+            try:
+                r = await client.post(f"{url}/v1/completions", json=body, timeout=300)
+            except httpx.TransportError as exc:   # counted as failed, by kind
+                errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+                return
             if r.status_code == 200 and r.json()["usage"]["completion_tokens"] == tokens:
                 ok += 1
     start = time.perf_counter()
@@ -149,8 +153,9 @@ def main() -> None:
         time.sleep(a.idle_s)
         idle = {k: cpu_s(p) - before[k] for k, p in pids.items()}
         before = {k: cpu_s(p) for k, p in pids.items()}
+        errors: dict[str, int] = {}
         ok, wall = asyncio.run(burst(cluster.http_url, model, a.requests, a.concurrency,
-                                     a.tokens, a.prompt_len))
+                                     a.tokens, a.prompt_len, errors))
         busy = {k: cpu_s(p) - before[k] for k, p in pids.items()}
         mem = {k: memory_mib(p) for k, p in pids.items()}
         low = mem_available_mib()
@@ -160,7 +165,7 @@ def main() -> None:
     report = {
         "nodes": f"{a.prefill}P{a.decode}D", "forked": not a.no_fork_nodes,
         "profile": a.profile, "ready_s": round(ready, 1),
-        "requests_ok": f"{ok}/{a.requests}", "burst_s": round(wall, 2),
+        "requests_ok": f"{ok}/{a.requests}", "transport_errors": errors, "burst_s": round(wall, 2),
         "node_rss_mib_mean": round(sum(m["rss"] for m in node_mem) / len(node_mem), 1),
         "node_pss_mib_mean": round(sum(m["pss"] for m in node_mem) / len(node_mem), 1),
         "node_uss_mib_mean": round(sum(m["uss"] for m in node_mem) / len(node_mem), 1),
