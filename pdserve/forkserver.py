@@ -87,7 +87,8 @@ def _show_in_proc(text: str) -> None:
     """Writes ``text`` over the room the server's $PDSERVE_CONFIG held in the environment
     block the kernel shows as /proc/PID/environ (the one made at exec; os.environ is a
     copy). Trailing spaces keep it the same length: JSON ignores them."""
-    fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
     start, end = int(fields[47]), int(fields[48])   # env_start, env_end (stat fields 50, 51)
     block = ctypes.string_at(start, end - start)
     key = ENV.encode() + b"="
