@@ -9,6 +9,10 @@ prompts of L token ids, distinct); and how many of the requests succeeded.
 
     python benchmarks/sim_fleet.py [--prefill 8] [--decode 8] [--profile h100-llama3-8b]
         [--requests 256] [--concurrency 64] [--tokens 16] [--prompt-len 256]
+        [--no-fork-nodes]
+
+launch forks simulated nodes from one process that has imported torch (they share its
+pages); --no-fork-nodes starts each as its own program, as before (to compare).
 """
 from __future__ import annotations
 
@@ -69,7 +73,7 @@ def cpu_s(pid: int) -> float:
 
 
 async def burst(url: str, model: str, n: int, concurrency: int, tokens: int,
-                prompt_len: int) -> tuple[int, float]:
+                prompt_len: int, errors: dict[str, int]) -> tuple[int, float]:
     sem = asyncio.Semaphore(concurrency)
     ok = 0
 
@@ -78,7 +82,11 @@ async def burst(url: str, model: str, n: int, concurrency: int, tokens: int,
         body = {"model": model, "max_tokens": tokens, "ignore_eos": True,
                 "prompt": [1000 + (i * 7919 + k * 31) % 40000 for k in range(prompt_len)]}
         async with sem:
-            r = await client.post(f"{url}/v1/completions", json=body, timeout=300)
+            try:
+                r = await client.post(f"{url}/v1/completions", json=body, timeout=300)
+            except httpx.TransportError as exc:   # counted as failed, by kind
+                errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+                return
             if r.status_code == 200 and r.json()["usage"]["completion_tokens"] == tokens:
                 ok += 1
     start = time.perf_counter()
@@ -120,6 +128,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--idle-s", type=float, default=10.0)
+    ap.add_argument("--no-fork-nodes", action="store_true",
+                    help="Each node its own program (pdserve launch --no-fork-nodes).")
     ap.add_argument("--min-free-mib", type=float, default=3000.0,
                     help="Kill the cluster if the machine's MemAvailable falls below.")
     a = ap.parse_args()
@@ -127,7 +137,9 @@ def main() -> None:
     t0 = time.perf_counter()
     with launched("--prefill", str(a.prefill), "--decode", str(a.decode), "--compute",
                   "simulated", "--sim-profile", a.profile, "--sim-kv-bytes-scale",
-                  a.kv_scale, "--threads", "1", ready_timeout_s=900) as cluster:
+                  a.kv_scale, "--threads", "1",
+                  *(["--no-fork-nodes"] if a.no_fork_nodes else []),
+                  ready_timeout_s=900) as cluster:
         tripped: list = []
         threading.Thread(target=guard, args=(cluster.proc.pid, a.min_free_mib, tripped),
                          daemon=True).start()
@@ -141,8 +153,9 @@ def main() -> None:
         time.sleep(a.idle_s)
         idle = {k: cpu_s(p) - before[k] for k, p in pids.items()}
         before = {k: cpu_s(p) for k, p in pids.items()}
+        errors: dict[str, int] = {}
         ok, wall = asyncio.run(burst(cluster.http_url, model, a.requests, a.concurrency,
-                                     a.tokens, a.prompt_len))
+                                     a.tokens, a.prompt_len, errors))
         busy = {k: cpu_s(p) - before[k] for k, p in pids.items()}
         mem = {k: memory_mib(p) for k, p in pids.items()}
         low = mem_available_mib()
@@ -150,12 +163,14 @@ def main() -> None:
             raise SystemExit(f"stopped: MemAvailable fell to {tripped[0]:.0f} MiB")
     node_mem = [mem[k] for k in nodes]
     report = {
-        "nodes": f"{a.prefill}P{a.decode}D", "profile": a.profile, "ready_s": round(ready, 1),
-        "requests_ok": f"{ok}/{a.requests}", "burst_s": round(wall, 2),
+        "nodes": f"{a.prefill}P{a.decode}D", "forked": not a.no_fork_nodes,
+        "profile": a.profile, "ready_s": round(ready, 1),
+        "requests_ok": f"{ok}/{a.requests}", "transport_errors": errors, "burst_s": round(wall, 2),
         "node_rss_mib_mean": round(sum(m["rss"] for m in node_mem) / len(node_mem), 1),
         "node_pss_mib_mean": round(sum(m["pss"] for m in node_mem) / len(node_mem), 1),
         "node_uss_mib_mean": round(sum(m["uss"] for m in node_mem) / len(node_mem), 1),
         "nodes_pss_mib_total": round(sum(m["pss"] for m in node_mem)),
+        "nodes_uss_mib_total": round(sum(m["uss"] for m in node_mem)),
         "router_rss_mib": round(mem["router"]["rss"], 1),
         "node_idle_cpu_pct_mean": round(100 * sum(idle[k] for k in nodes)
                                         / len(nodes) / a.idle_s, 2),

@@ -1,6 +1,7 @@
 """``pdserve launch``: a router and its nodes as child processes on this machine.
 
-    1. start the router, then N prefill and M decode nodes pointed at it
+    1. start the router, then N prefill and M decode nodes pointed at it (simulated nodes
+       forked from one process that has imported torch: forked_nodes.py)
     2. wait until the router's /health says every role is live and every node started is
        registered with every router; print the endpoints
        (each node gets a free port for its Prometheus /metrics, or --node-metrics-port's
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,11 +25,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from pdserve.common.config_fields import check_fields, flag
-from pdserve.common.config_io import child_env
+from pdserve.common.config_io import ENV, child_env
 from pdserve.common.kv_events import KVEventsConfig
 from pdserve.common.logs import DEFAULT_LEVEL
 from pdserve.common.sockets import free_port
 from pdserve.engine.config import EngineConfig
+from pdserve.forked_nodes import ForkedNode, ForkServer
 from pdserve.node.config import NodeConfig
 from pdserve.router.config import RouterConfig
 
@@ -55,6 +59,10 @@ class LaunchConfig:
         "--host 0.0.0.0, else 127.0.0.1).", min=1, max=65535,
         default_text="a free port per decode node")
     compute: str = EngineConfig.compute   # "none": fixed tokens; "simulated": sim/
+    fork_nodes: bool = flag(True, "Fork the simulated nodes from one process that has "
+                            "imported torch, so that they share its memory (~150 MiB a "
+                            "node otherwise); --no-fork-nodes starts each as its own "
+                            "program, as other nodes are.")
     # Each role's node config from the --node-arg flags: (config, log level, the flags given)
     node_configs: dict[str, tuple[NodeConfig, str, set[str]]] = field(default_factory=dict)
     log_level: str = DEFAULT_LEVEL
@@ -79,8 +87,41 @@ def _child(role: str) -> list[str]:
     return [sys.executable, "-m", "pdserve.cli", role, "--config-env"]
 
 
+class PortPicker:
+    """Free ports for the endpoints launch names, taken under the kernel's ephemeral range
+    (ip_local_port_range) and never twice. A socket bound to port 0, or connecting out,
+    never gets such a port, so none is taken between launch picking it and its process
+    binding it: 64 forked simulated nodes start within seconds, opening hundreds of
+    sockets, and 2 of 64 found their /metrics port (free_port's, in that range) taken."""
+
+    def __init__(self, host: str = "127.0.0.1"):
+        try:
+            with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+                self.high = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            self.high = 0
+        self.host, self.low, self.taken = host, 20000, set()
+
+    def __call__(self) -> int:
+        for _ in range(1000 if self.high - self.low >= 1000 else 0):
+            port = random.randrange(self.low, self.high)
+            if port not in self.taken and _bindable(self.host, port):
+                self.taken.add(port)
+                return port
+        return free_port(self.host)
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
 def _node_config(cfg: LaunchConfig, role: str, index: int, k: int,
-                 routers: list[RouterConfig]) -> tuple[NodeConfig, str]:
+                 routers: list[RouterConfig], ports: PortPicker) -> tuple[NodeConfig, str]:
     """(config, log level) of one node: what its --node-arg flags say, and what the launcher
     decides unless they say it (model, threads, metrics and KV ports, CURVE keys, KV
     events). ``index``: its number in its role; ``k``: among all nodes (prefill first)."""
@@ -98,7 +139,7 @@ def _node_config(cfg: LaunchConfig, role: str, index: int, k: int,
     if cfg.router.curve_dir and "curve_dir" not in given:
         node["curve_dir"] = cfg.router.curve_dir
     if "metrics_port" not in given:
-        node["metrics_port"] = free_port() if cfg.node_metrics_port is None \
+        node["metrics_port"] = ports() if cfg.node_metrics_port is None \
             else cfg.node_metrics_port + k
         if _open(cfg):
             node["metrics_host"] = "0.0.0.0"
@@ -106,7 +147,7 @@ def _node_config(cfg: LaunchConfig, role: str, index: int, k: int,
         host = "0.0.0.0" if _open(cfg) else "127.0.0.1"
         node["kv_bind"] = f"tcp://{host}:{cfg.decode_kv_port + index}"
     if cfg.kv_events is not None:
-        node["kv_events"] = _node_kv_events(cfg)
+        node["kv_events"] = _node_kv_events(cfg, ports)
     return (replace(base, engine=replace(base.engine, **engine), **node),
             log_level if "log_level" in given else cfg.log_level)
 
@@ -127,18 +168,18 @@ def _node_env(cfg: LaunchConfig, node: NodeConfig, log_level: str) -> dict[str, 
     return env
 
 
-def _routers(cfg: LaunchConfig) -> list[RouterConfig]:
+def _routers(cfg: LaunchConfig, ports: PortPicker) -> list[RouterConfig]:
     """Each router's config: the first as given, the others on free ports."""
-    return [cfg.router, *(replace(cfg.router, http_port=free_port(), metrics_port=None,
-                                  control=_free_like(cfg.router.control),
-                                  ingress=_free_like(cfg.router.ingress)
+    return [cfg.router, *(replace(cfg.router, http_port=ports(), metrics_port=None,
+                                  control=_free_like(cfg.router.control, ports),
+                                  ingress=_free_like(cfg.router.ingress, ports)
                                   if cfg.router.ingress else None)
                           for _ in range(cfg.num_routers - 1))]
 
 
-def _free_like(endpoint: str) -> str:
+def _free_like(endpoint: str, ports: PortPicker) -> str:
     """``endpoint`` with its port replaced by a free one (tcp://HOST:PORT)."""
-    return f"{endpoint.rsplit(':', 1)[0]}:{free_port()}"
+    return f"{endpoint.rsplit(':', 1)[0]}:{ports()}"
 
 
 @functools.lru_cache(maxsize=4)
@@ -154,12 +195,12 @@ def _open(cfg: LaunchConfig) -> bool:
     return cfg.router.host in ("0.0.0.0", "*", "::")
 
 
-def _node_kv_events(cfg: LaunchConfig) -> KVEventsConfig:
+def _node_kv_events(cfg: LaunchConfig, ports: PortPicker) -> KVEventsConfig:
     """vLLM's one endpoint would collide between nodes (and its default port is the
     ingress's here): every node publishes on free ports of its own."""
     host = "0.0.0.0" if _open(cfg) else "127.0.0.1"
-    replay = f"tcp://{host}:{free_port()}" if cfg.kv_events.replay_endpoint else None
-    return cfg.kv_events.with_endpoints(f"tcp://{host}:{free_port()}", replay)
+    replay = f"tcp://{host}:{ports()}" if cfg.kv_events.replay_endpoint else None
+    return cfg.kv_events.with_endpoints(f"tcp://{host}:{ports()}", replay)
 
 
 def _kv_events_line(node: NodeConfig, name: str) -> str:
@@ -200,7 +241,7 @@ def _nodes_registered(metrics_url: str) -> int:
                    if line.startswith("pdserve_nodes{")))
 
 
-def _stop(children: dict[str, subprocess.Popen]) -> None:
+def _stop(children: dict[str, subprocess.Popen | ForkedNode]) -> None:
     for proc in children.values():
         if proc.poll() is None:
             proc.terminate()
@@ -238,6 +279,30 @@ def _make_interrupted() -> Callable[[], bool]:
     return lambda: os.getppid() != ppid or catches_sigint() is False
 
 
+def _start_nodes(cfg: LaunchConfig, routers: list[RouterConfig], ports: PortPicker,
+                 host: str, children: dict, metrics: dict[str, str]) -> str:
+    """Starts every node into ``children`` (simulated ones forked, unless --no-fork-nodes),
+    its /metrics URL into ``metrics``; returns the ready table's KV-events lines."""
+    server = ForkServer() if cfg.fork_nodes and cfg.compute == "simulated" else None
+    events, forks = "", []   # (the server imports while the routers start)
+    try:
+        for k, (role, i) in enumerate(_roles(cfg)):
+            node, log_level = _node_config(cfg, role, i, k, routers, ports)
+            env = _node_env(cfg, node, log_level)
+            if server and node.engine.compute == "simulated":
+                forks.append((f"{role}-{i}", role, env[ENV]))
+            else:
+                children[f"{role}-{i}"] = subprocess.Popen(_child(role), env=env)
+            metrics[f"{role}-{i}"] = _metrics_url(node.metrics_port, host)
+            events += _kv_events_line(node, f"{role}-{i}")
+        if server:
+            children.update(server.fork(forks, cfg.ready_timeout_s))
+    finally:
+        if server:
+            server.close()
+    return events
+
+
 def run_launch(cfg: LaunchConfig) -> int:
     requested = []
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -246,25 +311,20 @@ def run_launch(cfg: LaunchConfig) -> int:
 
     def stop_requested() -> bool:
         return bool(requested) or make_interrupted()
-    children: dict[str, subprocess.Popen] = {}
+    children: dict[str, subprocess.Popen | ForkedNode] = {}
     host = "127.0.0.1" if _open(cfg) else cfg.router.host
-    routers = _routers(cfg)  # once: every node must name the same ones
+    ports = PortPicker()
+    routers = _routers(cfg, ports)  # once: every node must name the same ones
     https = [f"http://{host}:{r.http_port}" for r in routers]
     http = https[0]
     metrics = {"router": _metrics_url(cfg.router.metrics_port, host)
                if cfg.router.metrics_port else f"{http}/metrics"}
     metrics.update({f"router-{i}": f"{url}/metrics" for i, url in enumerate(https) if i})
-    events = ""
     try:
         for i, router in enumerate(routers):
             children[f"router-{i}" if i else "router"] = subprocess.Popen(
                 _child("router"), env=child_env(router, cfg.log_level))
-        for k, (role, i) in enumerate(_roles(cfg)):
-            node, log_level = _node_config(cfg, role, i, k, routers)
-            children[f"{role}-{i}"] = subprocess.Popen(_child(role),
-                                                       env=_node_env(cfg, node, log_level))
-            metrics[f"{role}-{i}"] = _metrics_url(node.metrics_port, host)
-            events += _kv_events_line(node, f"{role}-{i}")
+        events = _start_nodes(cfg, routers, ports, host, children, metrics)
         deadline = time.monotonic() + cfg.ready_timeout_s
         # Ready means every node started here is registered with every router: /health is
         # ok once one node of each role is, and the ready table lists every node's endpoints.
