@@ -51,7 +51,8 @@ class Worker:
                                    config.max_num_batched_tokens)
 
     def _load(self, config: EngineConfig, kv_storage) -> None:
-        self.model = load_model(self.model_dir, config.dtype, config.device)
+        self.model = load_model(self.model_dir, config.dtype, config.device,
+                                config.quantization)
         self.model_config = self.model.config
         self.dtype = resolve_dtype(config.dtype, self.model_config)
         limit = self.model_config.max_model_len

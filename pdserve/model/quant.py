@@ -14,32 +14,102 @@ package's reference dequantization gives, bit for bit (tests/unit/test_quant.py)
 products are then summed in the kernel's order: results differ from F.linear's over the
 dequantized weight in the last bits.
 
-The kernel takes the scales in the activations' dtype. In bfloat16 an f16 scale loses 3
-bits, so the weights are no longer the file's: only float32 keeps them (``supported``).
+The kernel takes the scales in the activations' dtype, and on an AVX2 CPU (torch 2.13)
+only its bfloat16 path is fast: float32 and float16 activations take a path 13-30 times
+slower than oneDNN's float32 GEMM over the dequantized weight (benchmarks/quant_linear.py,
+benchmarks/RESULTS.md). In bfloat16 the f16 scale loses 3 bits and ``m + 8 d`` is rounded
+too, so the weights are the file's to bfloat16 precision, as a dequantized bfloat16 model's
+are (each weight rounded once): ``--quantization auto`` keeps the blocks only for a
+bfloat16 model (``plan``), and says so.
+
+Which tensors: the projections (q, k, v, o, gate, up, down) of type Q4_0 or Q4_1. The
+embedding is dequantized (a lookup needs rows), and with it a tied LM head; Q8_0 and the
+K-quants are dequantized (no torch kernel takes a scale per 32 int8 weights, and K-quants
+are not mapped yet).
 """
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 GROUP = 32                            # weights per block, along the input dimension
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}  # f16 d [, f16 m], 16 bytes of 4-bit pairs
 INT4_TYPES = tuple(BLOCK_BYTES)
 
 
+MODES = ("auto", "none", "int8", "int4")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 class QuantError(ValueError):
     """A tensor that cannot be kept quantized exactly (the caller dequantizes it)."""
 
 
-def supported(type_name: str, dtype: torch.dtype) -> str | None:
-    """None if a tensor of GGUF type ``type_name`` can be kept as int4 for activations
-    in ``dtype``, else why not (for the start-up log)."""
+def plan(mode: str, is_gguf: bool, dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether a model loaded with ``--quantization mode`` keeps its Q4_0/Q4_1 projections
+    as int4. Raises ValueError, saying what is allowed, for a mode that cannot work."""
+    if mode not in MODES:
+        raise ValueError(f"quantization must be one of {MODES}, got {mode!r}")
+    if mode == "none":
+        return False
+    if mode == "int8":
+        raise ValueError("quantization 'int8' is not implemented: torch's int8 weight-only "
+                         "GEMM takes one scale per output row, which no GGUF type has (Q8_0 "
+                         "has one per 32 weights), and requantizing would change the "
+                         "weights; use 'auto' or 'none'")
+    why_not = None
+    if not is_gguf:
+        why_not = "the checkpoint stores float weights (quantizing them is not implemented)"
+    elif torch.device(device).type != "cpu":
+        why_not = f"the int4 kernel here is the CPU's, not {torch.device(device).type}'s"
+    elif dtype != torch.bfloat16:
+        name = str(dtype).removeprefix("torch.")
+        why_not = (f"torch's int4 CPU kernel is fast in bfloat16 only ({name} runs 13x "
+                   "slower than the dequantized weight; pass --dtype bfloat16)")
+    if why_not and mode == "int4":
+        raise ValueError(f"quantization 'int4' cannot be served: {why_not}; use 'auto' or "
+                         "'none'")
+    if why_not:
+        log.info("quantization auto: weights dequantized to %s: %s",
+                 str(dtype).removeprefix("torch."), why_not)
+    return why_not is None
+
+
+def keeps(hf_name: str, type_name: str) -> str | None:
+    """None if a tensor (Hugging Face name, GGUF type) stays int4, else why not."""
+    module, _, kind = hf_name.rpartition(".")
+    if module.rpartition(".")[2] not in PROJECTIONS:
+        if module.endswith(("embed_tokens", "lm_head")):
+            return (f"{type_name}: the embedding's lookup takes rows, and a tied LM head is "
+                    "the embedding")
+        return f"{type_name}: not a projection"
+    if kind != "weight":
+        return "a bias"
     if type_name not in INT4_TYPES:
-        return f"{type_name} has no exact weight-only GEMM in torch"
-    if dtype != torch.float32:
-        return f"{str(dtype).removeprefix('torch.')} scales would round the file's f16 ones"
+        return f"{type_name}: no exact int4 mapping"
     return None
+
+
+def summary(kept: list[tuple[int, int]], types: set[str], dtype: torch.dtype,
+            dequantized: dict[str, list[str]]) -> str:
+    """The start-up log line: what stayed int4 (shapes [N, K]), its bytes against the
+    dequantized weights', and what was dequantized why."""
+    size = torch.empty((), dtype=dtype).element_size()
+    held = sum(n * k // 2 + n * k // GROUP * 2 * size for n, k in kept)
+    dense = sum(n * k * size for n, k in kept)
+    name = str(dtype).removeprefix("torch.")
+    parts = [f"{len(kept)} projection weights kept as int4 ({', '.join(sorted(types))}, "
+             f"{name} scales): {held / 2**20:.0f} MiB against {dense / 2**20:.0f} MiB in "
+             f"{name}"]
+    for why, names in dequantized.items():
+        shown = ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
+        parts.append(f"dequantized {shown} ({why})")
+    return "quantization auto: " + "; ".join(parts)
 
 
 def unpack_q4(raw: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -69,9 +139,11 @@ class Int4Linear(nn.Module):
     packed for torch's CPU int4 GEMM; float32 activations."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                 bias: torch.Tensor | None = None):
-        """q uint8 [N, K] in 0..15; scale, zero float32 [N, K / 32]."""
+                 bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32):
+        """q uint8 [N, K] in 0..15; scale, zero float32 [N, K / 32]; ``dtype``: the
+        activations' (and the scales' once packed)."""
         super().__init__()
+        self.dtype = dtype
         self.out_features, self.in_features = q.shape
         if self.in_features % GROUP:
             raise QuantError(f"input size {self.in_features} is not a multiple of {GROUP}")
@@ -81,29 +153,34 @@ class Int4Linear(nn.Module):
         self.scales_and_zeros: torch.Tensor | None = None
 
     @classmethod
-    def from_gguf(cls, raw: np.ndarray, type_name: str) -> Int4Linear:
+    def from_gguf(cls, raw: np.ndarray, type_name: str,
+                  dtype: torch.dtype = torch.float32) -> Int4Linear:
         q, scale, zero = unpack_q4(raw, type_name)
-        return cls(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zero))
+        return cls(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zero),
+                   dtype=dtype)
 
     @classmethod
     def cat(cls, parts: list[Int4Linear]) -> Int4Linear:
         """One layer whose output is the parts' outputs side by side (before pack())."""
         bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
         return cls(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                   torch.cat([p.zero for p in parts]), bias)
+                   torch.cat([p.zero for p in parts]), bias, parts[0].dtype)
 
     def permute_rows(self, fn) -> None:
         """Applies ``fn`` (a row permutation of [N, ...] tensors) to the stored rows."""
         self.q, self.scale, self.zero = fn(self.q), fn(self.scale), fn(self.zero)
 
     def pack(self) -> Int4Linear:
-        """Packs for the kernel; the unpacked copies go."""
+        """Packs for the kernel, with scales and zeros in the activations' dtype; the
+        unpacked copies go."""
         if self.packed is None:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 self.q.to(torch.int32).contiguous(), 1)                  # [N, K / 2] uint8
             self.scales_and_zeros = torch.stack(
-                [self.scale, self.zero], dim=-1).transpose(0, 1).contiguous()  # [G, N, 2]
-            self.q = self.scale = self.zero = None
+                [self.scale, self.zero], dim=-1).transpose(0, 1).to(self.dtype).contiguous()
+            self.q = self.scale = self.zero = None                      # ^ [G, N, 2]
+            if self.bias is not None:
+                self.bias = self.bias.to(self.dtype)
         return self
 
     def dequantized(self) -> torch.Tensor:
@@ -111,13 +188,9 @@ class Int4Linear(nn.Module):
         if self.packed is None:
             return ((self.q.float() - 8) * self.scale.repeat_interleave(GROUP, 1)
                     + self.zero.repeat_interleave(GROUP, 1))
-        eye = torch.eye(self.in_features)
+        eye = torch.eye(self.in_features, dtype=self.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             eye, self.packed, GROUP, self.scales_and_zeros).t().contiguous()
-
-    def nbytes(self) -> int:
-        self.pack()
-        return self.packed.nbytes + self.scales_and_zeros.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
