@@ -43,6 +43,8 @@ INT4_TYPES = tuple(BLOCK_BYTES)
 
 
 MODES = ("auto", "none", "int8", "int4")
+# A node's model identity hash ends in this when it holds int4 weights (engine/worker.py)
+WEIGHTS_INT4 = "+int4"
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

@@ -116,3 +116,26 @@ def test_the_cli_refuses_an_unknown_quantization():
     out = CliRunner().invoke(main, ["generate", "--prompt", "hi", "--quantization", "int2"],
                              terminal_width=10_000)
     assert out.exit_code == 2 and "'auto', 'none', 'int8', 'int4'" in out.output, out.output
+
+
+def test_int4_and_dequantized_nodes_of_one_file_do_not_share_a_cluster():
+    import msgspec
+
+    from pdserve.common import protocol as P
+    from pdserve.router.dispatch.registry import Registry
+    from tests.unit.test_dispatch import hello as plain
+
+    def hello(role, node_id, model=None):
+        h = plain(role, node_id)
+        return h if model is None else msgspec.structs.replace(h, model=model)
+
+    reg = Registry(P.ModelIdentity(name="m", config_hash="h"), 2, 2, 16, 1.0, 3)
+    int4 = P.ModelIdentity(name="m", config_hash="h+int4")
+    assert reg.admit(hello("prefill", "p1", int4))[0]  # the router's file
+    ok, why = reg.admit(hello("decode", "d1"))
+    assert not ok and "holds the model's weights dequantized, the cluster's nodes as int4" \
+        in why and "--quantization" in why
+    assert reg.admit(hello("decode", "d2", int4))[0]
+    ok, why = reg.admit(hello("decode", "d3", P.ModelIdentity(name="m",
+                                                              config_hash="other+int4")))
+    assert not ok and "differs from the router's" in why
