@@ -15,12 +15,14 @@ products are then summed in the kernel's order: results differ from F.linear's o
 dequantized weight in the last bits.
 
 The kernel takes the scales in the activations' dtype, and on an AVX2 CPU (torch 2.13)
-only its bfloat16 path is fast: float32 and float16 activations take a path 13-30 times
-slower than oneDNN's float32 GEMM over the dequantized weight (benchmarks/quant_linear.py,
-benchmarks/RESULTS.md). In bfloat16 the f16 scale loses 3 bits and ``m + 8 d`` is rounded
-too, so the weights are the file's to bfloat16 precision, as a dequantized bfloat16 model's
-are (each weight rounded once): ``--quantization auto`` keeps the blocks only for a
-bfloat16 model (``plan``), and says so.
+only its bfloat16 path is fast: float32 and float16 activations take a path about 13
+times slower than oneDNN's float32 GEMM over the dequantized weight, bfloat16 runs in
+0.34-0.42 of its time at one row (benchmarks/quant_linear.py, benchmarks/RESULTS.md). In
+bfloat16 the f16 scale loses 3 bits, ``m + 8 d`` is rounded, and at more rows the kernel
+rounds each weight it forms to bfloat16 again: the file's weights to about bfloat16
+precision, close to but not the same as a dequantized bfloat16 model's (greedy output
+departs earlier: RESULTS.md). ``--quantization auto`` keeps the blocks only for a bfloat16
+model (``plan``), and says so.
 
 Which tensors: the projections (q, k, v, o, gate, up, down) of type Q4_0 or Q4_1. The
 embedding is dequantized (a lookup needs rows), and with it a tied LM head; Q8_0 and the
@@ -40,8 +42,6 @@ log = logging.getLogger(__name__)
 GROUP = 32                            # weights per block, along the input dimension
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}  # f16 d [, f16 m], 16 bytes of 4-bit pairs
 INT4_TYPES = tuple(BLOCK_BYTES)
-
-
 MODES = ("auto", "none", "int8", "int4")
 # A node's model identity hash ends in this when it holds int4 weights (engine/worker.py)
 WEIGHTS_INT4 = "+int4"
