@@ -3,7 +3,7 @@
 Greedy, float32, random token-id prompts, EOS ignored on both sides, same torch
 threads. pdserve is measured two ways: the offline ``pdserve.LLM`` in this
 process, and through ``pdserve launch`` (1P1D with launch's default threads,
-cores / nodes each; every request at once over HTTP, the load generator in
+every core to each node, shared; every request at once over HTTP, the load generator in
 this process). transformers runs ``generate`` on
 the whole batch with its KV cache. Two workloads:
 
@@ -115,7 +115,7 @@ def main() -> None:
     times = {(w, k): [] for w in loads for k in ("pdserve LLM", "transformers",
                                                  "pdserve launch")}
     same = 0
-    # launch's own default threads (cores / nodes): more would oversubscribe the cores.
+    # launch's own default threads: every core to each node, idle threads sleeping.
     launch = ["--model", model_dir, "--prefill", "1", "--decode", "1"]
     with launched(*launch) if not a.no_launch else contextlib.nullcontext() as c:
         small = loads_of(a.rounds)["equal"][:2]

@@ -91,7 +91,7 @@ def _node_config(cfg: LaunchConfig, role: str, index: int, k: int,
     if cfg.router.model and "model" not in given:
         engine["model"] = cfg.router.model
     if "threads" not in given:
-        engine["threads"] = max(1, (os.cpu_count() or 1) // len(_roles(cfg)))
+        engine["threads"] = os.cpu_count() or 1   # shared, see _node_env
     node = {"router": ",".join(connect_address(r.control) for r in routers),
             "node_id": f"{role}-{index}",
             "heartbeat_interval_s": cfg.router.heartbeat_interval_s}
@@ -109,6 +109,22 @@ def _node_config(cfg: LaunchConfig, role: str, index: int, k: int,
         node["kv_events"] = _node_kv_events(cfg)
     return (replace(base, engine=replace(base.engine, **engine), **node),
             log_level if "log_level" in given else cfg.log_level)
+
+
+def _node_env(cfg: LaunchConfig, node: NodeConfig, log_level: str) -> dict[str, str]:
+    """A node's environment. Nodes that share this machine each get every core (the
+    default threads), and their OpenMP threads sleep at the end of a parallel region
+    (OMP_WAIT_POLICY=PASSIVE, unless this environment says otherwise) instead of spinning
+    for the next: so a role with work takes the cores the other leaves idle, and a busy
+    role does not lose them to the other's spinning. On 2 cores, 1P1D, two runs
+    (benchmarks/launch_threads.py; RESULTS.md "Threads of nodes that share a machine"):
+    one core each, 73-75 ms a token at batch 1 and 37-51 tokens/s at 16 concurrent
+    requests; every core each, passive, 54-59 ms and 55-61 tokens/s; spinning
+    (OMP_WAIT_POLICY=ACTIVE), 149 ms and 22 tokens/s."""
+    env = child_env(node, log_level)
+    if node.engine.compute == "model" and len(_roles(cfg)) > 1:
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
 
 
 def _routers(cfg: LaunchConfig) -> list[RouterConfig]:
@@ -246,7 +262,7 @@ def run_launch(cfg: LaunchConfig) -> int:
         for k, (role, i) in enumerate(_roles(cfg)):
             node, log_level = _node_config(cfg, role, i, k, routers)
             children[f"{role}-{i}"] = subprocess.Popen(_child(role),
-                                                       env=child_env(node, log_level))
+                                                       env=_node_env(cfg, node, log_level))
             metrics[f"{role}-{i}"] = _metrics_url(node.metrics_port, host)
             events += _kv_events_line(node, f"{role}-{i}")
         deadline = time.monotonic() + cfg.ready_timeout_s

@@ -11,7 +11,7 @@ import time
 
 import orjson
 
-from pdserve.bench.datasets import SampleRequest
+from pdserve.bench.datasets import SampleRequest, is_messages
 from pdserve.bench.metrics import RequestRecord
 
 NO_CHUNK = "never received a content chunk (no TTFT): counted as failed"
@@ -43,11 +43,15 @@ class OpenAIBackend:
     def payload(self, req: SampleRequest) -> dict:
         body = {"model": self.model, "stream": True, "stream_options": {"include_usage": True},
                 **self.sampling}
+        messages = is_messages(req.prompt)
         if self.chat:
-            if not isinstance(req.prompt, str):
+            if not isinstance(req.prompt, str) and not messages:
                 raise ValueError("chat takes text prompts, not token ids")
-            body["messages"] = [{"role": "user", "content": req.prompt}]
+            body["messages"] = req.prompt if messages else \
+                [{"role": "user", "content": req.prompt}]
             body["max_completion_tokens"] = req.output_len
+        elif messages:
+            raise ValueError("/v1/completions takes a text or token-id prompt, not messages")
         else:
             body["prompt"] = req.prompt
             body["max_tokens"] = req.output_len
@@ -133,8 +137,10 @@ class IngressBackend:
             self._client = AsyncQueueClient(self.address)
         prompt = {"prompt": req.prompt} if isinstance(req.prompt, str) \
             else {"prompt_token_ids": req.prompt}
+        if is_messages(req.prompt):
+            raise ValueError("the ingress takes a text or token-id prompt, not messages")
         rec = RequestRecord(prompt_len=req.prompt_len, start=time.perf_counter(),
-                            chunk_tokens=[])
+                            chunk_tokens=[], output_ids=[])
         text = []
         try:
             rid = await self._client.submit(**prompt, max_tokens=req.output_len,
@@ -146,6 +152,7 @@ class IngressBackend:
                 elif ev.token_ids:
                     rec.chunk_times.append(now)
                     rec.chunk_tokens.append(len(ev.token_ids))
+                    rec.output_ids += ev.token_ids
                     text.append(ev.text)
         except QueueError as e:
             return _fail(rec, f"{e.code}: {e.message}")

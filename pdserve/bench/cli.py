@@ -7,6 +7,7 @@ pdserve adds is ``--ingress`` (the ZeroMQ queue ingress instead of HTTP),
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import os
 from datetime import datetime
@@ -16,6 +17,10 @@ import click
 
 AUTO = "\0auto"  # --save-result given without a file name
 CHAT_ENDPOINT = "/v1/chat/completions"
+# Defaults of the multi-turn flags, applied in _multi_turn_spec: the flags default to None so
+# that one given with another dataset is an error, not silently ignored.
+MULTI_TURN_DEFAULTS = {"multi_turn_turns": 4, "multi_turn_system_len": 512,
+                       "multi_turn_user_len": 128, "multi_turn_shared_system": 1}
 
 
 def _percentile_args(percentile_metrics: str, metric_percentiles: str):
@@ -89,17 +94,10 @@ async def _run(o: dict) -> dict:
     except Exception as e:  # no tokenizer.json, not a folder...
         raise click.UsageError(f"cannot load a tokenizer from {tok_dir}: {e}") from None
     chat = kind == "openai-chat"
-    if o["dataset_name"] == "random":
-        reqs = datasets.random_requests(
-            tok, o["num_prompts"], o["input_len"] or o["random_input_len"],
-            o["output_len"] or o["random_output_len"], o["random_range_ratio"],
-            o["random_prefix_len"], o["seed"], as_text=chat)
-    else:
-        if not o["dataset_path"]:
-            raise click.UsageError("--dataset-name sharegpt needs --dataset-path FILE.json")
-        reqs = datasets.sharegpt_requests(o["dataset_path"], tok, o["num_prompts"],
-                                          o["output_len"] or o["sharegpt_output_len"],
-                                          o["seed"], chat=chat)
+    reqs, convs = _workload(o, tok, chat)
+    probe = reqs[0] if reqs else datasets.random_requests(  # not a conversation's: no hit
+        tok, 1, convs[0].user_tokens[0], convs[0].output_lens[0], seed=o["seed"] + 1,
+        as_text=chat)[0]
 
     sampling = {"temperature": o["temperature"], "ignore_eos": o["ignore_eos"]}
     sampling.update({k: o[k] for k in ("top_p", "top_k") if o[k] is not None})
@@ -109,20 +107,25 @@ async def _run(o: dict) -> dict:
                         o["api_key"])
     try:
         if o["ready_check_timeout_sec"]:
-            await _ready_check(backend, reqs[0], o["ready_check_timeout_sec"],
+            await _ready_check(backend, probe, o["ready_check_timeout_sec"],
                                o["ingress"] if kind == "ingress" else base_url)
         if o["num_warmups"]:
             click.echo(f"Warming up with {o['num_warmups']} requests...")
-            await runner.run_requests(backend, [reqs[0]] * o["num_warmups"],
+            await runner.run_requests(backend, [probe] * o["num_warmups"],
                                       max_concurrency=o["max_concurrency"], progress=False)
         click.echo("Starting main benchmark run...")
         click.echo(f"Traffic request rate: {o['request_rate']}")
         dist = "Poisson process" if o["burstiness"] == 1.0 else "Gamma distribution"
         click.echo(f"Burstiness factor: {o['burstiness']} ({dist})")
         click.echo(f"Maximum request concurrency: {o['max_concurrency']}")
-        records, duration = await runner.run_requests(
-            backend, reqs, o["request_rate"], o["burstiness"], o["max_concurrency"],
-            o["seed"], progress=not o["disable_tqdm"])
+        pace = (o["request_rate"], o["burstiness"], o["max_concurrency"], o["seed"])
+        if convs:
+            records, turns, duration = await runner.run_conversations(
+                backend, convs, lambda text: tok.encode(text, add_special_tokens=False),
+                *pace, progress=not o["disable_tqdm"])
+        else:
+            records, duration = await runner.run_requests(backend, reqs, *pace,
+                                                          progress=not o["disable_tqdm"])
     finally:
         await backend.aclose()
 
@@ -142,9 +145,57 @@ async def _run(o: dict) -> dict:
                 request_rate=o["request_rate"] if not math.isinf(o["request_rate"]) else "inf",
                 burstiness=o["burstiness"], max_concurrency=o["max_concurrency"],
                 goodput=o["goodput_slo"] or None)
+    if convs:  # which conversation and turn each request was, in the result's order
+        info.update(multi_turn=dataclasses.asdict(o["multi_turn"]),
+                    conversation_index=[c for c, _ in turns], turn_index=[t for _, t in turns])
     info.update(o["metadata"])
     return dict(metrics=m, records=records,
                 result=report.result_dict(m, records, o["metric_names"], **info))
+
+
+def _workload(o: dict, tok, chat: bool):
+    """(requests, []) for random and sharegpt; ([], conversations) for multi-turn."""
+    from pdserve.bench import datasets, multi_turn
+
+    output_len = o["output_len"] or o["random_output_len"]
+    if o["dataset_name"] == "multi-turn":
+        convs = multi_turn.conversations(tok, o["num_prompts"], o["multi_turn"], o["seed"],
+                                         chat)
+        click.echo(f"{len(convs)} conversations of up to {o['multi_turn'].turns} turns; the "
+                   f"longest prompt can reach {o['multi_turn'].longest_prompt()} tokens")
+        return [], convs
+    if o["dataset_name"] == "random":
+        return datasets.random_requests(
+            tok, o["num_prompts"], o["input_len"] or o["random_input_len"], output_len,
+            o["random_range_ratio"], o["random_prefix_len"], o["seed"], as_text=chat), []
+    if not o["dataset_path"]:
+        raise click.UsageError("--dataset-name sharegpt needs --dataset-path FILE.json")
+    return datasets.sharegpt_requests(o["dataset_path"], tok, o["num_prompts"],
+                                      o["output_len"] or o["sharegpt_output_len"],
+                                      o["seed"], chat=chat), []
+
+
+def _multi_turn_spec(o: dict):
+    """The multi-turn flags, checked; None for another dataset (which takes none)."""
+    from pdserve.bench.multi_turn import MultiTurnSpec
+
+    given = [f"--{k.replace('_', '-')}" for k in MULTI_TURN_DEFAULTS if o[k] is not None]
+    if o["dataset_name"] != "multi-turn":
+        if given:
+            raise click.UsageError(f"{', '.join(given)}: only with --dataset-name multi-turn")
+        return None
+    if o["input_len"]:
+        raise click.UsageError("--input-len sets random prompts; multi-turn user messages "
+                               "take --multi-turn-user-len")
+    v = {k: d if o[k] is None else o[k] for k, d in MULTI_TURN_DEFAULTS.items()}
+    spec = MultiTurnSpec(v["multi_turn_turns"], v["multi_turn_system_len"],
+                         v["multi_turn_user_len"], o["output_len"] or o["random_output_len"],
+                         v["multi_turn_shared_system"], o["random_range_ratio"])
+    try:
+        spec.check()
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    return spec
 
 
 async def _ready_check(backend, req, timeout_s: float, where: str) -> None:
@@ -194,8 +245,13 @@ def _result_path(o: dict, result: dict) -> Path:
 @click.option("--served-model-name", default=None, help="Name to send if not --model's.")
 @click.option("--tokenizer", default=None, help="Checkpoint folder whose tokenizer builds the "
               "prompts [default: --model's folder, else the bundled default model's].")
-@click.option("--dataset-name", type=click.Choice(["random", "sharegpt"]), default="random",
-              show_default=True)
+@click.option("--dataset-name", type=click.Choice(["random", "sharegpt", "multi-turn"]),
+              default="random", show_default=True,
+              help="multi-turn: chat conversations whose turns resend the history (the "
+              "prompt before, the server's answer, a new user message), each turn sent once "
+              "the one before is answered; --num-prompts counts turns, --request-rate and "
+              "--max-concurrency pace turns. Token ids on /v1/completions and the ingress, "
+              "messages on chat.")
 @click.option("--dataset-path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="ShareGPT JSON file.")
 @click.option("--num-prompts", type=click.IntRange(min=1), default=1000, show_default=True)
@@ -209,6 +265,19 @@ def _result_path(o: dict, result: dict) -> Path:
               show_default=True, help="Lengths uniform in [L*(1-r), L*(1+r)].")
 @click.option("--random-prefix-len", type=click.IntRange(min=0), default=0, show_default=True,
               help="Random tokens shared by every prompt, before its own input-len.")
+@click.option("--multi-turn-turns", type=int, default=None,
+              help=f"Turns per conversation [default: "
+              f"{MULTI_TURN_DEFAULTS['multi_turn_turns']}].")
+@click.option("--multi-turn-system-len", type=int, default=None,
+              help=f"Tokens of the system prompt that starts each conversation (0: none) "
+              f"[default: {MULTI_TURN_DEFAULTS['multi_turn_system_len']}].")
+@click.option("--multi-turn-user-len", type=int, default=None,
+              help=f"Tokens of each turn's new user message, with --random-range-ratio "
+              f"[default: {MULTI_TURN_DEFAULTS['multi_turn_user_len']}]; answers are "
+              "--random-output-len (--output-len) long.")
+@click.option("--multi-turn-shared-system", type=int, default=None,
+              help="Conversations that share one system prompt (1: each its own) "
+              f"[default: {MULTI_TURN_DEFAULTS['multi_turn_shared_system']}].")
 @click.option("--sharegpt-output-len", type=click.IntRange(min=1), default=None,
               help="Output length for every ShareGPT prompt [default: its reply's].")
 @click.option("--max-concurrency", type=click.IntRange(min=1), default=None,
@@ -264,6 +333,7 @@ def bench_cmd(rest, **o) -> None:
             raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--metadata")
         meta[key] = value
     o["metadata"] = meta
+    o["multi_turn"] = _multi_turn_spec(o)
     if o["plot"]:
         try:
             report.require_matplotlib()  # fail now, not after the run

@@ -22,9 +22,13 @@ SHAREGPT_MIN_LEN, SHAREGPT_MAX_PROMPT, SHAREGPT_MAX_TOTAL = 4, 1024, 2048
 
 @dataclass(frozen=True)
 class SampleRequest:
-    prompt: str | list[int]
+    prompt: str | list[int] | list[dict]  # text, token ids, or chat messages (multi-turn)
     prompt_len: int
     output_len: int
+
+
+def is_messages(prompt) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
 
 
 def load_tokenizer(path: str | Path):

@@ -37,6 +37,7 @@ class RequestRecord:
     success: bool = False
     error: str = ""
     generated_text: str = ""
+    output_ids: list[int] | None = None    # the answer's ids, where the backend sends them
 
     @property
     def ttft(self) -> float:
@@ -171,6 +172,21 @@ def compute_metrics(records: list[RequestRecord], duration: float,
         max_concurrent_requests=peak_concurrency(records), output_lens=output_lens,
         stats={"ttft": stat_ms(ttfts, percentiles), "tpot": stat_ms(tpots, percentiles),
                "itl": stat_ms(itls, percentiles), "e2el": stat_ms(e2els, percentiles)})
+
+
+def goodput(result: dict, slo_ttft_s: float, slo_itl_s: float) -> float:
+    """Requests per second of a saved result (report.result_dict) that completed with a TTFT
+    of at most ``slo_ttft_s`` and the 99th percentile of their own inter-token gaps at most
+    ``slo_itl_s`` (a request with one chunk meets the ITL SLO): the SLO of the fleet
+    benchmarks and of ``pdserve plan``'s advisor. Per request, unlike ``--goodput``'s
+    TPOT, so that one long stall inside a stream counts against the request it hit."""
+    good = 0
+    for ttft, itl, err in zip(result["ttfts"], result["itls"], result["errors"]):
+        if err or ttft is None or ttft > slo_ttft_s:
+            continue
+        if not itl or float(np.percentile(itl, 99)) <= slo_itl_s:
+            good += 1
+    return good / result["duration"] if result["duration"] > 0 else 0.0
 
 
 def records_from_result(result: dict) -> list[RequestRecord]:

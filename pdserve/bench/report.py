@@ -90,6 +90,37 @@ def result_dict(m: Metrics, records: list[RequestRecord], percentile_metrics, **
     return result
 
 
+PER_REQUEST = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times",
+               "chunk_tokens", "generated_texts", "errors")
+
+
+def merge_results(results: list[dict], percentiles=(99.0,),
+                  percentile_metrics=("ttft", "tpot", "itl", "e2el")) -> dict:
+    """One result from saved results of runs made side by side (one client per router):
+    their requests together, the longest run's duration, every figure computed again;
+    settings from the first, ``num_prompts`` summed. Each run's times stay relative to
+    its own start (clients started within moments of each other)."""
+    from pdserve.bench.metrics import compute_metrics, records_from_result
+
+    merged = {k: [x for r in results for x in (r.get(k) or [None] * len(r["errors"]))]
+              for k in PER_REQUEST}
+    records = records_from_result(merged)
+    duration = max(r["duration"] for r in results)
+    m = compute_metrics(records, duration, percentiles)
+    info = {k: v for k, v in results[0].items() if k not in PER_REQUEST and
+            not isinstance(v, list) and not k.endswith("_ms")}
+    info["num_prompts"] = sum(r.get("num_prompts") or 0 for r in results)
+    out = result_dict(m, records, percentile_metrics, **info)
+    if all("conversation_index" in r for r in results):  # numbered apart, run after run
+        base, convs = 0, []
+        for r in results:
+            convs += [base + c for c in r["conversation_index"]]
+            base += max(r["conversation_index"], default=-1) + 1
+        out.update(conversation_index=convs,
+                   turn_index=[t for r in results for t in r["turn_index"]])
+    return out
+
+
 def save_result(path: str | Path, result: dict) -> Path:
     path = Path(path)
     if path.parent != Path(""):

@@ -5,6 +5,12 @@ drawn from a gamma distribution of shape ``burstiness`` (1 = Poisson) and
 mean ``1/rate``, then scaled so the last request leaves at ``n/rate`` exactly
 (the same total span whatever the seed). A request waiting for a free slot
 leaves when one frees, later than its arrival.
+
+Conversations (the multi-turn workload) take the same schedule: each arrival
+sends the next turn of a conversation that is ready for one (every conversation
+at the start; one whose last turn has finished later), in the order they became
+ready; with no conversation ready, the arrival waits for one. So turns of one
+conversation go in order, each after the answer to the one before.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import numpy as np
 
 from pdserve.bench.datasets import SampleRequest
 from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.multi_turn import Conversation
 
 
 def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
@@ -93,8 +100,57 @@ async def run_requests(backend, requests: list[SampleRequest], request_rate: flo
     records = await asyncio.gather(*tasks)
     duration = time.perf_counter() - t0
     bar.close()
+    return _relative(list(records), t0), duration
+
+
+def _relative(records: list[RequestRecord], t0: float) -> list[RequestRecord]:
     for rec in records:  # relative times: nothing else in a result depends on the clock
         rec.start -= t0
         rec.end -= t0
         rec.chunk_times = [t - t0 for t in rec.chunk_times]
-    return list(records), duration
+    return records
+
+
+async def run_conversations(backend, convs: list[Conversation], encode,
+                            request_rate: float = math.inf, burstiness: float = 1.0,
+                            max_concurrency: int | None = None, seed: int = 0,
+                            progress: bool = True
+                            ) -> tuple[list[RequestRecord], list[tuple[int, int]], float]:
+    """Sends every turn of every conversation, each turn after the answer to the one
+    before (``encode(text)``: an answer's ids, for the next prompt). Returns the records
+    in conversation order (its turns in order), the (conversation, turn) of each, and the
+    duration in seconds."""
+    n = sum(len(c.users) for c in convs)
+    due = arrival_times(n, request_rate, burstiness, seed)
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    ready: asyncio.Queue[Conversation] = asyncio.Queue()
+    for c in convs:
+        ready.put_nowait(c)
+    records: dict[tuple[int, int], RequestRecord] = {}
+    bar = Progress(n, progress)
+
+    async def turn(conv: Conversation) -> None:
+        req = conv.next_request()
+        if slots is None:
+            rec = await backend.send(req)
+        else:
+            async with slots:
+                rec = await backend.send(req)
+        records[conv.index, conv.turn] = rec
+        conv.add_answer(req, rec.generated_text, rec.output_ids, encode)
+        bar.update()
+        if not conv.done:
+            ready.put_nowait(conv)
+
+    t0 = time.perf_counter()
+    tasks = []
+    for at in due:
+        wait = t0 + at - time.perf_counter()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        tasks.append(asyncio.create_task(turn(await ready.get())))
+    await asyncio.gather(*tasks)
+    duration = time.perf_counter() - t0
+    bar.close()
+    keys = sorted(records)
+    return _relative([records[k] for k in keys], t0), keys, duration

@@ -31,7 +31,7 @@ class EngineConfig:
                                        "prefilled in chunks.", min=1)
     max_model_len: int | None = None     # None: the model's own limit
     threads: int | None = flag(None, "torch CPU threads.", min=1,
-                               default_text="torch's choice; launch: cores / nodes")
+                               default_text="torch's choice; launch: every core, shared")
     compute: str = flag("model", "'none' is a BENCHMARK mode: skip the forward and emit a "
                         "fixed token, to measure everything around the model. 'simulated' "
                         "sleeps the step time --sim-profile predicts for a GPU and emits a "

@@ -25,7 +25,7 @@ def shipped_profiles() -> list[str]:
 @dataclass(frozen=True)
 class Accelerator:
     name: str
-    peak_flops: float           # dense BF16 FLOP/s of one device
+    peak_flops: float           # dense FLOP/s of one device in the model's dtype
     memory_bandwidth: float     # bytes/s of one device
     memory_bytes: float         # of one device
 

@@ -156,6 +156,12 @@ def test_prompts(tiny_model, tmp_path):
     (["--metric-percentiles", "0,99"], "(0, 100]"),
     (["--backend", "openai-chat"], "--endpoint /v1/chat/completions"),
     (["--metadata", "novalue"], "KEY=VALUE"),
+    (["--multi-turn-turns", "3"], "only with --dataset-name multi-turn"),
+    (["--dataset-name", "multi-turn", "--multi-turn-turns", "0"],
+     "--multi-turn-turns must be at least 1"),
+    (["--dataset-name", "multi-turn", "--multi-turn-shared-system", "0"],
+     "--multi-turn-shared-system must be at least 1"),
+    (["--dataset-name", "multi-turn", "--input-len", "9"], "--multi-turn-user-len"),
 ])
 def test_flags_checked_at_the_edge(args, words):
     out = CliRunner().invoke(bench_cmd, args)
@@ -211,6 +217,47 @@ def test_real_run_ingress(cluster, tiny_model):
     out = run_bench("--ingress", cluster.ingress, "--tokenizer", str(tiny_model("llama")),
                     "--max-concurrency", "6", "--percentile-metrics", "ttft,itl,e2el")
     assert "Total generated tokens:                  72" in out
+
+
+@pytest.mark.timeout(120)
+def test_real_run_multi_turn(tiny_model, tmp_path):
+    """Four conversations of three turns, as a user would check them: every turn answered,
+    each prompt the one before plus the answer the server gave plus the new user message,
+    and the prefill node's prefix cache hit on the resent history. One prefill node
+    (--compute none: no forward), so every later turn lands where its history is cached."""
+    from pdserve.bench.cluster import metric_totals
+    from tests.cluster import launched
+
+    model = tiny_model("llama")
+    tok = datasets.load_tokenizer(model)
+    hits = ("pdserve_prefix_cache_queries_tokens_total", "pdserve_prefix_cache_hits_tokens_total")
+    with launched(model, 1, 1, "--compute", "none", log_dir=tmp_path) as c:
+        out = CliRunner().invoke(bench_cmd, [
+            "--base-url", c.http_url, "--model", str(model), "--dataset-name", "multi-turn",
+            "--num-prompts", "12", "--multi-turn-turns", "3", "--multi-turn-system-len", "40",
+            "--multi-turn-user-len", "12", "--multi-turn-shared-system", "2",
+            "--random-output-len", "5", "--ignore-eos", "--max-concurrency", "3",
+            "--disable-tqdm", "--ready-check-timeout-sec", "0",
+            "--save-result", str(tmp_path / "mt.json")])
+        assert out.exit_code == 0, f"{out.output}\n{out.exception!r}"
+        assert "4 conversations of up to 3 turns" in out.output
+        prefill = metric_totals(c.metrics_urls()["prefill-0"], hits)
+    r = report.load_result(tmp_path / "mt.json")
+    assert r["completed"] == 12 and r["failed"] == 0 and r["output_lens"] == [5] * 12
+    assert r["dataset_name"] == "multi-turn" and r["multi_turn"]["turns"] == 3
+    assert r["conversation_index"] == [i // 3 for i in range(12)]
+    assert r["turn_index"] == [0, 1, 2] * 4
+    lens, texts = r["input_lens"], r["generated_texts"]
+    for i in range(12):
+        if r["turn_index"][i] == 0:
+            assert lens[i] == 40 + 12
+        else:  # the prompt before, the answer (text, encoded again), a user message
+            answer = tok.encode(texts[i - 1], add_special_tokens=False)
+            assert lens[i] == lens[i - 1] + len(answer) + 12 and answer
+    assert prefill[hits[0]] == sum(lens)  # every prompt was looked up, once
+    # every later turn finds at least its history's full 16-token blocks
+    resent = sum(lens[i - 1] // 16 * 16 for i in range(12) if r["turn_index"][i])
+    assert prefill[hits[1]] >= resent > 0, (prefill, resent)
 
 
 def test_http_backend_reads_an_sse_line_far_over_aiohttp_default_buffer():

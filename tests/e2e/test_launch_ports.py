@@ -50,3 +50,45 @@ def test_per_node_metrics_and_decode_kv_ports(tiny_model):
         log = cluster.log()
     for i in range(2):
         assert re.search(rf"decode-{i} .*KV socket tcp://127\.0\.0\.1:{kv + i}\b", log), log
+
+
+def test_nodes_sharing_the_machine_share_its_cores(tiny_model):
+    """Without --threads every node gets every core, its idle OpenMP threads sleeping
+    (OMP_WAIT_POLICY=PASSIVE); a user's own OMP_WAIT_POLICY and --threads stand."""
+    import os
+    import subprocess
+
+    from pdserve.bench.cluster import launched as launch_cluster
+    from tests.cluster import child_config
+
+    def nodes(cluster) -> dict[str, tuple[int, str | None]]:
+        """node id -> (threads launch gave it, its OMP_WAIT_POLICY)."""
+        out = subprocess.run(["ps", "-o", "pid=", "-g", str(cluster.proc.pid)],
+                             capture_output=True, text=True).stdout.split()
+        found = {}
+        for pid in out:
+            cfg = child_config(int(pid))
+            if cfg and cfg["config"].get("node_id"):
+                env = dict(v.split(b"=", 1) for v in
+                           open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if b"=" in v)
+                policy = env.get(b"OMP_WAIT_POLICY")
+                found[cfg["config"]["node_id"]] = (cfg["config"]["engine"]["threads"],
+                                                   policy and policy.decode())
+        return found
+
+    model = str(tiny_model())
+    saved = os.environ.pop("OMP_WAIT_POLICY", None)
+    try:
+        with launch_cluster("--model", model, "--prefill", "1", "--decode", "1",
+                            ready_timeout_s=180) as cluster:
+            cores = os.cpu_count()
+            assert nodes(cluster) == {"prefill-0": (cores, "PASSIVE"),
+                                      "decode-0": (cores, "PASSIVE")}
+        os.environ["OMP_WAIT_POLICY"] = "ACTIVE"
+        with launch_cluster("--model", model, "--prefill", "1", "--decode", "1",
+                            "--threads", "1", ready_timeout_s=180) as cluster:
+            assert nodes(cluster) == {"prefill-0": (1, "ACTIVE"), "decode-0": (1, "ACTIVE")}
+    finally:
+        os.environ.pop("OMP_WAIT_POLICY", None)
+        if saved is not None:
+            os.environ["OMP_WAIT_POLICY"] = saved
