@@ -67,7 +67,7 @@ class EngineConfig:
         choices=CPU_LINEAR_MODES)
     # model/quant.py
     quantization: str = flag(
-        "auto", "How a GGUF file's quantized weights are held: 'auto' keeps Q4_0/Q4_1 "
+        "auto", "How a GGUF file's quantized weights are held: 'auto' keeps Q4_0/Q4_1/Q4_K "
         "projections as stored (int4, about 0.6 bytes a weight) where the CPU kernel is "
         "fast, today with --dtype bfloat16 only, and dequantizes the rest, saying which and "
         "why at start-up; 'none' dequantizes everything into --dtype; 'int4' is auto that "

@@ -10,7 +10,7 @@ them quantized in blocks. Loading:
     2. every tensor's quantization type is checked before anything is dequantized
     3. each tensor is dequantized (the ``gguf`` package's reference code) into the serving
        dtype under its Hugging Face name, or, with ``--quantization`` auto or int4, a
-       Q4_0/Q4_1 projection kept in its blocks (model/quant.py); for the llama
+       Q4_0/Q4_1/Q4_K projection kept in its blocks (model/quant.py); for the llama
        architecture the q/k rows go back from llama.cpp's rotary layout (interleaved
        pairs) to Hugging Face's (halves)
 """
@@ -193,7 +193,7 @@ def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 def iter_tensors(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, int4: bool = False
                  ) -> Iterator[tuple[str | None, str, torch.Tensor | Int4Linear | None]]:
     """Yields (Hugging Face name or None, GGUF name, tensor in ``dtype`` or None). With
-    ``int4``, a Q4_0/Q4_1 projection comes as an unpacked Int4Linear (model/quant.py),
+    ``int4``, a Q4_0/Q4_1/Q4_K projection comes as an unpacked Int4Linear (model/quant.py),
     and one log line at the end says what stayed int4 and what was dequantized why."""
     import torch  # here, not above: the router reads a GGUF's config and imports no torch
 

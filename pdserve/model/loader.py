@@ -57,7 +57,7 @@ def load_model(model_path: str | Path, dtype: str | torch.dtype = "float32",
                ) -> LlamaForCausalLM:
     """Loads a Hugging Face checkpoint folder or a .gguf file. ``quantization``
     (EngineConfig's): "none" dequantizes every weight into ``dtype``; "auto" and "int4"
-    keep a GGUF's Q4_0/Q4_1 projections in their blocks where model/quant.py's ``plan``
+    keep a GGUF's Q4_0/Q4_1/Q4_K projections in their blocks where model/quant.py's ``plan``
     allows (ValueError where "int4" or "int8" cannot be had)."""
     model_path = Path(model_path)
     cfg = load_config(model_path)
@@ -84,7 +84,7 @@ def load_model(model_path: str | Path, dtype: str | torch.dtype = "float32",
         else:
             unexpected.append(file_key)
     if quantization == "int4" and not kept:
-        raise ValueError(f"quantization 'int4': {model_path} has no Q4_0 or Q4_1 projection "
+        raise ValueError(f"quantization 'int4': {model_path} has no Q4_0, Q4_1 or Q4_K projection "
                          "weights to keep; use 'auto' or 'none'")
     missing = sorted(set(expected) - set(state) - {f"{k}.weight" for k in kept})
     if missing:

@@ -24,10 +24,13 @@ precision, close to but not the same as a dequantized bfloat16 model's (greedy o
 departs earlier: RESULTS.md). ``--quantization auto`` keeps the blocks only for a bfloat16
 model (``plan``), and says so.
 
-Which tensors: the projections (q, k, v, o, gate, up, down) of type Q4_0 or Q4_1. The
-embedding is dequantized (a lookup needs rows), and with it a tied LM head; Q8_0 and the
-K-quants are dequantized (no torch kernel takes a scale per 32 int8 weights, and K-quants
-are not mapped yet).
+Q4_K (super-blocks of 256 with a 6-bit scale and min per 32) maps the same way: ``scale =
+d sc``, ``zero = 8 d sc - dmin m``, exact in float32 where that zero is (checked).
+
+Which tensors: the projections (q, k, v, o, gate, up, down) of type Q4_0, Q4_1 or Q4_K.
+The embedding is dequantized (a lookup needs rows), and with it a tied LM head; Q8_0 and
+the other K-quants are dequantized (no torch kernel takes a scale per 32 int8 weights;
+Q5/Q6 have more than 4 bits).
 """
 from __future__ import annotations
 
@@ -40,7 +43,10 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 GROUP = 32                            # weights per block, along the input dimension
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}  # f16 d [, f16 m], 16 bytes of 4-bit pairs
+# Q4_0/Q4_1: f16 d [, f16 m], 16 bytes of 4-bit pairs (32 weights). Q4_K: a super-block
+# of 256 weights: f16 d and dmin, 12 bytes of 6-bit scales and mins (one each per 32),
+# 128 bytes of 4-bit pairs.
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
 INT4_TYPES = tuple(BLOCK_BYTES)
 MODES = ("auto", "none", "int8", "int4")
 # A node's model identity hash ends in this when it holds int4 weights (engine/worker.py)
@@ -53,7 +59,7 @@ class QuantError(ValueError):
 
 
 def plan(mode: str, is_gguf: bool, dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether a model loaded with ``--quantization mode`` keeps its Q4_0/Q4_1 projections
+    """Whether a model loaded with ``--quantization mode`` keeps its Q4_0/Q4_1/Q4_K projections
     as int4. Raises ValueError, saying what is allowed, for a mode that cannot work."""
     if mode not in MODES:
         raise ValueError(f"quantization must be one of {MODES}, got {mode!r}")
@@ -114,10 +120,14 @@ def summary(kept: list[tuple[int, int]], types: set[str], dtype: torch.dtype,
     return "quantization auto: " + "; ".join(parts)
 
 
-def unpack_q4(raw: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def unpack_q4(raw: np.ndarray, type_name: str, exact: bool = True
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A GGUF tensor's bytes [N, G * block bytes] → q uint8 [N, G * 32] in 0..15, scale and
-    zero float32 [N, G] with ``w = scale * (q - 8) + zero``. Raises QuantError where
-    ``m + 8 d`` does not fit float32 exactly."""
+    zero float32 [N, G] with ``w = scale * (q - 8) + zero``. With ``exact`` (float32
+    activations: a bfloat16 zero is rounded far more anyway), raises QuantError where the
+    zero does not fit float32 exactly."""
+    if type_name == "Q4_K":
+        return _unpack_q4_k(raw, exact)
     nbytes = BLOCK_BYTES[type_name]
     n = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(n, -1, nbytes)            # [N, G, bytes]
@@ -130,10 +140,34 @@ def unpack_q4(raw: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray, 
     else:
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
         zero = m + 8 * d
-        exact = zero.astype(np.float64) == m.astype(np.float64) + 8 * d.astype(np.float64)
-        if not exact.all():
-            raise QuantError(f"{int((~exact).sum())} blocks' m + 8 d round in float32")
+        fits = zero.astype(np.float64) == m.astype(np.float64) + 8 * d.astype(np.float64)
+        if exact and not fits.all():
+            raise QuantError(f"{int((~fits).sum())} blocks' m + 8 d round in float32")
     return q, d, zero
+
+
+def _unpack_q4_k(raw: np.ndarray, exact: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K: ``w = d sc q - dmin m`` per 32 weights (sc, m 6-bit): scale = d sc, zero =
+    8 d sc - dmin m (exactness checked as for Q4_1)."""
+    n = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(n, -1, 144)              # [N, S, 144]
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)     # [N, S]
+    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    # the gguf package's unpacking of the 12 scale bytes: [N, S, 8] each
+    b = blocks[..., 4:16].reshape(n, -1, 3, 4)
+    lo, hi, mix = b[..., 0, :], b[..., 1, :], b[..., 2, :]
+    sc = np.concatenate([lo & 0x3F, (mix & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([hi & 0x3F, (mix >> 4) | ((hi >> 2) & 0x30)], axis=-1)
+    scale = (d[..., None] * sc.astype(np.float32)).reshape(n, -1)         # [N, G]
+    dm = (dmin[..., None] * mn.astype(np.float32)).reshape(n, -1)
+    zero = 8 * scale - dm
+    fits = zero.astype(np.float64) == 8 * scale.astype(np.float64) - dm.astype(np.float64)
+    if exact and not fits.all():
+        raise QuantError(f"{int((~fits).sum())} groups' 8 d sc - dmin m round in float32")
+    # 4 chunks of 32 bytes a super-block: low nibbles are group 2j, high ones group 2j + 1
+    qs = blocks[..., 16:].reshape(n, -1, 4, 1, 32)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-2).reshape(n, -1)    # [N, K]
+    return q, scale, zero
 
 
 class Int4Linear(nn.Module):
@@ -157,7 +191,7 @@ class Int4Linear(nn.Module):
     @classmethod
     def from_gguf(cls, raw: np.ndarray, type_name: str,
                   dtype: torch.dtype = torch.float32) -> Int4Linear:
-        q, scale, zero = unpack_q4(raw, type_name)
+        q, scale, zero = unpack_q4(raw, type_name, exact=dtype == torch.float32)
         return cls(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zero),
                    dtype=dtype)
 

@@ -1,4 +1,4 @@
-"""GGUF's Q4_0/Q4_1 blocks kept as stored (model/quant.py): each weight the int4 kernel forms
+"""GGUF's Q4_0/Q4_1/Q4_K blocks kept as stored (model/quant.py): each weight the int4 kernel forms
 is the gguf package's dequantized float32 value bit for bit, the layer equals
 dequantize-then-F.linear within float tolerance, a tiny model loads with its projections
 int4 and computes what its dequantized self does within bfloat16 tolerance, and the modes
@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from pdserve.cli import main
 from pdserve.model.loader import load_model
-from pdserve.model.quant import Int4Linear, plan, unpack_q4
+from pdserve.model.quant import Int4Linear, QuantError, plan, unpack_q4
 
 gguf = pytest.importorskip("gguf")
 gguf_files = pytest.importorskip("tests.gguf_files")
@@ -36,6 +36,38 @@ def test_every_weight_is_the_reference_dequantization_bit_for_bit(qtype):
     lin = Int4Linear.from_gguf(raw, qtype)
     assert torch.equal(lin.dequantized(), torch.from_numpy(ref))       # unpacked
     assert torch.equal(lin.pack().dequantized(), torch.from_numpy(ref))  # as the kernel forms
+
+
+def q4_k_blocks(n: int = 48, k: int = 512, seed: int = 0, dmin_low: float = 0.01):
+    """Random Q4_K super-blocks (every scale/min bit pattern, f16 d in [0.01, 0.05], dmin
+    in [dmin_low, 0.05]): (raw blocks, the gguf package's dequantization)."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
+    raw[..., 0:2] = rng.uniform(0.01, 0.05, (n, k // 256, 1)).astype(np.float16).view(np.uint8)
+    raw[..., 2:4] = rng.uniform(dmin_low, 0.05, (n, k // 256, 1)).astype(np.float16).view(
+        np.uint8)
+    raw = raw.reshape(n, -1)
+    return raw, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
+
+
+def test_q4_k_weights_are_the_reference_dequantization_bit_for_bit():
+    raw, ref = q4_k_blocks()
+    assert ref.shape == (48, 512)
+    lin = Int4Linear.from_gguf(raw, "Q4_K")
+    assert torch.equal(lin.dequantized(), torch.from_numpy(ref))
+    assert torch.equal(lin.pack().dequantized(), torch.from_numpy(ref))
+    x = torch.randn(3, 512)
+    torch.testing.assert_close(lin(x), F.linear(x, torch.from_numpy(ref)), rtol=1e-5,
+                               atol=1e-4)
+    # dmin far below d: some zeros round in float32, so float32 refuses to keep the
+    # tensor (the loader then dequantizes it); bfloat16 rounds the zero anyway
+    raw, ref = q4_k_blocks(dmin_low=1e-6)
+    with pytest.raises(QuantError, match="round in float32"):
+        Int4Linear.from_gguf(raw, "Q4_K")
+    lin = Int4Linear.from_gguf(raw, "Q4_K", torch.bfloat16).pack()
+    ref = torch.from_numpy(ref)  # errors of the order of a bfloat16 ulp of the block's zero
+    torch.testing.assert_close(lin.dequantized().float(), ref, rtol=0,
+                               atol=2**-7 * ref.abs().max())
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
@@ -101,7 +133,7 @@ def test_modes_that_cannot_work_are_refused(mode, gguf_file, dtype, words):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--quantization", "int4", "--dtype", "bfloat16"], "has no Q4_0 or Q4_1 projection"),
+    (["--quantization", "int4", "--dtype", "bfloat16"], "has no Q4_0, Q4_1 or Q4_K projection"),
     (["--quantization", "int4"], "pass --dtype bfloat16"),
     (["--quantization", "int8", "--dtype", "bfloat16"], "'int8' is not implemented"),
 ])
