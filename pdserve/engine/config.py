@@ -11,6 +11,7 @@ from pdserve.sim.profile import check_sim_fields
 DTYPES = (*MODEL_DTYPES, "auto")   # auto: the checkpoint's own
 COMPUTE_MODES = ("model", "none", "simulated")
 CPU_LINEAR_MODES = ("auto", "onednn", "torch")
+QUANTIZATION_MODES = ("auto", "none", "int8", "int4")  # model/quant.py's MODES
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,14 @@ class EngineConfig:
         "differ from F.linear's in the last bits, bfloat16 ones do not), 'torch' keeps "
         "F.linear (transformers' bits), 'auto' takes onednn where torch has it.",
         choices=CPU_LINEAR_MODES)
+    # model/quant.py
+    quantization: str = flag(
+        "auto", "How a GGUF file's quantized weights are held: 'auto' keeps Q4_0/Q4_1/Q4_K "
+        "projections as stored (int4, about 0.6 bytes a weight) where the CPU kernel is "
+        "fast, today with --dtype bfloat16 only, and dequantizes the rest, saying which and "
+        "why at start-up; 'none' dequantizes everything into --dtype; 'int4' is auto that "
+        "refuses to start without int4 weights; 'int8' is not implemented.",
+        choices=QUANTIZATION_MODES)
 
     def __post_init__(self):
         check_fields(self)

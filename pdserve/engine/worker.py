@@ -24,6 +24,7 @@ from pdserve.model.loader import (
     model_name,
     resolve_dtype,
 )
+from pdserve.model.quant import WEIGHTS_INT4, Int4Linear
 from pdserve.sim.profile import load_profile, sim_identity, unsimulated
 
 
@@ -51,7 +52,8 @@ class Worker:
                                    config.max_num_batched_tokens)
 
     def _load(self, config: EngineConfig, kv_storage) -> None:
-        self.model = load_model(self.model_dir, config.dtype, config.device)
+        self.model = load_model(self.model_dir, config.dtype, config.device,
+                                config.quantization)
         self.model_config = self.model.config
         self.dtype = resolve_dtype(config.dtype, self.model_config)
         limit = self.model_config.max_model_len
@@ -91,8 +93,11 @@ class Worker:
         if self.profile is not None:
             name, config_hash = sim_identity(self.profile, self.config.sim_kv_bytes_scale)
             return ModelId(name=name, config_hash=config_hash)
+        # Weights held int4 (model/quant.py) compute other outputs than the same file
+        # dequantized: the suffix keeps the two apart in a cluster (router/dispatch/registry.py)
+        int4 = any(isinstance(m, Int4Linear) for m in self.model.modules())
         return ModelId(name=model_name(self.model_dir),
-                             config_hash=model_identity_hash(self.model_dir))
+                       config_hash=model_identity_hash(self.model_dir) + WEIGHTS_INT4 * int4)
 
     def kv_layout(self) -> KVCacheLayout:
         cfg = self.model_config

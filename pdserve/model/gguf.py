@@ -9,8 +9,10 @@ them quantized in blocks. Loading:
        ``ModelConfig.from_dir``, so this module never imports config.py) as a folder does
     2. every tensor's quantization type is checked before anything is dequantized
     3. each tensor is dequantized (the ``gguf`` package's reference code) into the serving
-       dtype under its Hugging Face name; for the llama architecture the q/k rows go back
-       from llama.cpp's rotary layout (interleaved pairs) to Hugging Face's (halves)
+       dtype under its Hugging Face name, or, with ``--quantization`` auto or int4, a
+       Q4_0/Q4_1/Q4_K projection kept in its blocks (model/quant.py); for the llama
+       architecture the q/k rows go back from llama.cpp's rotary layout (interleaved
+       pairs) to Hugging Face's (halves)
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     import torch
 
     from pdserve.model.config import ModelConfig
+    from pdserve.model.quant import Int4Linear
 
 log = logging.getLogger(__name__)
 
@@ -187,20 +190,43 @@ def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(w.shape))                         # [H, 2, D/2, ...]
 
 
-def iter_tensors(path: str | Path, cfg: ModelConfig, dtype: torch.dtype
-                 ) -> Iterator[tuple[str | None, str, torch.Tensor | None]]:
-    """Yields (Hugging Face name or None, GGUF name, tensor in ``dtype`` or None)."""
+def iter_tensors(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, int4: bool = False
+                 ) -> Iterator[tuple[str | None, str, torch.Tensor | Int4Linear | None]]:
+    """Yields (Hugging Face name or None, GGUF name, tensor in ``dtype`` or None). With
+    ``int4``, a Q4_0/Q4_1/Q4_K projection comes as an unpacked Int4Linear (model/quant.py),
+    and one log line at the end says what stayed int4 and what was dequantized why."""
     import torch  # here, not above: the router reads a GGUF's config and imports no torch
+
+    from pdserve.model import quant
 
     gguf = _gguf_module()
     permuted = ARCHITECTURES[cfg.model_type][1]
-    for t in _progress(reader(path).tensors, f"dequantizing {Path(path).name}"):
+    kept, types, dequantized = [], set(), {}
+    for t in _progress(reader(path).tensors, f"loading {Path(path).name}"):
         name = hf_name(t.name)
         if t.name in _IN_CONFIG:
             continue
         if name is None:
             yield None, t.name, None
             continue
+        qtype = t.tensor_type.name
+        why_not = quant.keeps(name, qtype) if int4 else "off"
+        if why_not is None:
+            try:
+                lin = quant.Int4Linear.from_gguf(t.data, qtype, dtype)
+            except quant.QuantError as exc:
+                why_not = f"{qtype}: {exc}"
+            else:
+                if permuted and ".q_proj." in name:
+                    lin.permute_rows(lambda w: unpermute_rows(w, cfg.num_attention_heads))
+                elif permuted and ".k_proj." in name:
+                    lin.permute_rows(lambda w: unpermute_rows(w, cfg.num_key_value_heads))
+                kept.append((lin.out_features, lin.in_features))
+                types.add(qtype)
+                yield name, t.name, lin
+                continue
+        if int4 and qtype not in ("F32", "F16", "BF16"):
+            dequantized.setdefault(why_not, []).append(t.name)
         # torch.tensor copies into torch's (aligned) memory: F32 data is the file's mmap.
         tensor = torch.tensor(gguf.quants.dequantize(t.data, t.tensor_type), dtype=torch.float32)
         if permuted and ".q_proj." in name:
@@ -208,6 +234,8 @@ def iter_tensors(path: str | Path, cfg: ModelConfig, dtype: torch.dtype
         elif permuted and ".k_proj." in name:
             tensor = unpermute_rows(tensor, cfg.num_key_value_heads)
         yield name, t.name, tensor.to(dtype)
+    if int4:
+        log.info("%s", quant.summary(kept, types, dtype, dequantized))
 
 
 def identity_hash(path: str | Path) -> str:

@@ -16,6 +16,7 @@ from pdserve import kernels
 from pdserve.model.attention import AttentionMetadata, PagedAttention
 from pdserve.model.config import ModelConfig
 from pdserve.model.cpu_linear import OneDNNLinear
+from pdserve.model.quant import Int4Linear
 from pdserve.model.rope import cos_sin_cache
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -72,8 +73,13 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(t, q_dim))
 
 
-def _fused_linear(*parts: nn.Linear) -> nn.Linear:
-    """One Linear whose output is the parts' outputs side by side."""
+def _fused_linear(*parts: nn.Linear | Int4Linear) -> nn.Linear | Int4Linear:
+    """One Linear whose output is the parts' outputs side by side. int4 parts stay int4
+    when all are (packed for the kernel here); among float parts they are dequantized."""
+    if all(isinstance(p, Int4Linear) for p in parts):
+        return Int4Linear.cat(list(parts))
+    dtype = next(p.weight.dtype for p in parts if isinstance(p, nn.Linear))
+    parts = tuple(_as_linear(p, dtype) if isinstance(p, Int4Linear) else p for p in parts)
     w = parts[0].weight
     fused = nn.Linear(w.shape[1], sum(p.out_features for p in parts),
                       bias=parts[0].bias is not None, device="meta", dtype=w.dtype)
@@ -81,6 +87,14 @@ def _fused_linear(*parts: nn.Linear) -> nn.Linear:
     if fused.bias is not None:
         fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
     return fused
+
+
+def _as_linear(q: Int4Linear, dtype: torch.dtype) -> nn.Linear:
+    lin = nn.Linear(q.in_features, q.out_features, bias=q.bias is not None, device="meta")
+    lin.weight = nn.Parameter(q.dequantized().to(dtype), requires_grad=False)
+    if q.bias is not None:
+        lin.bias = nn.Parameter(q.bias.to(dtype), requires_grad=False)
+    return lin
 
 
 class MLP(nn.Module):
@@ -156,21 +170,28 @@ class LlamaForCausalLM(nn.Module):
 
     def fuse_projections(self) -> None:
         """Fuses q/k/v and gate/up in every layer, after the weights are loaded: the
-        state dict keeps Hugging Face's names until then."""
+        state dict keeps Hugging Face's names until then. int4 weights are packed for
+        their kernel here, once fused."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        for m in self.modules():
+            if isinstance(m, Int4Linear):
+                m.pack()
 
     def use_onednn(self) -> None:
         """Every projection and the LM head through oneDNN with reordered weights
         (model/cpu_linear.py), after ``fuse_projections``. A tied LM head keeps the
         embedding as it is beside its reordered copy."""
+        def onednn(m):  # an int4 projection (model/quant.py) keeps its kernel
+            return OneDNNLinear(m) if isinstance(m, nn.Linear) else m
+
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv_proj, attn.o_proj = OneDNNLinear(attn.qkv_proj), OneDNNLinear(attn.o_proj)
-            mlp.gate_up_proj = OneDNNLinear(mlp.gate_up_proj)
-            mlp.down_proj = OneDNNLinear(mlp.down_proj)
-        self.lm_head = OneDNNLinear(self.lm_head)
+            attn.qkv_proj, attn.o_proj = onednn(attn.qkv_proj), onednn(attn.o_proj)
+            mlp.gate_up_proj = onednn(mlp.gate_up_proj)
+            mlp.down_proj = onednn(mlp.down_proj)
+        self.lm_head = onednn(self.lm_head)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

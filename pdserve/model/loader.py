@@ -15,6 +15,7 @@ from pdserve.model.identity import (  # noqa: F401 (re-exported: the nodes' name
     weight_files,
 )
 from pdserve.model.llama import LlamaForCausalLM
+from pdserve.model.quant import Int4Linear, plan
 
 DTYPES = {name: getattr(torch, name) for name in MODEL_DTYPES}
 # Keys some checkpoints carry that our model computes itself.
@@ -52,11 +53,16 @@ def _safetensors(model_dir: Path, expected: dict, dtype: torch.dtype, device):
 
 
 def load_model(model_path: str | Path, dtype: str | torch.dtype = "float32",
-               device: str | torch.device = "cpu") -> LlamaForCausalLM:
-    """Loads a Hugging Face checkpoint folder or a .gguf file."""
+               device: str | torch.device = "cpu", quantization: str = "none"
+               ) -> LlamaForCausalLM:
+    """Loads a Hugging Face checkpoint folder or a .gguf file. ``quantization``
+    (EngineConfig's): "none" dequantizes every weight into ``dtype``; "auto" and "int4"
+    keep a GGUF's Q4_0/Q4_1/Q4_K projections in their blocks where model/quant.py's ``plan``
+    allows (ValueError where "int4" or "int8" cannot be had)."""
     model_path = Path(model_path)
     cfg = load_config(model_path)
     torch_dtype = resolve_dtype(dtype, cfg)
+    int4 = plan(quantization, model_path.is_file(), torch_dtype, device)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     expected = dict(model.state_dict())
@@ -64,28 +70,39 @@ def load_model(model_path: str | Path, dtype: str | torch.dtype = "float32",
         expected.pop("lm_head.weight", None)
     if model_path.is_file():
         from pdserve.model import gguf
-        tensors = gguf.iter_tensors(model_path, cfg, torch_dtype)
+        tensors = gguf.iter_tensors(model_path, cfg, torch_dtype, int4)
     else:
         tensors = _safetensors(model_path, expected, torch_dtype, device)
     state: dict[str, torch.Tensor] = {}
+    kept: dict[str, Int4Linear] = {}   # module name → its int4 weight
     unexpected = []
     for key, file_key, tensor in tensors:
-        if key in expected:
+        if key in expected and isinstance(tensor, Int4Linear):
+            kept[key.removesuffix(".weight")] = tensor
+        elif key in expected:
             state[key] = tensor.to(device)
         else:
             unexpected.append(file_key)
-    missing = sorted(set(expected) - set(state))
+    if quantization == "int4" and not kept:
+        raise ValueError(f"quantization 'int4': {model_path} has no Q4_0, Q4_1 or Q4_K projection "
+                         "weights to keep; use 'auto' or 'none'")
+    missing = sorted(set(expected) - set(state) - {f"{k}.weight" for k in kept})
     if missing:
         raise ModelLoadError(f"checkpoint {model_path} lacks {len(missing)} weights the "
                              f"{cfg.architecture} needs, e.g. {missing[:5]}")
     if unexpected:
         raise ModelLoadError(f"checkpoint {model_path} has {len(unexpected)} weights a "
                              f"{cfg.architecture} does not use, e.g. {unexpected[:5]}")
-    for key, tensor in state.items():
+    shapes = {**{k: tuple(t.shape) for k, t in state.items()},
+              **{f"{k}.weight": (m.out_features, m.in_features) for k, m in kept.items()}}
+    for key, shape in shapes.items():
         want = tuple(expected[key].shape)
-        if tuple(tensor.shape) != want:
-            raise ModelLoadError(f"weight {key} has shape {tuple(tensor.shape)}, the config "
-                                 f"implies {want}")
+        if shape != want:
+            raise ModelLoadError(f"weight {key} has shape {shape}, the config implies {want}")
+    for name, lin in kept.items():
+        lin.bias = state.pop(f"{name}.bias", None)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, lin)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     model.init_rope(device)

@@ -63,7 +63,7 @@ class Registry:
         self.nodes: dict[str, NodeInfo] = {}
         # dtype and block size are the nodes' choice, but every node must make the same one
         # (KV moves between them page for page): the first node admitted sets them.
-        self.cluster_kv: tuple[str, int] | None = None
+        self.cluster_kv: tuple[str, int, str] | None = None  # and the weights' form
         self._listeners: list[Callable[[str, NodeInfo], None]] = []
 
     def subscribe(self, listener: Callable[[str, NodeInfo], None]) -> None:
@@ -86,7 +86,11 @@ class Registry:
         if hello.role not in ROLES:
             return False, (f"role {hello.role!r} is not served by this router "
                            f"({', '.join(ROLES)})")
-        if hello.model.config_hash != self.model.config_hash:
+        # A node holding the file's int4 blocks (--quantization) says so with a suffix: the
+        # same file, so the router's hash, but outputs that differ from a dequantized
+        # node's: the cluster's first node sets which, as for the KV dtype below.
+        file_hash, _, weights = hello.model.config_hash.partition("+")
+        if file_hash != self.model.config_hash:
             hint = ("; a simulated node: give the router the same --sim-profile and "
                     "--sim-kv-bytes-scale") if hello.compute == "simulated" else ""
             return False, (f"model {hello.model.name!r} ({hello.model.config_hash}) differs from "
@@ -100,12 +104,18 @@ class Registry:
         if problem:
             return False, problem
         others = [n for n in self.nodes.values() if n.node_id != hello.node_id]
-        kv = (lay.dtype, lay.block_size)
-        if self.cluster_kv is not None and others and kv != self.cluster_kv:
+        kv = (lay.dtype, lay.block_size, weights)
+        if self.cluster_kv is not None and others and kv[:2] != self.cluster_kv[:2]:
             return False, (f"KV dtype {lay.dtype} / block_size {lay.block_size} differs from the "
                            f"cluster's {self.cluster_kv[0]} / {self.cluster_kv[1]}: KV could not "
                            "move between this node and the others")
-        self.cluster_kv = (lay.dtype, lay.block_size)
+        if self.cluster_kv is not None and others and weights != self.cluster_kv[2]:
+            def held(w):
+                return f"as {w} (--quantization)" if w else "dequantized"
+            return False, (f"this node holds the model's weights {held(weights)}, the cluster's "
+                           f"nodes {held(self.cluster_kv[2])}: their outputs differ; start "
+                           "every node with the same --dtype and --quantization")
+        self.cluster_kv = kv
         now = time.monotonic() if now is None else now
         old = self.nodes.get(hello.node_id)
         node = NodeInfo(hello.node_id, hello.role, hello, hello.capacity, now)

@@ -1,0 +1,174 @@
+"""GGUF's Q4_0/Q4_1/Q4_K blocks kept as stored (model/quant.py): each weight the int4 kernel forms
+is the gguf package's dequantized float32 value bit for bit, the layer equals
+dequantize-then-F.linear within float tolerance, a tiny model loads with its projections
+int4 and computes what its dequantized self does within bfloat16 tolerance, and the modes
+that cannot work are refused, through the CLI too."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from click.testing import CliRunner
+
+from pdserve.cli import main
+from pdserve.model.loader import load_model
+from pdserve.model.quant import Int4Linear, QuantError, plan, unpack_q4
+
+gguf = pytest.importorskip("gguf")
+gguf_files = pytest.importorskip("tests.gguf_files")
+
+
+def blocks(qtype: str, n: int = 96, k: int = 160, seed: int = 0):
+    """A [n, k] float32 weight quantized by the gguf package: (raw blocks, dequantized)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2, (n, 1))).astype(np.float32)
+    w[0, :32] = 0.0                     # a block of zeros: d = 0
+    w[1] += 5                           # all-positive rows: m far from 0
+    kind = gguf.GGMLQuantizationType[qtype]
+    raw = gguf.quants.quantize(w, kind)
+    return raw, gguf.quants.dequantize(raw, kind)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_every_weight_is_the_reference_dequantization_bit_for_bit(qtype):
+    raw, ref = blocks(qtype)
+    q, scale, zero = unpack_q4(raw, qtype)
+    assert q.max() <= 15 and q.shape == ref.shape and scale.shape == (96, 5)
+    lin = Int4Linear.from_gguf(raw, qtype)
+    assert torch.equal(lin.dequantized(), torch.from_numpy(ref))       # unpacked
+    assert torch.equal(lin.pack().dequantized(), torch.from_numpy(ref))  # as the kernel forms
+
+
+def q4_k_blocks(n: int = 48, k: int = 512, seed: int = 0, dmin_low: float = 0.01):
+    """Random Q4_K super-blocks (every scale/min bit pattern, f16 d in [0.01, 0.05], dmin
+    in [dmin_low, 0.05]): (raw blocks, the gguf package's dequantization)."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
+    raw[..., 0:2] = rng.uniform(0.01, 0.05, (n, k // 256, 1)).astype(np.float16).view(np.uint8)
+    raw[..., 2:4] = rng.uniform(dmin_low, 0.05, (n, k // 256, 1)).astype(np.float16).view(
+        np.uint8)
+    raw = raw.reshape(n, -1)
+    return raw, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
+
+
+def test_q4_k_weights_are_the_reference_dequantization_bit_for_bit():
+    raw, ref = q4_k_blocks()
+    assert ref.shape == (48, 512)
+    lin = Int4Linear.from_gguf(raw, "Q4_K")
+    assert torch.equal(lin.dequantized(), torch.from_numpy(ref))
+    assert torch.equal(lin.pack().dequantized(), torch.from_numpy(ref))
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+    want = F.linear(x, torch.from_numpy(ref))  # weights up to ~50: sums of order 1e3
+    torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-6 * want.abs().max())
+    # dmin far below d: some zeros round in float32, so float32 refuses to keep the
+    # tensor (the loader then dequantizes it); bfloat16 rounds the zero anyway
+    raw, ref = q4_k_blocks(dmin_low=1e-6)
+    with pytest.raises(QuantError, match="round in float32"):
+        Int4Linear.from_gguf(raw, "Q4_K")
+    lin = Int4Linear.from_gguf(raw, "Q4_K", torch.bfloat16).pack()
+    ref = torch.from_numpy(ref)  # errors of the order of a bfloat16 ulp of the block's zero
+    torch.testing.assert_close(lin.dequantized().float(), ref, rtol=0,
+                               atol=2**-7 * ref.abs().max())
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_the_layer_is_dequantize_then_linear(qtype, rows):
+    raw, ref = blocks(qtype, seed=rows)
+    w = torch.from_numpy(ref)
+    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
+    out, want = Int4Linear.from_gguf(raw, qtype).pack()(x), F.linear(x, w)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6 * want.abs().max())
+    # bfloat16: the scales rounded to bfloat16, and at more rows the kernel rounds each
+    # weight it forms to bfloat16 too: within bfloat16 tolerance of the exact product
+    lin = Int4Linear.from_gguf(raw, qtype, torch.bfloat16).pack()
+    xb = x.bfloat16()
+    out, ref = lin(xb), F.linear(xb.double(), lin.dequantized().double())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=4e-3 * ref.abs().max())
+    scale_error = (lin.dequantized().float() - w).abs().max()
+    assert 0 < scale_error <= 2**-8 * w.abs().max() * 2
+
+
+def test_fused_parts_are_the_parts_side_by_side():
+    parts = [Int4Linear.from_gguf(blocks("Q4_1", n, seed=n)[0], "Q4_1") for n in (64, 32)]
+    ref = torch.cat([p.dequantized() for p in parts])
+    assert torch.equal(Int4Linear.cat(parts).pack().dequantized(), ref)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_a_q4_model_keeps_its_projections_int4_and_computes_as_dequantized(
+        tiny_model, tmp_path, arch, caplog):
+    q4_model = gguf_files.write_gguf(tiny_model(arch), tmp_path / "q4_1.gguf", "Q4_1")
+    caplog.set_level("INFO")
+    ours = load_model(q4_model, "bfloat16", quantization="auto")
+    ref = load_model(q4_model, "bfloat16", quantization="none")
+    for m in (ours, ref):
+        m.fuse_projections()
+    layer = ours.model.layers[1]
+    assert isinstance(layer.self_attn.qkv_proj, Int4Linear)   # q/k rows unpermuted
+    assert isinstance(layer.mlp.down_proj, Int4Linear)
+    assert "int4 (Q4_1, bfloat16 scales)" in caplog.text and "token_embd.weight" in caplog.text
+    # The same weights to bfloat16 precision: hidden states close, layer by layer.
+    x = torch.randn(3, ours.config.hidden_size, dtype=torch.bfloat16,
+                    generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        for a, b in [(ours.model.layers[1].self_attn.qkv_proj, ref.model.layers[1].self_attn
+                      .qkv_proj), (layer.mlp.gate_up_proj, ref.model.layers[1].mlp.gate_up_proj)]:
+            torch.testing.assert_close(a(x).float(), b(x).float(), rtol=0.05, atol=0.05)
+    # float32: auto dequantizes (the kernel's float32 path is slow): the same model as none
+    f32 = load_model(q4_model, "float32", quantization="auto")
+    assert not any(isinstance(m, Int4Linear) for m in f32.modules())
+
+
+@pytest.mark.parametrize("mode, gguf_file, dtype, words", [
+    ("int8", True, torch.bfloat16, "'int8' is not implemented"),
+    ("int4", False, torch.bfloat16, "stores float weights"),
+    ("int4", True, torch.float32, "pass --dtype bfloat16"),
+    ("int4", True, torch.float16, "fast in bfloat16 only"),
+])
+def test_modes_that_cannot_work_are_refused(mode, gguf_file, dtype, words):
+    with pytest.raises(ValueError, match=words):
+        plan(mode, gguf_file, dtype, "cpu")
+    assert plan("auto", gguf_file, dtype, "cpu") is (gguf_file and dtype == torch.bfloat16)
+    assert plan("none", gguf_file, dtype, "cpu") is False
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--quantization", "int4", "--dtype", "bfloat16"], "has no Q4_0, Q4_1 or Q4_K projection"),
+    (["--quantization", "int4"], "pass --dtype bfloat16"),
+    (["--quantization", "int8", "--dtype", "bfloat16"], "'int8' is not implemented"),
+])
+def test_the_cli_says_why_a_quantization_cannot_be_served(tiny_model, tmp_path, args, words):
+    f32_file = gguf_files.write_gguf(tiny_model("llama"), tmp_path / "f32.gguf", "F32")
+    out = CliRunner().invoke(main, ["generate", "--prompt", "hi", "--max-tokens", "1",
+                                    "--model", str(f32_file), *args], terminal_width=10_000)
+    assert out.exit_code == 1 and words in out.output, out.output
+
+
+def test_the_cli_refuses_an_unknown_quantization():
+    out = CliRunner().invoke(main, ["generate", "--prompt", "hi", "--quantization", "int2"],
+                             terminal_width=10_000)
+    assert out.exit_code == 2 and "'auto', 'none', 'int8', 'int4'" in out.output, out.output
+
+
+def test_int4_and_dequantized_nodes_of_one_file_do_not_share_a_cluster():
+    import msgspec
+
+    from pdserve.common import protocol as P
+    from pdserve.router.dispatch.registry import Registry
+    from tests.unit.test_dispatch import hello as plain
+
+    def hello(role, node_id, model=None):
+        h = plain(role, node_id)
+        return h if model is None else msgspec.structs.replace(h, model=model)
+
+    reg = Registry(P.ModelIdentity(name="m", config_hash="h"), 2, 2, 16, 1.0, 3)
+    int4 = P.ModelIdentity(name="m", config_hash="h+int4")
+    assert reg.admit(hello("prefill", "p1", int4))[0]  # the router's file
+    ok, why = reg.admit(hello("decode", "d1"))
+    assert not ok and "holds the model's weights dequantized, the cluster's nodes as int4" \
+        in why and "--quantization" in why
+    assert reg.admit(hello("decode", "d2", int4))[0]
+    ok, why = reg.admit(hello("decode", "d3", P.ModelIdentity(name="m",
+                                                              config_hash="other+int4")))
+    assert not ok and "differs from the router's" in why
