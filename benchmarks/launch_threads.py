@@ -54,13 +54,11 @@ def bench(url: str, n: int, concurrency: int, input_len: int, output_len: int) -
 
 
 def renice_prefill(pgid: int) -> None:
-    from tests.cluster import child_config
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.cluster import node_pids  # the checkout's tests/
 
-    out = subprocess.run(["ps", "-o", "pid=", "-g", str(pgid)], capture_output=True,
-                         text=True).stdout.split()
-    for pid in map(int, out):
-        cfg = child_config(pid)
-        if cfg and str(cfg["config"].get("node_id", "")).startswith("prefill-"):
+    for node_id, pid in node_pids(pgid).items():
+        if node_id.startswith("prefill-"):
             for task in os.listdir(f"/proc/{pid}/task"):   # every thread of it
                 os.setpriority(os.PRIO_PROCESS, int(task), 10)
 

@@ -12,22 +12,16 @@ all are equal), and the texts where they differ.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 
 from pdserve import LLM, SamplingParams
 
-CONVERSATIONS = [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "user", "content": "Name three primary colors."}],
-    [{"role": "system", "content": "You answer in one short sentence."},
-     {"role": "user", "content": "Why is the sky blue?"}],
-    [{"role": "user", "content": "Write a haiku about the sea."}],
-    [{"role": "user", "content": "Hello! Who are you?"},
-     {"role": "assistant", "content": "I am SmolLM, an AI assistant."},
-     {"role": "user", "content": "What can you do for me?"}],
-    [{"role": "user", "content": "Translate 'good morning' into French."}],
-]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.chat_prompts import CONVERSATIONS  # noqa: E402 (the checkout's tests/)
+
 CONFIGS = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "auto")]
 
 

@@ -132,8 +132,11 @@ def _advise(profile_arg, profile, kind, rate, slo_ttft, slo_itl, counts, target,
     trials = []
     for prefill, decode in A.ratios(counts):
         click.echo(f"pdserve plan: {prefill}P{decode}D ...", err=True)
-        trials.append(A.run_trial(profile_arg, profile, prefill, decode, wl, slo,
-                                  launch_args, chunk_tokens))
+        try:
+            trials.append(A.run_trial(profile_arg, profile, prefill, decode, wl, slo,
+                                      launch_args, chunk_tokens))
+        except (RuntimeError, TimeoutError) as exc:   # the cluster or the bench failed
+            raise click.ClickException(f"{prefill}P{decode}D: {exc}") from exc
         t = trials[-1]
         click.echo(f"pdserve plan: {prefill}P{decode}D goodput {t.goodput_req_s} req/s",
                    err=True)

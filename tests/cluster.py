@@ -20,6 +20,46 @@ def launched(model_dir, prefill: int = 1, decode: int = 1, *extra: str, log_dir=
         yield cluster
 
 
+def node_pids(pgid: int) -> dict[str, int]:
+    """PID of each node pdserve launch started (its process group ``pgid``), by node id
+    (from the config it handed)."""
+    import subprocess
+
+    out = subprocess.run(["ps", "-o", "pid=", "-g", str(pgid)], capture_output=True,
+                         text=True).stdout.split()
+    found = {}
+    for pid in map(int, out):
+        cfg = child_config(pid)
+        if cfg is not None and cfg["config"].get("node_id"):
+            found[cfg["config"]["node_id"]] = pid
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def sim_test_profile(path, name: str, peak_flops: float, memory_bandwidth: float):
+    """Writes to ``path`` a simulation profile of Llama 3 8B's shape on a made-up slow
+    accelerator (steps long beside this machine's own overhead), no EOS; returns ``path``."""
+    import json
+
+    from pdserve.sim.profile import PROFILE_DIR
+
+    p = json.loads((PROFILE_DIR / "h100-llama3-8b.json").read_text())
+    p["name"] = name
+    p["accelerator"] = {"name": name, "peak_flops": peak_flops,
+                        "memory_bandwidth": memory_bandwidth, "memory_bytes": 40e9}
+    p["eos"] = {"kind": "never"}
+    path.write_text(json.dumps(p))
+    return path
+
+
 def child_config(pid: int) -> dict | None:
     """The config ``pdserve launch`` handed child ``pid`` ({"log_level", "config"}), read
     from its environment; None for a process that has none."""

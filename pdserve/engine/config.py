@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.common.config import MODEL_DTYPES
+from pdserve.common.config import MODEL_DTYPES, QUANTIZATION_MODES
 from pdserve.common.config_fields import check_fields, flag
 from pdserve.sim.profile import check_sim_fields
 
 DTYPES = (*MODEL_DTYPES, "auto")   # auto: the checkpoint's own
 COMPUTE_MODES = ("model", "none", "simulated")
 CPU_LINEAR_MODES = ("auto", "onednn", "torch")
-QUANTIZATION_MODES = ("auto", "none", "int8", "int4")  # model/quant.py's MODES
 
 
 @dataclass(frozen=True)

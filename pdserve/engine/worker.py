@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.common.config import WEIGHTS_INT4
 from pdserve.common.sampling import SamplingParams
 from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.engine.config import EngineConfig
@@ -24,7 +25,7 @@ from pdserve.model.loader import (
     model_name,
     resolve_dtype,
 )
-from pdserve.model.quant import WEIGHTS_INT4, Int4Linear
+from pdserve.model.quant import Int4Linear
 from pdserve.sim.profile import load_profile, sim_identity, unsimulated
 
 

@@ -40,6 +40,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from pdserve.common.config import QUANTIZATION_MODES
+
 log = logging.getLogger(__name__)
 
 GROUP = 32                            # weights per block, along the input dimension
@@ -48,9 +50,6 @@ GROUP = 32                            # weights per block, along the input dimen
 # 128 bytes of 4-bit pairs.
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
 INT4_TYPES = tuple(BLOCK_BYTES)
-MODES = ("auto", "none", "int8", "int4")
-# A node's model identity hash ends in this when it holds int4 weights (engine/worker.py)
-WEIGHTS_INT4 = "+int4"
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -61,8 +60,8 @@ class QuantError(ValueError):
 def plan(mode: str, is_gguf: bool, dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether a model loaded with ``--quantization mode`` keeps its Q4_0/Q4_1/Q4_K projections
     as int4. Raises ValueError, saying what is allowed, for a mode that cannot work."""
-    if mode not in MODES:
-        raise ValueError(f"quantization must be one of {MODES}, got {mode!r}")
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {mode!r}")
     if mode == "none":
         return False
     if mode == "int8":

@@ -28,7 +28,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 
 from pdserve.bench.cluster import launched
-from pdserve.bench.metrics import goodput
+from pdserve.bench.metrics import goodput, stat_ms
 from pdserve.sim import roofline as R
 from pdserve.sim.profile import Profile
 
@@ -108,23 +108,18 @@ def run_trial(profile_arg: str, profile: Profile, prefill: int, decode: int,
                                    f"{done.stderr[-2000:]}")
             with open(out) as f:
                 result = json.load(f)
-    ttfts = sorted(t for t, e in zip(result["ttfts"], result["errors"]) if t and not e)
-    gaps = sorted(g for itl in result["itls"] for g in itl)
+    ttft = stat_ms([t for t, e in zip(result["ttfts"], result["errors"]) if t and not e],
+                   (50, 99))
+    itl = stat_ms([g for gaps in result["itls"] for g in gaps], (99,))
     rate = goodput(result, slo.ttft_s, slo.itl_s)
-    prefill_s = R.prefill_seconds(profile, workload.prompt_len + workload.prefix_len,
-                                  chunk_tokens)
+    prefill_ms = 1e3 * R.prefill_seconds(profile, workload.prompt_len + workload.prefix_len,
+                                         chunk_tokens)
+    (_, p50), (_, p99) = ttft.percentiles
     return Trial(prefill, decode, result["completed"], result["failed"],
                  round(result["duration"], 2), round(rate, 3),
                  round(rate * result["duration"] / workload.num_prompts, 3),
-                 round(_pct(ttfts, 50) * 1e3, 1), round(_pct(ttfts, 99) * 1e3, 1),
-                 round(_pct(gaps, 99) * 1e3, 1),
-                 round(max(0.0, _pct(ttfts, 50) - prefill_s) * 1e3, 1))
-
-
-def _pct(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    return sorted_values[min(len(sorted_values) - 1, int(len(sorted_values) * q / 100))]
+                 round(p50, 1), round(p99, 1), round(itl.percentiles[0][1], 1),
+                 round(max(0.0, p50 - prefill_ms), 1))
 
 
 def recommend(trials: list[Trial], target: float) -> tuple[Trial, bool]:

@@ -56,24 +56,19 @@ def test_nodes_sharing_the_machine_share_its_cores(tiny_model):
     """Without --threads every node gets every core, its idle OpenMP threads sleeping
     (OMP_WAIT_POLICY=PASSIVE); a user's own OMP_WAIT_POLICY and --threads stand."""
     import os
-    import subprocess
 
     from pdserve.bench.cluster import launched as launch_cluster
-    from tests.cluster import child_config
+    from tests.cluster import child_config, node_pids
 
     def nodes(cluster) -> dict[str, tuple[int, str | None]]:
         """node id -> (threads launch gave it, its OMP_WAIT_POLICY)."""
-        out = subprocess.run(["ps", "-o", "pid=", "-g", str(cluster.proc.pid)],
-                             capture_output=True, text=True).stdout.split()
         found = {}
-        for pid in out:
-            cfg = child_config(int(pid))
-            if cfg and cfg["config"].get("node_id"):
-                env = dict(v.split(b"=", 1) for v in
-                           open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if b"=" in v)
-                policy = env.get(b"OMP_WAIT_POLICY")
-                found[cfg["config"]["node_id"]] = (cfg["config"]["engine"]["threads"],
-                                                   policy and policy.decode())
+        for node_id, pid in node_pids(cluster.proc.pid).items():
+            env = dict(v.split(b"=", 1) for v in
+                       open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if b"=" in v)
+            policy = env.get(b"OMP_WAIT_POLICY")
+            found[node_id] = (child_config(pid)["config"]["engine"]["threads"],
+                              policy and policy.decode())
         return found
 
     model = str(tiny_model())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.cluster import free_port
+from tests.cluster import alive, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,14 +28,6 @@ def descendants(pid: int) -> set[int]:
             found.add(c)
             todo.append(c)
     return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_make_serve_model_and_sigint_to_makes_pid(tiny_model, tmp_path):

@@ -13,19 +13,13 @@ import sys
 
 import pytest
 
-from pdserve.sim.profile import PROFILE_DIR
+from tests.cluster import sim_test_profile
 
 
 @pytest.fixture(scope="module")
 def slow_profile(tmp_path_factory):
-    p = json.loads((PROFILE_DIR / "h100-llama3-8b.json").read_text())
-    p["name"] = "plan-test-gpu"
-    p["accelerator"] = {"name": "plan test GPU", "peak_flops": 1.2e14,
-                        "memory_bandwidth": 0.25e12, "memory_bytes": 40e9}
-    p["eos"] = {"kind": "never"}
-    path = tmp_path_factory.mktemp("plan") / "slow.json"
-    path.write_text(json.dumps(p))
-    return path
+    return sim_test_profile(tmp_path_factory.mktemp("plan") / "slow.json", "plan-test-gpu",
+                            1.2e14, 0.25e12)
 
 
 def test_advisor_recommends_the_ratio_without_a_queue(slow_profile):

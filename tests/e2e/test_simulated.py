@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from pdserve.bench.cluster import launched
-from pdserve.sim.profile import PROFILE_DIR
+from tests.cluster import alive, node_pids, sim_test_profile
 
 PROMPT_LEN, MAX_TOKENS = 200, 12
 KV_SCALE = "0.0078125"  # 1/128: one element per head
@@ -31,14 +31,8 @@ KV_SCALE = "0.0078125"  # 1/128: one element per head
 
 @pytest.fixture(scope="module")
 def slow_profile(tmp_path_factory):
-    p = json.loads((PROFILE_DIR / "h100-llama3-8b.json").read_text())
-    p["name"] = "slow-test-gpu"
-    p["accelerator"] = {"name": "slow test GPU", "peak_flops": 3e12,
-                        "memory_bandwidth": 0.25e12, "memory_bytes": 40e9}
-    p["eos"] = {"kind": "never"}
-    path = tmp_path_factory.mktemp("sim") / "slow.json"
-    path.write_text(json.dumps(p))
-    return path
+    return sim_test_profile(tmp_path_factory.mktemp("sim") / "slow.json", "slow-test-gpu",
+                            3e12, 0.25e12)
 
 
 def plan(profile, **shape) -> dict:
@@ -96,28 +90,6 @@ def test_2p2d_ttft_and_itl_match_the_profile(slow_profile):
     # overhead, under 10 % of a step.
     assert predicted["prefill_s"] * 0.99 <= ttft <= predicted["prefill_s"] * 1.10
     assert predicted["decode_step_s"] * 0.90 <= itl <= predicted["decode_step_s"] * 1.10
-
-
-def node_pids(pgid: int) -> dict[str, int]:
-    """PID of each node pdserve launch started, by node id (from the config it handed)."""
-    from tests.cluster import child_config
-    out = subprocess.run(["ps", "-o", "pid=", "-g", str(pgid)], capture_output=True,
-                         text=True).stdout.split()
-    found = {}
-    for pid in map(int, out):
-        cfg = child_config(pid)
-        if cfg is not None and cfg["config"].get("node_id"):
-            found[cfg["config"]["node_id"]] = pid
-    return found
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, dead and not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def cpu_s(pid: int) -> float:

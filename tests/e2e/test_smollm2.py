@@ -10,6 +10,7 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.model.default_model import bundled_model
 from pdserve.model.loader import model_name
+from tests.chat_prompts import CONVERSATIONS
 from tests.cluster import launched
 
 transformers = pytest.importorskip("transformers")
@@ -17,17 +18,6 @@ pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
 
 NEW_TOKENS = 24
-CONVERSATIONS = [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "user", "content": "Name three primary colors."}],
-    [{"role": "system", "content": "You answer in one short sentence."},
-     {"role": "user", "content": "Why is the sky blue?"}],
-    [{"role": "user", "content": "Write a haiku about the sea."}],
-    [{"role": "user", "content": "Hello! Who are you?"},
-     {"role": "assistant", "content": "I am SmolLM, an AI assistant."},
-     {"role": "user", "content": "What can you do for me?"}],
-    [{"role": "user", "content": "Translate 'good morning' into French."}],
-]
 
 
 @pytest.fixture(scope="session")

@@ -172,3 +172,7 @@ def test_int4_and_dequantized_nodes_of_one_file_do_not_share_a_cluster():
     ok, why = reg.admit(hello("decode", "d3", P.ModelIdentity(name="m",
                                                               config_hash="other+int4")))
     assert not ok and "differs from the router's" in why
+    for suffix in ("int8", "int4+int4", "x" * 100_000):   # only the forms a node can hold
+        ok, why = reg.admit(hello("decode", "d4", P.ModelIdentity(name="m",
+                                                                  config_hash=f"h+{suffix}")))
+        assert not ok and "only '+int4' may follow" in why and len(why) < 400, why

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from pdserve.common import protocol as P
-from pdserve.common.config import ROLES
+from pdserve.common.config import HELD_WEIGHTS, ROLES
 
 LIVE, DRAINING = "live", "draining"
 REGISTERED, REMOVED = "registered", "removed"   # events (and DRAINING: a status change)
@@ -90,6 +90,9 @@ class Registry:
         # same file, so the router's hash, but outputs that differ from a dequantized
         # node's: the cluster's first node sets which, as for the KV dtype below.
         file_hash, _, weights = hello.model.config_hash.partition("+")
+        if weights not in HELD_WEIGHTS:
+            return False, (f"model identity {hello.model.config_hash[:200]!r}: after its hash "
+                           f"only {'+' + HELD_WEIGHTS[1]!r} may follow (weights held as int4)")
         if file_hash != self.model.config_hash:
             hint = ("; a simulated node: give the router the same --sim-profile and "
                     "--sim-kv-bytes-scale") if hello.compute == "simulated" else ""
