@@ -78,7 +78,7 @@ def main() -> None:
                 for i, (w, (ins, outs)) in enumerate(lengths.items())}
     loads = loads_of(0)
 
-    llm = LLM(model=model_dir, threads=a.threads)
+    llm = LLM(model=model_dir, dtype="float32", threads=a.threads)  # transformers' dtype
     hf = transformers_model(model_dir)
     pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
 

@@ -81,7 +81,7 @@ def compile_cmd(arch_list: str, model_path: str | None, dtype: str, block_size: 
         cfg = ModelConfig.from_dir(model_path)
     except ModelLoadError as exc:
         raise click.ClickException(str(exc)) from exc
-    dtypes = list(DTYPES.values()) if dtype == "all" else [resolve_dtype(dtype, cfg)]
+    dtypes = list(DTYPES.values()) if dtype == "all" else [resolve_dtype(dtype, cfg, "cuda")]
     click.echo(f"# {model_path}: {cfg.architecture}, hidden {cfg.hidden_size}, heads "
                f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} kv, head_dim "
                f"{cfg.head_dim}; block size {block_size}; triton {triton.__version__}, "

@@ -36,7 +36,7 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, dtype: str = "float32", device: str = "cpu",
+    def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "cpu",
                  **engine_args):
         self.engine = Engine(EngineConfig(model=None if model is None else str(model),
                                              dtype=dtype, device=device, **engine_args))

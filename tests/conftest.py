@@ -6,6 +6,10 @@ so it is set here, before pytest imports any test module.
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Every node, router and launch a test starts serves float32 (the token-exact comparisons
+# with transformers are in float32), whatever `--dtype auto` would choose on this CPU;
+# in-process engines pin it themselves. tests/e2e/test_dtype_auto.py clears it.
+os.environ.setdefault("PDSERVE_DTYPE", "float32")
 
 import pytest  # noqa: E402
 

@@ -135,12 +135,9 @@ def machine() -> str:
     """A one-line description of this machine, for the printed figures."""
     import platform
 
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+    from pdserve.common.cpuinfo import describe
+
+    cpu = describe()
     try:
         import torch
         tv = torch.__version__

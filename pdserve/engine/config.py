@@ -8,7 +8,7 @@ from pdserve.common.config import MODEL_DTYPES, QUANTIZATION_MODES
 from pdserve.common.config_fields import check_fields, flag
 from pdserve.sim.profile import check_sim_fields
 
-DTYPES = (*MODEL_DTYPES, "auto")   # auto: the checkpoint's own
+DTYPES = (*MODEL_DTYPES, "auto")   # auto: model/loader.py auto_dtype
 COMPUTE_MODES = ("model", "none", "simulated")
 CPU_LINEAR_MODES = ("auto", "onednn", "torch")
 
@@ -18,8 +18,10 @@ class EngineConfig:
     model: str | None = flag(None, "Checkpoint folder or .gguf file.", kind="path",
                              default_text="the bundled model, SmolLM2-135M-Instruct; "
                                           "pdserve model info prints its path")
-    dtype: str = flag("float32", "The weights' and the KV cache's dtype; auto: the "
-                      "checkpoint's own.", choices=DTYPES)
+    dtype: str = flag("auto", "The weights' and the KV cache's dtype. auto: on the CPU, "
+                      "bfloat16 where it has AVX512-BF16 or AMX-BF16 and float32 elsewhere "
+                      "(the start-up log says which and why); on an accelerator, the "
+                      "checkpoint's own.", choices=DTYPES, envvar="PDSERVE_DTYPE")
     device: str = flag("cpu", "torch device.")
     block_size: int = flag(16, "Tokens per KV block (a power of two).", min=1)
     num_kv_blocks: int | None = flag(None, "KV cache size in blocks.", min=1,

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.types import EngineStats, KVCacheLayout, ModelId
 from pdserve.model.config import read_token_space
 from pdserve.model.loader import (
+    auto_dtype,
     load_model,
     model_identity_hash,
     model_name,
@@ -27,6 +29,8 @@ from pdserve.model.loader import (
 )
 from pdserve.model.quant import Int4Linear
 from pdserve.sim.profile import load_profile, sim_identity, unsimulated
+
+log = logging.getLogger(__name__)
 
 
 class Worker:
@@ -56,7 +60,10 @@ class Worker:
         self.model = load_model(self.model_dir, config.dtype, config.device,
                                 config.quantization)
         self.model_config = self.model.config
-        self.dtype = resolve_dtype(config.dtype, self.model_config)
+        self.dtype = resolve_dtype(config.dtype, self.model_config, config.device)
+        if config.dtype == "auto":
+            log.info("dtype auto: %s (%s)", str(self.dtype).removeprefix("torch."),
+                     auto_dtype(self.model_config, config.device)[1])
         limit = self.model_config.max_model_len
         self.max_model_len = min(config.max_model_len or limit, limit)
         per_block = kv_bytes_per_block(self.model_config, config.block_size, self.dtype)

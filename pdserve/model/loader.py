@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 
 from pdserve.common.config import MODEL_DTYPES
+from pdserve.common.cpuinfo import native_bf16
 from pdserve.model.config import ModelConfig, ModelLoadError
 from pdserve.model.identity import (  # noqa: F401 (re-exported: the nodes' names)
     model_identity_hash,
@@ -22,13 +23,34 @@ DTYPES = {name: getattr(torch, name) for name in MODEL_DTYPES}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def resolve_dtype(name: str | torch.dtype, cfg: ModelConfig | None = None) -> torch.dtype:
+def auto_dtype(cfg: ModelConfig | None, device: str | torch.device = "cpu"
+               ) -> tuple[torch.dtype, str]:
+    """What ``--dtype auto`` serves on ``device``, and why. On the CPU: bfloat16 where the
+    CPU computes it natively (AVX512-BF16 or AMX-BF16), else float32, whatever the
+    checkpoint stores; bfloat16 weights on a CPU without them are converted in every GEMM.
+    On an accelerator: the checkpoint's own, float32 where it names none we serve."""
+    if torch.device(device).type == "cpu":
+        flags = native_bf16()
+        if flags:
+            return torch.bfloat16, f"this CPU has {', '.join(flags)}"
+        return torch.float32, ("this CPU has neither AVX512-BF16 nor AMX-BF16, so bfloat16 "
+                               "would be slower than float32")
+    own = cfg.torch_dtype if cfg else None
+    if own in DTYPES:
+        return DTYPES[own], f"the checkpoint's own, on {device}"
+    return torch.float32, (f"the checkpoint names {own or 'no dtype'}, not one of "
+                           f"{', '.join(DTYPES)}")
+
+
+def resolve_dtype(name: str | torch.dtype, cfg: ModelConfig | None = None,
+                  device: str | torch.device = "cpu") -> torch.dtype:
+    """The torch dtype of ``--dtype`` NAME; "auto" as ``auto_dtype`` chooses on ``device``."""
     if isinstance(name, torch.dtype):
         if name not in DTYPES.values():
             raise ValueError(f"dtype {name} is not supported; supported: {', '.join(DTYPES)}")
         return name
     if name == "auto":
-        name = (cfg.torch_dtype if cfg else None) or "float32"
+        return auto_dtype(cfg, device)[0]
     if name not in DTYPES:
         raise ValueError(f"dtype {name!r} is not supported; supported: auto, {', '.join(DTYPES)}")
     return DTYPES[name]
@@ -61,7 +83,7 @@ def load_model(model_path: str | Path, dtype: str | torch.dtype = "float32",
     allows (ValueError where "int4" or "int8" cannot be had)."""
     model_path = Path(model_path)
     cfg = load_config(model_path)
-    torch_dtype = resolve_dtype(dtype, cfg)
+    torch_dtype = resolve_dtype(dtype, cfg, device)
     int4 = plan(quantization, model_path.is_file(), torch_dtype, device)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import click
 
+from pdserve.common import cpuinfo
 from pdserve.sim import roofline as R
 from pdserve.sim.profile import DTYPE_BYTES, profile_from_dict
 
@@ -171,22 +172,6 @@ def fit_roofline(profile, times: StepTimes) -> Fit:
 
 
 # -- the profile ------------------------------------------------------------------------------
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo) and its wide vector extensions."""
-    name, flags = "unknown CPU", set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and name == "unknown CPU":
-                name = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
-    return f"{name} ({', '.join(isa) or 'no AVX2'})"
-
-
 def model_section(engine) -> dict:
     """The profile's ``model``: the engine's checkpoint's shape, dtype and embeddings."""
     from pdserve.model.identity import model_name
@@ -264,7 +249,7 @@ def calibrate(model: str | None = None, dtype: str = "float32", threads: int | N
     name = name or f"cpu-{model_part['name'].lower()}-{threads}t"
     today = datetime.date.today().isoformat()
     return build_profile(
-        name, f"{cpu_name()}, {threads} torch thread(s)", model_part, times, peaks,
+        name, f"{cpuinfo.describe()}, {threads} torch thread(s)", model_part, times, peaks,
         kv_cache_bytes,
         [f"measured by pdserve.sim.calibrate on {today}: the real engine (torch "
          f"{torch.__version__}, {threads} thread(s), {model_part['dtype']}, cpu_linear "

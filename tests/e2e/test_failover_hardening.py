@@ -162,9 +162,9 @@ def test_a_raising_handler_or_step_stops_no_node_loop(model, tmp_path):
     node = None
     try:
         h.start_nodes([("decode", "nd")])
-        node = PrefillNode(NodeConfig(role="prefill", engine=EngineConfig(model=str(model)),
-                                      router=h.control, node_id="np",
-                                      heartbeat_interval_s=0.2))
+        engine = EngineConfig(dtype="float32", model=str(model))
+        node = PrefillNode(NodeConfig(role="prefill", engine=engine, router=h.control,
+                                      node_id="np", heartbeat_interval_s=0.2))
         handle, step = node.handle, node.step
         faults = {"handle": 1, "step": 0}
 

@@ -277,7 +277,7 @@ def test_token_exact_through_either_router(model_fleet):
     from pdserve import LLM, SamplingParams
 
     f, model, routers, nodes = model_fleet
-    want = LLM(model=model).generate(["Two routers"], SamplingParams(
+    want = LLM(dtype="float32", model=model).generate(["Two routers"], SamplingParams(
         temperature=0, max_tokens=8, ignore_eos=True))[0].text
     for r in routers:
         got = complete(r, model, "Two routers", 8)

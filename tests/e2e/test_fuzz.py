@@ -163,7 +163,8 @@ def still_serves(cluster):
     from pdserve import LLM, SamplingParams
 
     model, c = cluster
-    expected = LLM(model=model).generate([PROMPT], SamplingParams(**GREEDY))[0].token_ids
+    expected = LLM(dtype="float32", model=model).generate(
+        [PROMPT], SamplingParams(**GREEDY))[0].token_ids
 
     def check():
         assert httpx.get(c.http_url + "/health", timeout=10).status_code == 200

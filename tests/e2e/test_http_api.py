@@ -201,7 +201,7 @@ def cluster(model_dir):
 def llm(model_dir):
     from pdserve import LLM
 
-    return LLM(model=str(model_dir))
+    return LLM(dtype="float32", model=str(model_dir))
 
 
 @pytest.fixture(scope="module")

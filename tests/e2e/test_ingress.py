@@ -363,7 +363,7 @@ def cluster(tiny_model, tmp_path_factory):
 def offline(cluster):
     from pdserve import LLM, SamplingParams
 
-    llm = LLM(model=cluster[0])
+    llm = LLM(dtype="float32", model=cluster[0])
     return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(
         temperature=0, max_tokens=12, ignore_eos=True))]
 

@@ -357,7 +357,7 @@ def test_logprobs_survive_decode_node_sigkill(model_dir, hf, tmp_path):
 def test_offline_llm_logprobs(model_dir, hf):
     from pdserve import LLM
 
-    llm = LLM(model=model_dir, max_num_batched_tokens=16)  # the prompt in 3 chunks
+    llm = LLM(dtype="float32", model=model_dir, max_num_batched_tokens=16)  # the prompt in 3 chunks
     prompt = list(range(3, 43))
     out = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0, logprobs=2,
                                                 prompt_logprobs=1, ignore_eos=True))[0]

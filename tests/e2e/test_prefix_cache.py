@@ -35,7 +35,7 @@ def test_prefill_node_reuses_a_shared_prefix(tiny_model, tmp_path):
             assert value(s, "pdserve_prefix_cache_hits_tokens_total") == 400
 
         eventually(counted)
-    off = LLM(model=model_dir, enable_prefix_caching=False)
+    off = LLM(dtype="float32", model=model_dir, enable_prefix_caching=False)
     ref = off.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert outs == [o.text for o in ref]
 
@@ -53,7 +53,7 @@ def test_decode_node_killed_while_its_requests_share_cached_blocks(tiny_model, t
     model = tiny_model("llama")
     prefix = [(11 * i) % 900 + 3 for i in range(48)]
     prompts = [prefix + [100 + i, 200 + i] for i in range(6)]
-    want = [o.token_ids for o in LLM(model=model).generate(prompts, greedy(40))]
+    want = [o.token_ids for o in LLM(dtype="float32", model=model).generate(prompts, greedy(40))]
     h = Harness(model, tmp_path)
     try:
         h.start_nodes([("prefill", "sp"), ("decode", "sd0"), ("decode", "sd1")])

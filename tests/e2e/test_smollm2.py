@@ -70,7 +70,7 @@ def test_offline_chat_matches_transformers(smollm2, reference, source):
     path = smollm2 if source == "gguf" else reference["folder"]
     if source != "gguf":
         assert (path / "chat_template.jinja").is_file()  # transformers 5's layout
-    llm = LLM(model=path)
+    llm = LLM(dtype="float32", model=path)
     ours = []
     for messages in CONVERSATIONS:
         text = llm.tokenizer.apply_chat_template(messages)

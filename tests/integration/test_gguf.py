@@ -52,8 +52,8 @@ def test_weights_config_and_greedy_equal_the_folder(tiny_model, as_gguf, arch):
     assert torch.allclose(ours.cos_sin, ref.cos_sin, atol=1e-5)
     prompts = [[5, 9, 200, 31], list(range(3, 40))]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    want = [o.token_ids for o in LLM(model=folder).generate(prompts, params)]
-    assert [o.token_ids for o in LLM(model=path).generate(prompts, params)] == want
+    want = [o.token_ids for o in LLM(dtype="float32", model=folder).generate(prompts, params)]
+    assert [o.token_ids for o in LLM(dtype="float32", model=path).generate(prompts, params)] == want
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -78,7 +78,8 @@ def test_quantized_weights_are_dequantized(tiny_model, as_gguf):
             assert w.dtype == torch.bfloat16
             err = (w.float() - ref[key]).abs().max() / ref[key].abs().max()
             assert err < tolerance, (qtype, key, float(err))
-    out = LLM(model=as_gguf("llama", "Q8_0")).generate("Hello", SamplingParams(max_tokens=4))
+    out = LLM(dtype="float32", model=as_gguf("llama", "Q8_0")).generate(
+        "Hello", SamplingParams(max_tokens=4))
     assert len(out[0].token_ids) == 4
 
 

@@ -13,7 +13,7 @@ from pdserve.model.config import ModelLoadError
 
 @pytest.fixture(scope="module")
 def llm(tiny_model):
-    return LLM(model=tiny_model("llama"))
+    return LLM(dtype="float32", model=tiny_model("llama"))
 
 
 def test_output_fields_and_blocks_return(llm):
@@ -120,8 +120,8 @@ def test_sharded_checkpoint_loads_the_same(tiny_model, tmp_path):
         weight_map.update({k: name for k in part})
     (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    assert LLM(model=dst).generate(["shards"], p)[0].token_ids == \
-        LLM(model=src).generate(["shards"], p)[0].token_ids
+    assert LLM(dtype="float32", model=dst).generate(["shards"], p)[0].token_ids == \
+        LLM(dtype="float32", model=src).generate(["shards"], p)[0].token_ids
 
 
 def run_cli(*args, env=None):

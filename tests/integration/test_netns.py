@@ -62,7 +62,7 @@ def test_cutting_a_decode_link_mid_stream_fails_over(hosts, tiny_model, tmp_path
     ns, switch = hosts.ns, hosts.switch
     model = tiny_model("llama")
     prompts = [[5 + i, 6, 7, 8 + i] for i in range(6)]
-    want = [o.text for o in LLM(model=model).generate(
+    want = [o.text for o in LLM(dtype="float32", model=model).generate(
         prompts, SamplingParams(max_tokens=150, temperature=0, ignore_eos=True))]
     py = [sys.executable, "-m", "pdserve.cli"]
     hb = ["--heartbeat-interval", "0.3"]
@@ -148,7 +148,7 @@ def test_nodes_cut_off_from_etcd_serve_on(tiny_model, tmp_path):
     model = tiny_model("llama")
     prompts = [[5 + i, 6, 7, 8 + i] for i in range(4)]
     n = 40
-    want = [o.text for o in LLM(model=model).generate(
+    want = [o.text for o in LLM(dtype="float32", model=model).generate(
         prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))]
     with contextlib.ExitStack() as stack:
         net = stack.enter_context(network(FLEET_NET, FLEET_HOSTS))

@@ -71,7 +71,7 @@ def wait_all_free(driver, *nodes):
 
 def test_two_prefill_two_decode_equal_offline_llm(cluster):
     driver, model, _ = cluster
-    llm = LLM(model=model)
+    llm = LLM(dtype="float32", model=model)
     prompts = prompts_for(llm.engine.model_config.vocab_size)
     want = [o.token_ids for o in llm.generate(prompts, greedy())]
     spec = greedy()

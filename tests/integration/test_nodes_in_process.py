@@ -27,7 +27,8 @@ class Cluster:
 
     def __init__(self, model, tamper=None):
         self.link = FakeLink(tamper)
-        engine = EngineConfig(model=str(model), num_kv_blocks=64, max_num_batched_tokens=48)
+        engine = EngineConfig(dtype="float32", model=str(model), num_kv_blocks=64,
+                              max_num_batched_tokens=48)
         self.prefill = {}
         for node_id in ("p0", "p1"):
             node = PrefillNode(NodeConfig(role="prefill", engine=engine, node_id=node_id,
@@ -127,7 +128,7 @@ def model(tiny_model):
 @pytest.fixture(scope="module")
 def want(model):
     """Greedy output of the offline LLM for each prompt."""
-    llm = LLM(model=model)
+    llm = LLM(dtype="float32", model=model)
     return lambda prompts, n: [o.token_ids for o in llm.generate(prompts, greedy(n))]
 
 

@@ -25,7 +25,7 @@ def model(tiny_model):
 
 @pytest.fixture(scope="module")
 def offline(model):
-    return LLM(model=model)
+    return LLM(dtype="float32", model=model)
 
 
 class Harness:

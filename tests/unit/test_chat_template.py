@@ -50,7 +50,7 @@ def test_transformers5_checkpoint_chats_like_transformers(saved_by_transformers)
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     ids = hf_tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    llm = LLM(model=out)
+    llm = LLM(dtype="float32", model=out)
     text = llm.tokenizer.apply_chat_template(MESSAGES)
     assert llm.tokenizer.encode(text, add_special_tokens=False) == ids
     ours = llm.generate([ids], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))

@@ -137,7 +137,7 @@ def test_asking_for_onednn_where_it_cannot_run_says_why():
 
 @needs_onednn
 def test_the_engine_runs_every_projection_and_the_lm_head_through_onednn(tiny_model):
-    llm = LLM(model=tiny_model("qwen2"))  # q/k/v biases, tied embeddings
+    llm = LLM(dtype="float32", model=tiny_model("qwen2"))  # q/k/v biases, tied embeddings
     model = llm.engine.model
     assert model.config.tie_word_embeddings
     assert llm.engine.runner.linear == "onednn"
@@ -156,6 +156,6 @@ def test_the_engine_runs_every_projection_and_the_lm_head_through_onednn(tiny_mo
             model.compute_logits(hidden),
             torch.nn.functional.linear(hidden, model.model.embed_tokens.weight),
             rtol=1e-5, atol=1e-5)
-    plain = LLM(model=tiny_model("qwen2"), cpu_linear="torch").engine.model
+    plain = LLM(dtype="float32", model=tiny_model("qwen2"), cpu_linear="torch").engine.model
     assert isinstance(plain.lm_head, torch.nn.Linear)
     assert isinstance(plain.model.layers[0].mlp.gate_up_proj, torch.nn.Linear)

@@ -20,7 +20,7 @@ def model_dir(tiny_model):
 def engine_of(model_dir, **kw) -> Engine:
     cfg = dict(model=str(model_dir), block_size=4, num_kv_blocks=1024, max_num_seqs=8,
                max_num_batched_tokens=64, enable_prefix_caching=False)
-    return Engine(EngineConfig(**{**cfg, **kw}), detokenize=False)
+    return Engine(EngineConfig(**{"dtype": "float32", **cfg, **kw}), detokenize=False)
 
 
 # (arrival step, prompt length, tokens wanted): sequences join and finish at different

@@ -13,7 +13,7 @@ BLOCK = 4
 def engine_of(model_dir, **kw) -> Engine:
     cfg = dict(model=str(model_dir), block_size=BLOCK, num_kv_blocks=64,
                max_num_batched_tokens=8, enable_prefix_caching=False)
-    return Engine(EngineConfig(**{**cfg, **kw}), detokenize=False)
+    return Engine(EngineConfig(**{"dtype": "float32", **cfg, **kw}), detokenize=False)
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ def test_greedy_batch_matches_transformers(tiny_model, arch, cpu_linear, monkeyp
     model_dir = tiny_model(arch)
     # A small token budget makes the 70-token prompt prefill in several chunks and
     # mixes prefill chunks with decode tokens in one step.
-    llm = LLM(model=model_dir, max_num_batched_tokens=32, cpu_linear=cpu_linear)
+    llm = LLM(dtype="float32", model=model_dir, max_num_batched_tokens=32, cpu_linear=cpu_linear)
     assert llm.engine.runner.linear == cpu_linear
     prompts = make_prompts(llm.engine.model_config.vocab_size)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -55,7 +55,7 @@ def test_text_prompts_and_chunked_prefill_match_transformers(tiny_model):
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     texts = ["The quick brown fox", "Serving systems batch requests " * 8, "é ü ß 日本"]
     hf_ids = [tok(t).input_ids for t in texts]
-    llm = LLM(model=model_dir, max_num_batched_tokens=16)
+    llm = LLM(dtype="float32", model=model_dir, max_num_batched_tokens=16)
     outs = llm.generate(texts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0,
                                               ignore_eos=True))
     assert [o.prompt_token_ids for o in outs] == hf_ids
@@ -70,7 +70,7 @@ def test_text_prompts_and_chunked_prefill_match_transformers(tiny_model):
 def test_stop_token_ends_after_the_token(tiny_model):
     """A stop token id ends the sequence right after it, with finish_reason 'stop'."""
     model_dir = tiny_model("qwen2")
-    llm = LLM(model=model_dir)
+    llm = LLM(dtype="float32", model=model_dir)
     prompts = make_prompts(llm.engine.model_config.vocab_size, seed=3)[:4]
     free = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8,
                                                                       temperature=0,
@@ -121,8 +121,8 @@ def test_checkpoints_saved_by_transformers_match(name, tiny_model, tmp_path):
         shutil.copy(tiny_model("llama") / f, tmp_path)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (1, 7, 20, 45)]
-    ours = LLM(model=tmp_path).generate(prompts, SamplingParams(max_tokens=24, temperature=0,
-                                                                ignore_eos=True))
+    ours = LLM(dtype="float32", model=tmp_path).generate(
+        prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     for p, out in zip(prompts, ours):

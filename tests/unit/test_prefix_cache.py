@@ -180,7 +180,7 @@ def test_cache_hits_keep_greedy_output_equal_to_transformers(tiny_model):
     from tests.unit.test_engine_vs_hf import NEW_TOKENS, hf_greedy, make_prompts
 
     model_dir = tiny_model("llama")
-    llm = LLM(model=model_dir, max_num_batched_tokens=32)
+    llm = LLM(dtype="float32", model=model_dir, max_num_batched_tokens=32)
     sched = llm.engine.scheduler
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     prompts = make_prompts(llm.engine.model_config.vocab_size)
@@ -193,7 +193,8 @@ def test_cache_hits_keep_greedy_output_equal_to_transformers(tiny_model):
     assert sched.num_prefix_hit_tokens - hits >= sum(
         (len(p) + len(o)) // 16 * 16 - 16 for p, o in zip(prompts, first))
     assert first + second == hf_greedy(model_dir, prompts + turn2)
-    off = LLM(model=model_dir, max_num_batched_tokens=32, enable_prefix_caching=False)
+    off = LLM(dtype="float32", model=model_dir, max_num_batched_tokens=32,
+              enable_prefix_caching=False)
     assert [o.token_ids for o in off.generate(turn2, params)] == second
     assert off.engine.scheduler.num_prefix_hit_tokens == 0
 

@@ -1,0 +1,54 @@
+"""`--dtype auto`, the default: bfloat16 on a CPU that computes it natively (AVX512-BF16 or
+AMX-BF16), float32 elsewhere, said in each node's start-up log. The expectation is read
+from /proc/cpuinfo here, not from pdserve."""
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from pdserve import LLM
+from tests.cluster import launched
+
+gguf_files = pytest.importorskip("tests.gguf_files")
+
+
+def expected_dtype() -> str:
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f
+                      if line.startswith("flags")), [])
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
+
+
+def test_launch_with_defaults_serves_this_cpus_dtype(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.delenv("PDSERVE_DTYPE", raising=False)  # conftest pins float32
+    model = gguf_files.write_gguf(tiny_model("llama"), tmp_path / "tiny-q4_1.gguf", "Q4_1")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    with launched(model, 1, 1, log_dir=logs) as cluster:
+        r = httpx.post(cluster.http_url + "/v1/completions", timeout=60, json={
+            "model": "tiny-q4_1", "prompt": "The quick brown fox", "max_tokens": 8,
+            "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 8
+    text = "\n".join(p.read_text(errors="replace") for p in logs.rglob("*") if p.is_file())
+    want = expected_dtype()
+    assert text.count(f"dtype auto: {want} (") == 2, text[-3000:]
+    # bfloat16 keeps the file's 4-bit projections (--quantization auto); float32 does not
+    assert text.count("kept as int4") == (2 if want == "bfloat16" else 0), text[-3000:]
+
+
+def test_llm_defaults_to_auto_and_an_explicit_dtype_wins(tiny_model):
+    model = tiny_model("llama")
+    assert str(LLM(model=model).engine.dtype) == f"torch.{expected_dtype()}"
+    assert str(LLM(model=model, dtype="float32").engine.dtype) == "torch.float32"
+
+
+def test_a_bad_pdserve_dtype_is_a_clear_error(tiny_model):
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "--model",
+                          str(tiny_model("llama")), "--prompt", "Hi", "--max-tokens", "2"],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PDSERVE_DTYPE": "float64"})
+    assert out.returncode == 2, out.stderr
+    assert "float64" in out.stderr and "auto" in out.stderr, out.stderr
