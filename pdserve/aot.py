@@ -96,7 +96,29 @@ def model_launches(cfg, dtype: torch.dtype, block_size: int) -> list[Launch]:
         ids = torch.empty(3, dtype=torch.int64, device="meta")  # node/kv/'s ids
         k, v = kernels.gather_kv(*caches[0], ids)
         kernels.scatter_kv(*caches[0], ids, k, v)
+        quant_launches(cfg, dtype)
     return launches
+
+
+def quant_launches(cfg, dtype: torch.dtype) -> None:
+    """The weight-only GEMMs (kernels/quant_linear.py) of ``cfg``'s projections, 4 and 8
+    bits, at a decode step's rows and at two prefill chunk sizes (each its BLOCK_M), on
+    meta tensors: call inside ``record_launches()``."""
+    from pdserve.kernels.quant_linear import QWEIGHT_DTYPES, quant_linear
+
+    heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    shapes = [((heads + 2 * kv_heads) * d, cfg.hidden_size, cfg.attention_bias),  # q, k, v
+              (cfg.hidden_size, heads * d, cfg.attention_bias),                 # o
+              (2 * cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias),       # gate, up
+              (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)]           # down
+    for bits, qdtype in QWEIGHT_DTYPES.items():
+        for n, k, bias in shapes:
+            qweight = torch.empty((n, k * bits // 8), dtype=qdtype, device="meta")
+            scales = torch.empty((n, k // 32), dtype=dtype, device="meta")
+            b = torch.empty(n, dtype=dtype, device="meta") if bias else None
+            for rows in (1, 32, 256):
+                x = torch.empty((rows, k), dtype=dtype, device="meta")
+                quant_linear(x, qweight, scales, scales, bits, b)
 
 
 def launch_key(launch: Launch, dtype: torch.dtype) -> str:

@@ -175,9 +175,10 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        device = self.model.embed_tokens.weight.device
         for m in self.modules():
             if isinstance(m, Int4Linear):
-                m.pack()
+                m.pack(device)
 
     def use_onednn(self) -> None:
         """Every projection and the LM head through oneDNN with reordered weights

@@ -27,6 +27,9 @@ model (``plan``), and says so.
 Q4_K (super-blocks of 256 with a 6-bit scale and min per 32) maps the same way: ``scale =
 d sc``, ``zero = 8 d sc - dmin m``, exact in float32 where that zero is (checked).
 
+On CUDA the same blocks go to the Triton W4A16 kernel (kernels/quant_linear.py: the
+same ``w = scale * (q - 8) + zero``, in any of the float dtypes), packed by ``pack``.
+
 Which tensors: the projections (q, k, v, o, gate, up, down) of type Q4_0, Q4_1 or Q4_K.
 The embedding is dequantized (a lookup needs rows), and with it a tied LM head; Q8_0 and
 the other K-quants are dequantized (no torch kernel takes a scale per 32 int8 weights;
@@ -41,10 +44,11 @@ import torch
 from torch import nn
 
 from pdserve.common.config import QUANTIZATION_MODES
+from pdserve.kernels._dispatch import pick_backend
+from pdserve.kernels.quant_linear import GROUP, dequantize, pack_int4, quant_linear
 
 log = logging.getLogger(__name__)
 
-GROUP = 32                            # weights per block, along the input dimension
 # Q4_0/Q4_1: f16 d [, f16 m], 16 bytes of 4-bit pairs (32 weights). Q4_K: a super-block
 # of 256 weights: f16 d and dmin, 12 bytes of 6-bit scales and mins (one each per 32),
 # 128 bytes of 4-bit pairs.
@@ -70,11 +74,13 @@ def plan(mode: str, is_gguf: bool, dtype: torch.dtype, device: torch.device | st
                          "has one per 32 weights), and requantizing would change the "
                          "weights; use 'auto' or 'none'")
     why_not = None
+    kind = torch.device(device).type
     if not is_gguf:
         why_not = "the checkpoint stores float weights (quantizing them is not implemented)"
-    elif torch.device(device).type != "cpu":
-        why_not = f"the int4 kernel here is the CPU's, not {torch.device(device).type}'s"
-    elif dtype != torch.bfloat16:
+    elif kind != "cpu" and pick_backend(None, torch.device(device)) != "triton":
+        why_not = (f"on {kind} the int4 GEMM is a Triton kernel (kernels/quant_linear.py), "
+                   "and Triton cannot run here")
+    elif kind == "cpu" and dtype != torch.bfloat16:
         name = str(dtype).removeprefix("torch.")
         why_not = (f"torch's int4 CPU kernel is fast in bfloat16 only ({name} runs 13x "
                    "slower than the dequantized weight; pass --dtype bfloat16)")
@@ -170,8 +176,9 @@ def _unpack_q4_k(raw: np.ndarray, exact: bool) -> tuple[np.ndarray, np.ndarray, 
 
 
 class Int4Linear(nn.Module):
-    """``nn.Linear``'s forward over 4-bit weights with a scale and a zero per 32 inputs,
-    packed for torch's CPU int4 GEMM; float32 activations."""
+    """``nn.Linear``'s forward over 4-bit weights with a scale and a zero per 32 inputs:
+    packed for torch's CPU int4 GEMM on the CPU, for the Triton W4A16 kernel
+    (kernels/quant_linear.py) on CUDA."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                  bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32):
@@ -185,7 +192,8 @@ class Int4Linear(nn.Module):
         self.q, self.scale, self.zero = q, scale, zero  # kept for fusing, dropped by pack()
         self.bias = bias
         self.packed: torch.Tensor | None = None
-        self.scales_and_zeros: torch.Tensor | None = None
+        self.scales_and_zeros: torch.Tensor | None = None   # torch's CPU kernel: [G, N, 2]
+        self.backend = "torch"      # which kernel pack() packed for (kernels' pick_backend)
 
     @classmethod
     def from_gguf(cls, raw: np.ndarray, type_name: str,
@@ -205,17 +213,29 @@ class Int4Linear(nn.Module):
         """Applies ``fn`` (a row permutation of [N, ...] tensors) to the stored rows."""
         self.q, self.scale, self.zero = fn(self.q), fn(self.scale), fn(self.zero)
 
-    def pack(self) -> Int4Linear:
-        """Packs for the kernel, with scales and zeros in the activations' dtype; the
-        unpacked copies go."""
-        if self.packed is None:
+    def pack(self, device: torch.device | str = "cpu", backend: str | None = None
+             ) -> Int4Linear:
+        """Packs for the kernel that runs on ``device`` (``backend`` as the kernels take
+        it: None picks Triton on CUDA, torch's kernel on the CPU), with scales and zeros
+        in the activations' dtype; the unpacked copies go."""
+        if self.packed is not None:
+            return self
+        device = torch.device(device)
+        self.backend = pick_backend(backend, device)
+        if self.backend == "triton":
+            self.packed = pack_int4(self.q).to(device)                  # [N, K / 2] uint8
+            self.scales_and_zeros = torch.stack(                        # [2, N, G]
+                [self.scale, self.zero]).to(device=device, dtype=self.dtype)
+        elif device.type != "cpu":
+            raise ValueError(f"int4 weights on {device.type} need the Triton kernel")
+        else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 self.q.to(torch.int32).contiguous(), 1)                  # [N, K / 2] uint8
             self.scales_and_zeros = torch.stack(
                 [self.scale, self.zero], dim=-1).transpose(0, 1).to(self.dtype).contiguous()
-            self.q = self.scale = self.zero = None                      # ^ [G, N, 2]
-            if self.bias is not None:
-                self.bias = self.bias.to(self.dtype)
+        self.q = self.scale = self.zero = None                          # ^ [G, N, 2]
+        if self.bias is not None:
+            self.bias = self.bias.to(device=device, dtype=self.dtype)
         return self
 
     def dequantized(self) -> torch.Tensor:
@@ -223,14 +243,21 @@ class Int4Linear(nn.Module):
         if self.packed is None:
             return ((self.q.float() - 8) * self.scale.repeat_interleave(GROUP, 1)
                     + self.zero.repeat_interleave(GROUP, 1))
+        if self.backend == "triton":
+            return dequantize(self.packed, *self.scales_and_zeros, 4)
         eye = torch.eye(self.in_features, dtype=self.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             eye, self.packed, GROUP, self.scales_and_zeros).t().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.pack(x.device).backend == "triton":
+            out = quant_linear(x2, self.packed, *self.scales_and_zeros, 4, self.bias,
+                               backend="triton")
+            return out.view(*shape[:-1], self.out_features)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.reshape(-1, shape[-1]), self.pack().packed, GROUP, self.scales_and_zeros)
+            x2, self.packed, GROUP, self.scales_and_zeros)
         if self.bias is not None:
             out += self.bias
         return out.view(*shape[:-1], self.out_features)

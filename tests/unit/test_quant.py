@@ -89,6 +89,27 @@ def test_the_layer_is_dequantize_then_linear(qtype, rows):
     assert 0 < scale_error <= 2**-8 * w.abs().max() * 2
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_for_triton_the_layer_computes_what_the_cpu_kernel_does(qtype, dtype):
+    """CUDA's packing (the Triton W4A16 kernel, interpreted here) against the CPU's: the
+    same weights bit for bit, the same outputs within the order of the sums."""
+    raw = q4_k_blocks(64, 256)[0] if qtype == "Q4_K" else blocks(qtype, 64, 256)[0]
+    gen = torch.Generator().manual_seed(1)
+    bias = torch.randn(64, generator=gen)
+    cpu, tri = (Int4Linear.from_gguf(raw, qtype, dtype) for _ in range(2))
+    cpu.bias, tri.bias = bias, bias.clone()
+    cpu.pack("cpu"), tri.pack("cpu", backend="triton")
+    assert (cpu.backend, tri.backend) == ("torch", "triton")
+    assert torch.equal(tri.dequantized().to(dtype), cpu.dequantized().to(dtype))
+    x = torch.randn(2, 3, 256, generator=gen).to(dtype)
+    want, out = cpu(x), tri(x)
+    assert out.shape == (2, 3, 64) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), want.float(), rtol=0,
+                               atol=(2e-2 if dtype == torch.bfloat16 else 1e-5)
+                               * want.float().abs().max().item())
+
+
 def test_fused_parts_are_the_parts_side_by_side():
     parts = [Int4Linear.from_gguf(blocks("Q4_1", n, seed=n)[0], "Q4_1") for n in (64, 32)]
     ref = torch.cat([p.dequantized() for p in parts])
@@ -131,6 +152,12 @@ def test_modes_that_cannot_work_are_refused(mode, gguf_file, dtype, words):
         plan(mode, gguf_file, dtype, "cpu")
     assert plan("auto", gguf_file, dtype, "cpu") is (gguf_file and dtype == torch.bfloat16)
     assert plan("none", gguf_file, dtype, "cpu") is False
+
+
+def test_on_cuda_int4_is_the_triton_kernels_or_refused():
+    # here no CUDA Triton runs (none, or only the interpreter, which serves no model)
+    with pytest.raises(ValueError, match="Triton kernel .* cannot run here"):
+        plan("int4", True, torch.float16, "cuda")
 
 
 @pytest.mark.parametrize("args, words", [
