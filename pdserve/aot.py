@@ -102,8 +102,8 @@ def model_launches(cfg, dtype: torch.dtype, block_size: int) -> list[Launch]:
 
 def quant_launches(cfg, dtype: torch.dtype) -> None:
     """The weight-only GEMMs (kernels/quant_linear.py) of ``cfg``'s projections, 4 and 8
-    bits, at a decode step's rows and at two prefill chunk sizes (each its BLOCK_M), on
-    meta tensors: call inside ``record_launches()``."""
+    bits, at a decode step's rows and at a prefill chunk's (the smallest and the largest
+    BLOCK_M), on meta tensors: call inside ``record_launches()``."""
     from pdserve.kernels.quant_linear import QWEIGHT_DTYPES, quant_linear
 
     heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -116,7 +116,7 @@ def quant_launches(cfg, dtype: torch.dtype) -> None:
             qweight = torch.empty((n, k * bits // 8), dtype=qdtype, device="meta")
             scales = torch.empty((n, k // 32), dtype=dtype, device="meta")
             b = torch.empty(n, dtype=dtype, device="meta") if bias else None
-            for rows in (1, 32, 256):
+            for rows in (1, 256):
                 x = torch.empty((rows, k), dtype=dtype, device="meta")
                 quant_linear(x, qweight, scales, scales, bits, b)
 

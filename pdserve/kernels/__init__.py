@@ -1,4 +1,5 @@
-"""Attention, KV-cache, norm and rotary kernels: a Triton kernel and a torch reference each.
+"""Attention, KV-cache, norm, rotary and weight-only quantized GEMM kernels: a Triton kernel
+and a torch reference each.
 
 ``backend=None`` picks Triton for CUDA tensors and torch otherwise; the torch
 references are the CPU serving path and match transformers bit for bit.
@@ -14,6 +15,7 @@ from pdserve.kernels.attention_decode import (
 from pdserve.kernels.attention_prefill import paged_prefill_attention, prefill_attention
 from pdserve.kernels.kv_cache import gather_kv, scatter_kv, store_kv
 from pdserve.kernels.norm import rms_norm
+from pdserve.kernels.quant_linear import quant_linear
 from pdserve.kernels.rotary import apply_rotary
 
 __all__ = [
@@ -26,6 +28,7 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "prefill_attention",
+    "quant_linear",
     "rms_norm",
     "scatter_kv",
     "store_kv",
