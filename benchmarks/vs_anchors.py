@@ -297,8 +297,9 @@ def notes(results: dict, names: list[str]) -> list[str]:
             if isinstance(r, str):
                 out.append(f"- {name}, {w}: {r}")
             elif r["failed"] or r["short_tokens"]:
-                out.append(f"- {name}, {w}: {r['failed']} requests failed, "
-                           f"{r['short_tokens']} output tokens short of --ignore-eos's")
+                out.append(f"- {name}, {w}: {r['failed']} requests failed; the completed "
+                           f"ones {r['short_tokens']} output tokens short of --ignore-eos's "
+                           "(as the client counted them)")
     return out
 
 

@@ -178,7 +178,8 @@ def test_table_rows_in_server_order():
 def test_notes_name_every_failure():
     got = "\n".join(va.notes(RESULTS, list(RESULTS)))
     assert f"pdserve-1p1d, {C8}: failed: the client exited" in got
-    assert f"pdserve-1p1d, {C1}: 0 requests failed, 3 output tokens short" in got
+    assert f"pdserve-1p1d, {C1}: 0 requests failed; the completed ones 3 output tokens short" \
+        in got
     assert "llama-f32: failed: llama-f32 exited with 1" in got
     assert "llama-q4_1" not in got
 
