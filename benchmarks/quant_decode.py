@@ -74,21 +74,6 @@ def child(dtype: str, quant: str, threads: int, tokens: int) -> None:
                       "threads": torch.get_num_threads()}))
 
 
-def bandwidth(threads: int) -> float:
-    """GB/s reading 512 MiB (torch.sum, float32), median of 5."""
-    import torch
-
-    torch.set_num_threads(threads)
-    x = torch.ones(128 * 2**20)
-    x.sum()
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t0)
-    return x.nbytes / statistics.median(times) / 1e9
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", default="1,2")
@@ -99,13 +84,14 @@ def main() -> None:
     if a.child:
         return child(*a.child, int(a.threads), a.tokens)
     from pdserve.bench.cluster import machine
+    from pdserve.bench.floor import floor_ms, read_bandwidth_gbs
 
     print(f"{datetime.now():%Y-%m-%d %H:%M}; {machine()}")
     for threads in [int(t) for t in a.threads.split(",")]:
         results = {c: [] for c in CONFIGS}
         bw = []
         for _ in range(a.rounds):
-            bw.append(bandwidth(threads))
+            bw.append(read_bandwidth_gbs(threads))
             for dtype, quant in CONFIGS:
                 out = subprocess.run(
                     [sys.executable, __file__, "--child", dtype, quant, "--threads",
@@ -120,7 +106,7 @@ def main() -> None:
         for (dtype, quant), runs in results.items():
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             weights = med["int4_bytes"] + med["dense_bytes"]
-            floor = weights / (gbs * 1e9) * 1e3
+            floor = floor_ms(weights, gbs)
             base = base or med["tpot_ms"]
             print(f"{dtype:>9} {quant:>5} {med['tpot_ms']:8.1f} {med['tpot_ms'] / base:6.2f} "
                   f"{med['rss_end']:8.0f} {med['rss_bare']:7.0f} {weights / 1e6:10.0f} "

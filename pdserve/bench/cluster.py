@@ -88,47 +88,63 @@ def metric_totals(url: str, names: tuple[str, ...]) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def launched(*args: str, ready_timeout_s: float = 600.0, log_dir: str | None = None,
-             log_level: str = "warning"):
-    """Yields a Cluster started with ``pdserve launch ARGS`` (ports are chosen here); stops
-    the launcher and, by process group, everything it started, on success and failure."""
-    http, control, ingress = free_port(), free_port(), free_port()
-    log = tempfile.NamedTemporaryFile("w", prefix="pdserve-launch-", suffix=".log",
-                                      dir=log_dir, delete=False)
-    cmd = [sys.executable, "-m", "pdserve.cli", "launch", "--http-port", str(http),
-           "--control", f"tcp://127.0.0.1:{control}", "--ingress",
-           f"tcp://127.0.0.1:{ingress}", "--log-level", log_level, *args]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    log.close()
-    cluster = Cluster(proc, f"http://127.0.0.1:{http}", f"tcp://127.0.0.1:{ingress}",
-                      f"tcp://127.0.0.1:{control}", log.name, tuple(args))
+def started(cmd: list[str], health_url: str, log_path: str, name: str,
+            env: dict[str, str] | None = None, ready_timeout_s: float = 600.0):
+    """Yields the Popen of ``cmd`` (its own session, its output appended to ``log_path``)
+    once ``health_url`` answers 200; stops it and, by process group, everything it
+    started, on success and failure."""
+    with open(log_path, "a") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+    def tail() -> str:
+        with open(log_path, errors="replace") as f:
+            return f.read()[-4000:]
     try:
         deadline = time.monotonic() + ready_timeout_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"pdserve launch {' '.join(args)} exited with "
-                                   f"{proc.returncode}; its log, {log.name}:\n"
-                                   + cluster.log()[-4000:])
+                raise RuntimeError(f"{name} exited with {proc.returncode}; its log, "
+                                   f"{log_path}:\n" + tail())
             try:
-                with urllib.request.urlopen(cluster.http_url + "/health", timeout=1) as r:
+                with urllib.request.urlopen(health_url, timeout=1) as r:
                     if r.status == 200:
                         break
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError(f"pdserve launch not healthy in {ready_timeout_s} s; its "
-                                   f"log, {log.name}:\n" + cluster.log()[-4000:])
+                raise TimeoutError(f"{name} not healthy in {ready_timeout_s} s; its log, "
+                                   f"{log_path}:\n" + tail())
             time.sleep(0.2)
-        yield cluster
+        yield proc
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=30)
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever outlived the launcher's clean-up
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever outlived the leader's clean-up
         proc.wait()
+
+
+@contextlib.contextmanager
+def launched(*args: str, ready_timeout_s: float = 600.0, log_dir: str | None = None,
+             log_level: str = "warning"):
+    """Yields a Cluster started with ``pdserve launch ARGS`` (ports are chosen here); stops
+    the launcher and, by process group, everything it started, on success and failure."""
+    http, control, ingress = free_port(), free_port(), free_port()
+    with tempfile.NamedTemporaryFile("w", prefix="pdserve-launch-", suffix=".log",
+                                     dir=log_dir, delete=False) as log:
+        pass
+    cmd = [sys.executable, "-m", "pdserve.cli", "launch", "--http-port", str(http),
+           "--control", f"tcp://127.0.0.1:{control}", "--ingress",
+           f"tcp://127.0.0.1:{ingress}", "--log-level", log_level, *args]
+    url = f"http://127.0.0.1:{http}"
+    with started(cmd, url + "/health", log.name, f"pdserve launch {' '.join(args)}",
+                 ready_timeout_s=ready_timeout_s) as proc:
+        yield Cluster(proc, url, f"tcp://127.0.0.1:{ingress}", f"tcp://127.0.0.1:{control}",
+                      log.name, tuple(args))
 
 
 def machine() -> str:
