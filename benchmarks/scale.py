@@ -27,8 +27,9 @@ the first prompt reaches a prefill node, and counts what completed.
         [--turns 4] [--system-len 256] [--user-len 128] [--shared-system 1]  (multi-turn)
         [--output-len 64] [--slo-ttft-ms 1000] [--slo-itl-ms 100] [--kill-quarter]
 
-Not yet: the concurrency of 4,096 the issue asks for (the client and 2 shared cores limit
-it here).
+At concurrency 4,096 on 2 shared cores the routers refuse some requests with HTTP 429
+(their overload guard: the event loop starved for 2 s); ``errors`` in the output counts
+each failure's kind (benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
