@@ -139,9 +139,12 @@ class MLP(nn.Module):
             up = nn.functional.linear(x, w[i:], None if b is None else b[i:])
         else:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        # gate is this call's own (a new tensor or a half of one): silu and the product
-        # go into it, same bits as silu(gate) * up without two new [T, I] tensors
-        return self.down_proj(nn.functional.silu(gate, inplace=True).mul_(up))
+        # gate is this call's own (a new tensor or a half of one): silu goes into it, and
+        # the product too where gate is a whole tensor (same bits as silu(gate) * up). A
+        # strided half takes the product into a new tensor: the int4 GEMM needs its input
+        # contiguous (a bfloat16 + int4 node failed on it).
+        act = nn.functional.silu(gate, inplace=True)
+        return self.down_proj(act.mul_(up) if act.is_contiguous() else act * up)
 
 
 class DecoderLayer(nn.Module):
