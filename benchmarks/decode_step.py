@@ -102,10 +102,9 @@ def child(dtype_name: str, quant: str, threads: int, steps: int) -> None:
     for acc in (hidden_s, head_s, prepare_s):
         acc.clear()
     step_s = []
+    step = timed(engine.step, step_s)
     for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        step_s.append(time.perf_counter() - t0)
+        step()
     model.compute_logits = compute_logits  # projections_ms times it alone
     int4, dense = step_weight_bytes(model, dtype)
 
