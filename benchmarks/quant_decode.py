@@ -41,21 +41,13 @@ def child(dtype: str, quant: str, threads: int, tokens: int) -> None:
     import torch
 
     from pdserve import LLM, SamplingParams
-    from pdserve.model.quant import Int4Linear
+    from pdserve.bench.floor import step_weight_bytes
 
     bare = rss_mib()
     # A small KV cache, so that the RSS is mostly the weights (the default takes 512 MiB)
     llm = LLM(dtype=dtype, quantization=quant, threads=threads, kv_cache_memory_gb=KV_GB)
     loaded = rss_mib()
-    # The weight bytes a decode step reads: every projection, and the LM head (tied: the
-    # embedding again; the embedding lookup itself reads one row).
-    size = getattr(torch, dtype).itemsize
-    int4 = dense = 0
-    for name, m in llm.engine.model.named_modules():
-        if isinstance(m, Int4Linear):
-            int4 += m.packed.nbytes + m.scales_and_zeros.nbytes
-        elif hasattr(m, "in_features"):
-            dense += m.in_features * m.out_features * size
+    int4, dense = step_weight_bytes(llm.engine.model, getattr(torch, dtype))
 
     def run(n):
         params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)

@@ -72,6 +72,7 @@ def build_model_inputs(token_chunks: list[list[int]], start_positions: list[int]
         seq_lens=seq_lens_t,
         slot_mapping=t(slots, torch.int64),
         block_tables=tables_t,
+        all_slots=True,  # every token is fed into a block of its table
         decode_gather=(kernels.decode_gather(tables_t, seq_lens_t, block_size)
                        if kind == DECODE and seq_lens_t.device.type == "cpu" else None),
     )

@@ -16,11 +16,12 @@ from pdserve.kernels.attention_prefill import paged_prefill_attention, prefill_a
 from pdserve.kernels.kv_cache import gather_kv, scatter_kv, store_kv
 from pdserve.kernels.norm import rms_norm
 from pdserve.kernels.quant_linear import quant_linear
-from pdserve.kernels.rotary import apply_rotary
+from pdserve.kernels.rotary import RotaryTables, apply_rotary, rotary_tables, rotate
 
 __all__ = [
     "DecodeGather",
     "DecodeWindow",
+    "RotaryTables",
     "WindowFill",
     "apply_rotary",
     "decode_gather",
@@ -30,6 +31,8 @@ __all__ = [
     "prefill_attention",
     "quant_linear",
     "rms_norm",
+    "rotary_tables",
+    "rotate",
     "scatter_kv",
     "store_kv",
 ]

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -165,7 +166,7 @@ def check_tensor(name: str, t: object, shape: str, dtypes: tuple[torch.dtype, ..
     """
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    names = shape.strip("[]").split(", ")
+    names = _dim_names(shape)
     if t.dim() != len(names):
         raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
     if t.dtype not in dtypes:
@@ -174,11 +175,19 @@ def check_tensor(name: str, t: object, shape: str, dtypes: tuple[torch.dtype, ..
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device} but the other tensors are on {device}")
     for dim_name, size in zip(names, t.shape):
-        if dim_name in dims and dims[dim_name][0] != size:
-            expected, source = dims[dim_name]
-            raise ValueError(f"{name} must have shape {shape} with {dim_name}={expected} "
-                             f"(from {source}), got {tuple(t.shape)}")
-        dims.setdefault(dim_name, (size, name))
+        seen = dims.get(dim_name)
+        if seen is None:
+            dims[dim_name] = (size, name)
+        elif seen[0] != size:
+            raise ValueError(f"{name} must have shape {shape} with {dim_name}={seen[0]} "
+                             f"(from {seen[1]}), got {tuple(t.shape)}")
+
+
+@lru_cache(maxsize=None)
+def _dim_names(shape: str) -> tuple[str, ...]:
+    """"[T, num_heads, head_dim]" -> its names, parsed once per shape: the checks run in
+    every layer of every step (a few hundred a decode step)."""
+    return tuple(shape.strip("[]").split(", "))
 
 
 def check_same_dtype(name: str, t: torch.Tensor, other_name: str, other: torch.Tensor) -> None:

@@ -30,12 +30,16 @@ _CACHE_SHAPE = "[num_blocks, block_size, num_kv_heads, head_dim]"
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, backend: str | None = None) -> None:
+             slot_mapping: torch.Tensor, backend: str | None = None,
+             all_slots: bool = False) -> None:
     """Write token t's K/V to slot ``slot_mapping[t]`` (= block * block_size + offset), in place.
 
     k, v [T, num_kv_heads, head_dim], any strides (views of a fused qkv are fine);
     k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim], contiguous,
-    of k's dtype; slot_mapping int32/int64 [T], -1 skips the token.
+    of k's dtype; slot_mapping int32/int64 [T], -1 skips the token. ``all_slots``: the
+    caller knows that no entry is -1 (a model step's, AttentionMetadata.all_slots): the
+    torch path then skips looking for one, a host sync in every layer. A slot past the
+    cache still raises there (index_copy_ checks).
     """
     dims: dict[str, tuple[int, str]] = {}
     check_tensor("k", k, "[T, num_kv_heads, head_dim]", FLOAT_DTYPES, dims)
@@ -48,11 +52,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     check_contiguous("k_cache", k_cache)
     check_contiguous("v_cache", v_cache)
     if pick_backend(backend, k.device) == "torch":
-        keep = slot_mapping >= 0  # [T]
-        if bool(keep.all()):  # every token of a model step: no boolean-mask copies
-            slots = slot_mapping.long()
-        else:
-            slots, k, v = slot_mapping[keep].long(), k[keep], v[keep]  # [T']
+        slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
+        if not all_slots:
+            keep = slot_mapping >= 0  # [T]
+            if not bool(keep.all()):  # no boolean-mask copies when every token has a slot
+                slots, k, v = slots[keep], k[keep], v[keep]  # [T']
         num_kv_heads, head_dim = k.shape[1:]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)

@@ -22,13 +22,15 @@ from pdserve.kernels._dispatch import (
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None, backend: str | None = None
-             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+             residual: torch.Tensor | None = None, backend: str | None = None,
+             add_in_place: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x [T, hidden] with weight [hidden] (x's dtype).
 
     Without ``residual``: returns out [T, hidden]. With ``residual`` [T, hidden]:
     returns (norm(x + residual), x + residual), the sum taken in x's dtype, as a
-    transformers decoder layer does. Inputs are never modified; any row stride works.
+    transformers decoder layer does. Inputs are not modified, except that with
+    ``add_in_place`` the torch path writes the sum into ``residual`` (and returns it):
+    for a caller that no longer needs the old one. Any row stride works.
     """
     dims: dict[str, tuple[int, str]] = {}
     check_tensor("x", x, "[T, hidden]", FLOAT_DTYPES, dims)
@@ -42,15 +44,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if pick_backend(backend, x.device) == "torch":
         if residual is None:
             return _rms_norm_torch(x, weight, eps)
-        new_residual = x + residual
+        new_residual = residual.add_(x) if add_in_place else x + residual  # same sum
         return _rms_norm_torch(new_residual, weight, eps), new_residual
     return _rms_norm_triton(x, weight, float(eps), residual)
 
 
 def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    # transformers' operations in its order; the ones on new tensors in place, and the
+    # casts skipped in float32 (no copy there, but an operation dispatched each)
+    h = x if x.dtype == torch.float32 else x.float()
+    h = h * h.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()      # a new [T, hidden]
+    if x.dtype != torch.float32:
+        h = h.to(x.dtype)
+    return h.mul_(weight)
 
 
 def _rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,

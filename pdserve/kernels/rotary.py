@@ -10,6 +10,8 @@ rounding to nearest, so there bfloat16 results can be an ulp off.)
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pdserve.kernels._dispatch import (
@@ -47,6 +49,42 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     if pick_backend(backend, q.device) == "torch":
         return _rotary_torch(q, k, positions, cos_sin_cache)
     return _rotary_triton(q, k, positions.contiguous(), cos_sin_cache.contiguous())
+
+
+@dataclass(frozen=True)
+class RotaryTables:
+    """One step's rotation on the torch path, built once for every layer (``rotary_tables``):
+    30 layers used to look up and cast the same cos/sin each. ``sin`` has rotate_half's
+    sign folded in (negating is exact), so that ``x * cos + x[..., swap] * sin`` is
+    transformers' ``x * cos + rotate_half(x) * sin`` bit for bit."""
+    cos: torch.Tensor   # [T, 1, D] in the activations' dtype
+    sin: torch.Tensor   # [T, 1, D] in the activations' dtype: -sin in the first half
+    swap: torch.Tensor  # int64 [D]: the two halves of a head swapped
+
+
+def rotary_tables(positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                  dtype: torch.dtype) -> RotaryTables | None:
+    """The step's ``RotaryTables`` for ``rotate``, or None where the Triton kernel runs
+    (``apply_rotary``: it reads the cache itself). Arguments as ``apply_rotary``'s."""
+    dims: dict[str, tuple[int, str]] = {}
+    check_tensor("positions", positions, "[T]", INDEX_DTYPES, dims)
+    check_tensor("cos_sin_cache", cos_sin_cache, "[max_position, head_dim]", FLOAT_DTYPES, dims,
+                 positions.device)
+    if pick_backend(None, positions.device) != "torch":
+        return None
+    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, D/2] each
+    half = cos.shape[1]
+    swap = torch.cat([torch.arange(half, 2 * half), torch.arange(half)]).to(positions.device)
+    return RotaryTables(torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :],
+                        torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :], swap)
+
+
+def rotate(x: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
+    """x [T, N, D] rotated by its tokens' positions, a new contiguous tensor. N may hold
+    a layer's q heads and k heads side by side (one call for both; x any strides with a
+    unit last one)."""
+    out = x * tables.cos                                                  # [T, N, D]
+    return out.add_(x.index_select(-1, tables.swap).mul_(tables.sin))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,8 @@ class AttentionMetadata:
     # DECODE on the CPU: each layer's window of the batch's context, kept across steps
     # (engine/decode_window.py); None: gather the pages
     decode_windows: tuple[kernels.DecodeWindow, ...] | None = None
+    # No slot_mapping entry is -1 (a model step's inputs): storing K/V need not look
+    all_slots: bool = False
 
 
 class PagedAttention(torch.nn.Module):
@@ -52,7 +54,7 @@ class PagedAttention(torch.nn.Module):
                 raise ValueError("attention without a KV cache can only run a fresh prefill")
             return kernels.prefill_attention(q, k, v, meta.cu_seqlens_q, self.scale)
         k_cache, v_cache = kv_cache
-        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, all_slots=meta.all_slots)
         if meta.kind == PREFILL:
             return kernels.prefill_attention(q, k, v, meta.cu_seqlens_q, self.scale)
         if meta.kind == DECODE:

@@ -31,7 +31,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return kernels.rms_norm(x, self.weight, self.eps, residual=residual)
+        # The model owns every residual it passes (a layer's output, or the embedding's):
+        # the sum may go into it rather than into a new tensor.
+        return kernels.rms_norm(x, self.weight, self.eps, residual=residual,
+                                add_in_place=True)
 
 
 class Attention(nn.Module):
@@ -57,18 +60,29 @@ class Attention(nn.Module):
             self.qkv_proj = _fused_linear(self.q_proj, self.k_proj, self.v_proj)
             del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x, positions, cos_sin, meta: AttentionMetadata, kv_cache: KVCache | None):
-        t = x.shape[0]
-        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        if self.qkv_proj is not None:
+    def forward(self, x, positions, cos_sin, meta: AttentionMetadata, kv_cache: KVCache | None,
+                rope: kernels.RotaryTables | None = None):
+        """``rope``: the step's rotary tables (torch path), else ``apply_rotary`` per layer."""
+        t, h, d = x.shape[0], self.num_heads, self.head_dim
+        q_dim, kv_dim = h * d, self.num_kv_heads * d
+        if self.qkv_proj is not None and rope is not None:
+            # q's and k's heads lie side by side in qkv: one rotation for both
             qkv = self.qkv_proj(x)                                    # [T, (H + 2 KVH) D]
-            q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=1)
+            qk = kernels.rotate(qkv[:, :q_dim + kv_dim].view(t, -1, d), rope)  # [T, H + KVH, D]
+            q, k = qk[:, :h], qk[:, h:]                               # [T, H, D], [T, KVH, D]
+            v = qkv[:, q_dim + kv_dim:].view(t, self.num_kv_heads, d)  # [T, KVH, D]
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(t, self.num_heads, self.head_dim)                  # [T, H, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)               # [T, KVH, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)               # [T, KVH, D]
-        q, k = kernels.apply_rotary(q, k, positions, cos_sin)
+            if self.qkv_proj is not None:
+                q, k, v = self.qkv_proj(x).split([q_dim, kv_dim, kv_dim], dim=1)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q = q.view(t, h, d)                                       # [T, H, D]
+            k = k.view(t, self.num_kv_heads, d)                       # [T, KVH, D]
+            v = v.view(t, self.num_kv_heads, d)                       # [T, KVH, D]
+            if rope is not None:
+                q, k = kernels.rotate(q, rope), kernels.rotate(k, rope)
+            else:
+                q, k = kernels.apply_rotary(q, k, positions, cos_sin)
         out = self.attn(q, k, v, meta, kv_cache)                      # [T, H, D]
         return self.o_proj(out.reshape(t, q_dim))
 
@@ -125,7 +139,12 @@ class MLP(nn.Module):
             up = nn.functional.linear(x, w[i:], None if b is None else b[i:])
         else:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        # gate is this call's own (a new tensor or a half of one): silu goes into it, and
+        # the product too where gate is a whole tensor (same bits as silu(gate) * up). A
+        # strided half takes the product into a new tensor: the int4 GEMM needs its input
+        # contiguous (a bfloat16 + int4 node failed on it).
+        act = nn.functional.silu(gate, inplace=True)
+        return self.down_proj(act.mul_(up) if act.is_contiguous() else act * up)
 
 
 class DecoderLayer(nn.Module):
@@ -136,14 +155,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, residual, positions, cos_sin, meta, kv_cache):
+    def forward(self, x, residual, positions, cos_sin, meta, kv_cache, rope=None):
         # The residual add is fused into the norms: same adds, same order as HF.
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, cos_sin, meta, kv_cache)
+        x = self.self_attn(x, positions, cos_sin, meta, kv_cache, rope)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -206,10 +225,11 @@ class LlamaForCausalLM(nn.Module):
         ``on_layer(i)`` runs once layer i's K/V are in the cache: a prefill node
         starts shipping them while the later layers compute."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        rope = kernels.rotary_tables(positions, self.cos_sin, x.dtype)  # once, every layer's
         residual = None
         for i, layer in enumerate(self.model.layers):
             cache = kv_caches[i] if kv_caches is not None else None
-            x, residual = layer(x, residual, positions, self.cos_sin, meta, cache)
+            x, residual = layer(x, residual, positions, self.cos_sin, meta, cache, rope)
             if on_layer is not None:
                 on_layer(i)
         x, _ = self.model.norm(x, residual)

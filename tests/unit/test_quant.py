@@ -136,6 +136,10 @@ def test_a_q4_model_keeps_its_projections_int4_and_computes_as_dequantized(
         for a, b in [(ours.model.layers[1].self_attn.qkv_proj, ref.model.layers[1].self_attn
                       .qkv_proj), (layer.mlp.gate_up_proj, ref.model.layers[1].mlp.gate_up_proj)]:
             torch.testing.assert_close(a(x).float(), b(x).float(), rtol=0.05, atol=0.05)
+        # the whole MLP: silu(gate) * up of the fused output's halves feeds the int4 GEMM,
+        # which takes only a contiguous input
+        torch.testing.assert_close(layer.mlp(x).float(), ref.model.layers[1].mlp(x).float(),
+                                   rtol=0.05, atol=0.05)
     # float32: auto dequantizes (the kernel's float32 path is slow): the same model as none
     f32 = load_model(q4_model, "float32", quantization="auto")
     assert not any(isinstance(m, Int4Linear) for m in f32.modules())

@@ -67,6 +67,7 @@ def test_import_without_triton():
 
 def test_public_names():
     assert sorted(kernels.__all__) == sorted([
-        "DecodeGather", "DecodeWindow", "WindowFill", "apply_rotary", "decode_gather",
-        "gather_kv", "paged_decode_attention", "paged_prefill_attention", "prefill_attention",
-        "rms_norm", "scatter_kv", "store_kv"])
+        "DecodeGather", "DecodeWindow", "RotaryTables", "WindowFill", "apply_rotary",
+        "decode_gather", "gather_kv", "paged_decode_attention", "paged_prefill_attention",
+        "prefill_attention", "quant_linear", "rms_norm", "rotary_tables", "rotate",
+        "scatter_kv", "store_kv"])

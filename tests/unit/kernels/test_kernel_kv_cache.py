@@ -41,6 +41,10 @@ def test_store_kv_matches_loop_and_skips_minus_one(backend, dtype, slot_dtype, s
             expected_v[slot // block_size, slot % block_size] = v[t]
     store_kv(k, v, k_cache, v_cache, slots, backend=backend)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    if -1 not in slot_list:  # the model step's fast path stores the same
+        k_cache.fill_(7.0), v_cache.fill_(7.0)
+        store_kv(k, v, k_cache, v_cache, slots, backend=backend, all_slots=True)
+        assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

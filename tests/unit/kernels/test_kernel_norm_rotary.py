@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels import apply_rotary, rms_norm
+from pdserve.kernels import apply_rotary, rms_norm, rotary_tables, rotate
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -60,6 +60,17 @@ def test_rms_norm(dtype):
     close_or_equal(tri_out, out_r)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_adds_into_the_residual_when_asked(dtype):
+    gen = torch.Generator().manual_seed(1)
+    x, residual = (torch.randn(3, 64, generator=gen).to(dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(64, generator=gen)).to(dtype)
+    x_before, expected = x.clone(), rms_norm(x, weight, 1e-6, residual.clone())
+    out, new_res = rms_norm(x, weight, 1e-6, residual, add_in_place=True)
+    assert new_res.data_ptr() == residual.data_ptr() and torch.equal(x, x_before)
+    assert torch.equal(out, expected[0]) and torch.equal(new_res, expected[1])
+
+
 def test_rms_norm_matches_transformers_module():
     llama = pytest.importorskip("transformers.models.llama.modeling_llama")
     norm = llama.LlamaRMSNorm(64, eps=1e-5)
@@ -97,6 +108,24 @@ def test_apply_rotary(dtype, num_heads, num_kv_heads, head_dim):
     tq, tk = apply_rotary(q, k, positions, cache, backend="triton")
     close_or_equal(tq, q_out)
     close_or_equal(tk, k_out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotate_with_step_tables_is_apply_rotary_on_q_and_k_at_once(dtype):
+    """The model's CPU path: tables once per step, q's and k's heads rotated together as
+    they lie in the fused qkv output; bit for bit what apply_rotary gives."""
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, d = 9, 3, 64
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
+    positions = torch.tensor([0, 7, 300, 2047, 5])
+    cache = hf_cos_sin_cache(d, 2048)
+    q, k, _ = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q_ref, k_ref = apply_rotary(q.view(5, heads, d), k.view(5, kv_heads, d), positions, cache,
+                                backend="torch")
+    qk = rotate(qkv[:, :(heads + kv_heads) * d].view(5, -1, d),
+                rotary_tables(positions, cache, dtype))
+    assert torch.equal(qk[:, :heads], q_ref) and torch.equal(qk[:, heads:], k_ref)
+    assert torch.equal(qkv, torch.cat([q, k, _], -1))  # the input is left as it was
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
