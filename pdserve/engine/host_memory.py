@@ -17,14 +17,20 @@ when 1 GiB lies free at its top. The price is RSS: the heap keeps the peak of
 one step's temporaries. Settings given in the environment (MALLOC_*_ or
 GLIBC_TUNABLES) are left alone, and PDSERVE_MALLOC_TUNING=0 turns this off (to
 measure its effect); on other C libraries this does nothing.
+
+``lazy_buffer`` is memory the OS maps only as it is written: the KV cache, of which a
+node uses a part, reads as zeros without taking any memory for the rest.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import logging
+import mmap
 import os
 import sys
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -63,3 +69,16 @@ def tune_malloc() -> bool:
     if not _done:
         log.warning("mallopt refused the malloc settings: CPU steps may run slower")
     return _done
+
+
+def lazy_buffer(nbytes: int, reserve: bool = False) -> tuple[mmap.mmap, torch.Tensor]:
+    """(the mapping, a uint8 tensor of ``nbytes`` over it): anonymous memory that reads as
+    zeros and that the OS maps page by page as it is written. Keep the mapping as long as
+    the tensor. ``reserve``: counted against the machine's commit limit now (a size the
+    machine can never hold is refused here, not met by the OOM killer later); without it
+    (MAP_NORESERVE) a simulated GPU's whole KV capacity can be addressed."""
+    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20)
+    if not reserve:
+        flags |= getattr(mmap, "MAP_NORESERVE", 0x4000)
+    mm = mmap.mmap(-1, max(1, nbytes), flags=flags)
+    return mm, torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
