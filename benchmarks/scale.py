@@ -45,12 +45,9 @@ import time
 from collections import Counter
 from datetime import datetime, timezone
 
-from pdserve.bench.cluster import launched, machine, metric_totals
+from pdserve.bench.cluster import launched, machine, metric_totals, processes
 from pdserve.bench.metrics import goodput
 from pdserve.bench.report import merge_results
-
-sys.path.insert(0, os.path.dirname(__file__))
-from sim_fleet import processes  # noqa: E402 (beside this script)
 
 HITS = ("pdserve_prefix_cache_queries_tokens_total", "pdserve_prefix_cache_hits_tokens_total")
 

@@ -22,7 +22,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -30,41 +29,7 @@ from datetime import datetime, timezone
 
 import httpx
 
-from pdserve.bench.cluster import launched, machine
-
-
-def processes(pgid: int) -> dict[str, int]:
-    """PID of each node of the cluster, by name (prefill-0, ...), from their config."""
-    out = subprocess.run(["ps", "-o", "pid=", "-g", str(pgid)], capture_output=True,
-                         text=True).stdout.split()
-    found = {}
-    for pid in map(int, out):
-        with contextlib.suppress(OSError):
-            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-            cfg = next((e for e in env if e.startswith(b"PDSERVE_CONFIG=")), None)
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-            if b"router" in cmd:
-                found["router"] = pid
-            elif cfg is not None:
-                node_id = json.loads(cfg.split(b"=", 1)[1])["config"].get("node_id")
-                if node_id:
-                    found[node_id] = pid
-    return found
-
-
-def memory_mib(pid: int) -> dict[str, float]:
-    out = {}
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            out["rss"] = int(line.split()[1]) / 1024
-    roll = {}
-    for line in open(f"/proc/{pid}/smaps_rollup"):
-        parts = line.split()
-        if len(parts) >= 2 and parts[0].endswith(":") and parts[1].isdigit():
-            roll[parts[0][:-1]] = int(parts[1])
-    out["pss"] = roll.get("Pss", 0) / 1024
-    out["uss"] = (roll.get("Private_Clean", 0) + roll.get("Private_Dirty", 0)) / 1024
-    return out
+from pdserve.bench.cluster import launched, machine, memory_mib, processes
 
 
 def cpu_s(pid: int) -> float:

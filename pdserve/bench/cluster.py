@@ -6,6 +6,7 @@ stopped as one process group, even if the launcher itself is stuck.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -17,6 +18,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from pdserve.common.config import ROLES
+from pdserve.common.config_io import ENV as CONFIG_ENV
 from pdserve.common.sockets import free_port
 
 
@@ -84,6 +86,43 @@ def metric_totals(url: str, names: tuple[str, ...]) -> dict[str, float]:
     for name, value in re.findall(r"^(\w+)(?:{[^}]*})? (\S+)$", text, re.M):
         if name in out:
             out[name] += float(value)
+    return out
+
+
+def processes(pgid: int) -> dict[str, int]:
+    """PID of each process of a launched cluster (process group ``pgid``) by name
+    ("router", "prefill-0", ...), from the config launch handed it."""
+    out = subprocess.run(["ps", "-o", "pid=", "-g", str(pgid)], capture_output=True,
+                         text=True).stdout.split()
+    found = {}
+    for pid in map(int, out):
+        with contextlib.suppress(OSError):
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            cfg = next((e for e in env if e.startswith(f"{CONFIG_ENV}=".encode())), None)
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            if b"router" in cmd:
+                found["router"] = pid
+            elif cfg is not None:
+                node_id = json.loads(cfg.split(b"=", 1)[1])["config"].get("node_id")
+                if node_id:
+                    found[node_id] = pid
+    return found
+
+
+def memory_mib(pid: int) -> dict[str, float]:
+    """A process's memory in MiB: "rss" (VmRSS), "pss" and "uss" (smaps_rollup: RSS counts
+    the libraries' pages that every process shares again, PSS a share of them, USS none)."""
+    out = {}
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            out["rss"] = int(line.split()[1]) / 1024
+    roll = {}
+    for line in open(f"/proc/{pid}/smaps_rollup"):
+        parts = line.split()
+        if len(parts) >= 2 and parts[0].endswith(":") and parts[1].isdigit():
+            roll[parts[0][:-1]] = int(parts[1])
+    out["pss"] = roll.get("Pss", 0) / 1024
+    out["uss"] = (roll.get("Private_Clean", 0) + roll.get("Private_Dirty", 0)) / 1024
     return out
 
 

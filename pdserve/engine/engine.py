@@ -67,6 +67,7 @@ class Engine(Worker):
         # Requests a step ended because they cannot go on (their grammar failed), with why;
         # the owner takes them (take_rejected) and fails each.
         self.rejected: dict[str, str] = {}
+        self.release_load_memory()
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, req_id: str, prompt_token_ids: list[int],

@@ -17,14 +17,22 @@ when 1 GiB lies free at its top. The price is RSS: the heap keeps the peak of
 one step's temporaries. Settings given in the environment (MALLOC_*_ or
 GLIBC_TUNABLES) are left alone, and PDSERVE_MALLOC_TUNING=0 turns this off (to
 measure its effect); on other C libraries this does nothing.
+
+The same settings keep what loading the model freed (the GGUF's dequantized float32
+copies, the weights oneDNN reordered) in the heap: ``trim_malloc`` hands it back once,
+after loading. ``lazy_buffer`` is memory the OS maps only as it is written: the KV cache,
+of which a node uses a part, reads as zeros without taking any memory for the rest.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import logging
+import mmap
 import os
 import sys
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +42,16 @@ MMAP_THRESHOLD = 32 << 20   # glibc's maximum on 64-bit (HEAP_MAX_SIZE / 2)
 TRIM_THRESHOLD = 1 << 30
 
 _done: bool | None = None
+
+
+def _libc():
+    """glibc, or None (another C library, another OS)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
 
 
 def _user_set() -> bool:
@@ -48,13 +66,10 @@ def tune_malloc() -> bool:
     if _done is not None:
         return _done
     _done = False
-    if (not sys.platform.startswith("linux") or _user_set()
-            or os.environ.get("PDSERVE_MALLOC_TUNING", "1") == "0"):
+    if _user_set() or os.environ.get("PDSERVE_MALLOC_TUNING", "1") == "0":
         return _done
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # musl and others: no mallopt
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:  # not Linux, or musl and others: no mallopt
         return _done
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
@@ -63,3 +78,28 @@ def tune_malloc() -> bool:
     if not _done:
         log.warning("mallopt refused the malloc settings: CPU steps may run slower")
     return _done
+
+
+def trim_malloc() -> bool:
+    """Hands the heap's free memory back to the kernel (glibc's ``malloc_trim(0)``, which
+    also releases free pages inside the heap, not only at its top). True if it released
+    any; False where there is no glibc."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is None:
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return bool(trim(0))
+
+
+def lazy_buffer(nbytes: int, reserve: bool = False) -> tuple[mmap.mmap, torch.Tensor]:
+    """(the mapping, a uint8 tensor of ``nbytes`` over it): anonymous memory that reads as
+    zeros and that the OS maps page by page as it is written. Keep the mapping as long as
+    the tensor. ``reserve``: counted against the machine's commit limit now (a size the
+    machine can never hold is refused here, not met by the OOM killer later); without it
+    (MAP_NORESERVE) a simulated GPU's whole KV capacity can be addressed."""
+    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20)
+    if not reserve:
+        flags |= getattr(mmap, "MAP_NORESERVE", 0x4000)
+    mm = mmap.mmap(-1, max(1, nbytes), flags=flags)
+    return mm, torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]

@@ -11,6 +11,7 @@ import torch
 
 from pdserve.engine import logprobs
 from pdserve.engine.decode_window import DecodeWindows
+from pdserve.engine.host_memory import lazy_buffer
 from pdserve.engine.inputs import ModelInputs, build_model_inputs
 from pdserve.engine.sampler import make_generator, sample
 from pdserve.engine.scheduler import ScheduledBatch
@@ -69,8 +70,14 @@ class ModelRunner:
         self.logits_processors = None  # engine/logits_processors.py, set by the Worker
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         # One K and one V tensor per layer: [num_blocks, block_size, num_kv_heads, head_dim]
-        storage = kv_storage(2 * cfg.num_hidden_layers * kv_tensor_bytes(shape, dtype)) \
+        nbytes = 2 * cfg.num_hidden_layers * kv_tensor_bytes(shape, dtype)
+        storage = kv_storage(nbytes) \
             if kv_storage is not None and self.device.type == "cpu" else None
+        self._kv_memory = None
+        if storage is None and self.device.type == "cpu":
+            # Zeros the OS maps only as blocks are written: a node's RSS holds the KV it
+            # uses, not the whole --kv-cache-memory-gb (the mapping lives as long as we do).
+            self._kv_memory, storage = lazy_buffer(nbytes, reserve=True)
         if storage is not None:
             self.kv_caches = kv_views(storage, cfg.num_hidden_layers, shape, dtype)
         else:

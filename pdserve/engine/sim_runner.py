@@ -9,7 +9,7 @@ use: ``execute``, ``kv_caches``, ``num_blocks``).
   group by layer group as it would from a GPU.
 - KV: real pages of the profile's layout, its head_dim scaled by ``--sim-kv-bytes-scale``
   (sim/profile.py: scaled_head_dim), in memory the OS maps only once a page is written
-  (lazy_buffer).
+  (engine/host_memory.py: lazy_buffer).
   Nothing writes them but KV arriving from a prefill node: their bytes are whatever the
   memory held, and still checksummed and acknowledged like real KV.
 - Tokens: a seeded stream from the token space of the --model checkpoint (the router's
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import math
-import mmap
 import os
 import random
 import struct
@@ -34,6 +33,7 @@ from typing import Callable
 import torch
 import xxhash
 
+from pdserve.engine.host_memory import lazy_buffer
 from pdserve.engine.model_runner import kv_tensor_bytes, kv_views
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.sim import roofline as R
@@ -97,6 +97,11 @@ class SimRunner:
         storage = kv_storage(nbytes) if kv_storage is not None else None
         self._memory = None
         if storage is None:
+            phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            if nbytes > phys // 2:
+                log.warning("the simulated KV cache spans %.1f GiB, more than half this "
+                            "machine's memory: it is fine while few blocks are in use; lower "
+                            "--sim-kv-bytes-scale for load", nbytes / 2**30)
             self._memory, storage = lazy_buffer(nbytes)   # the mapping lives as long as we do
         self.kv_caches = kv_views(storage, layers, shape, dtype)
         self.num_layers = layers
@@ -169,21 +174,6 @@ class SimRunner:
             return self.eos_token
         h = xxhash.xxh64_intdigest(struct.pack("<qQ", n, key))
         return self.stream[h % len(self.stream)]
-
-
-def lazy_buffer(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
-    """(the mapping, a uint8 tensor over it) of anonymous memory the OS maps page by page
-    as it is written and does not reserve (MAP_NORESERVE): a simulated GPU's whole KV
-    capacity can be addressed at scale 1 while only the blocks in use take memory."""
-    phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if nbytes > phys // 2:
-        log.warning("the simulated KV cache spans %.1f GiB, more than half this machine's "
-                    "memory: it is fine while few blocks are in use; lower "
-                    "--sim-kv-bytes-scale for load", nbytes / 2**30)
-    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20) | \
-        getattr(mmap, "MAP_NORESERVE", 0x4000)
-    mm = mmap.mmap(-1, max(1, nbytes), flags=flags)
-    return mm, torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
 
 
 def output_length(profile: Profile, rng: random.Random) -> float:

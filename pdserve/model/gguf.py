@@ -82,9 +82,9 @@ def reader(path: str | Path):
 
 
 def release_readers() -> None:
-    """Forgets the parsed readers. The router, which reads a file's config and tokenizer
-    once and never its tensors, calls it after start-up: the parsed metadata of the
-    bundled 135M model holds about 140 MiB."""
+    """Forgets the parsed readers: the parsed metadata of the bundled 135M model holds about
+    140 MiB. The router (which reads a file's config and tokenizer, never its tensors)
+    calls it after start-up, an engine once loaded (Worker.release_load_memory)."""
     _reader.cache_clear()
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.model import gguf
 from pdserve.model.config import ModelConfig, ModelLoadError
 from pdserve.model.loader import load_model, model_name
 from pdserve.model.tokenizer import Tokenizer
@@ -80,6 +81,29 @@ def test_quantized_weights_are_dequantized(tiny_model, as_gguf):
             assert err < tolerance, (qtype, key, float(err))
     out = LLM(dtype="float32", model=as_gguf("llama", "Q8_0")).generate(
         "Hello", SamplingParams(max_tokens=4))
+    assert len(out[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("qtype, dtype", [("F32", "float32"), ("Q4_1", "bfloat16")])
+def test_an_engine_keeps_nothing_of_the_file_once_built(as_gguf, qtype, dtype):
+    """After loading, the engine drops the file's parsed reader (issue 34: 140 MiB and more
+    for the bundled model), and no tensor it keeps (weights, int4 blocks and scales, norms)
+    lies in the file's mapping: each owns its memory, and it still serves."""
+    path = as_gguf("llama", qtype)
+    data = gguf.reader(path).data           # the mapping stays while we hold it
+    start, end = data.ctypes.data, data.ctypes.data + data.nbytes
+    llm = LLM(model=path, dtype=dtype, quantization="auto")
+    assert gguf._reader.cache_info().currsize == 0
+    seen = 0
+    for module in llm.engine.model.modules():
+        for t in vars(module).values():
+            for t in (t.values() if isinstance(t, dict) else [t]):
+                # (oneDNN's reordered weights are opaque: its own allocations, no storage)
+                if isinstance(t, torch.Tensor) and not t.is_meta and not t.is_mkldnn:
+                    seen += 1
+                    assert not start <= t.untyped_storage().data_ptr() < end, module
+    assert seen >= 5  # the norms, the embedding and the rotary table at least
+    out = llm.generate("Hello", SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out[0].token_ids) == 4
 
 

@@ -1,7 +1,10 @@
 """Engine.step's hooks and outputs against a real tiny model (no processes, no sockets)."""
+import os
+
 import pytest
 import torch
 
+from pdserve.bench.cluster import memory_mib
 from pdserve.common.sampling import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine, layer_groups
@@ -107,3 +110,18 @@ def test_detach_hands_the_blocks_to_the_owner(model_dir):
     assert engine.step() == [] and not engine.finish("p")  # no longer the engine's
     engine.allocator.free(blocks)
     assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+
+
+def test_the_kv_cache_takes_memory_only_as_it_is_written(model_dir):
+    """The CPU KV cache is zeros the OS maps as blocks are written (issue 34): 1 GiB of it
+    costs next to nothing until requests use it, reads as zeros, and serves."""
+    before = memory_mib(os.getpid())["rss"]
+    engine = engine_of(model_dir, block_size=256, num_kv_blocks=None, kv_cache_memory_gb=1.0)
+    assert memory_mib(os.getpid())["rss"] - before < 200
+    k, v = engine.runner.kv_caches[0]                     # [blocks, 256, KVH, D]
+    assert k.shape[0] * k[0].nbytes * 2 * len(engine.runner.kv_caches) > 0.9 * 2**30
+    assert not k[:2].any() and not v[-2:].any()
+    seq = engine.add_request("a", list(range(3, 23)), greedy(2))
+    while engine.scheduler.has_unfinished():
+        engine.step()
+    assert seq.num_output_tokens == 2
