@@ -260,9 +260,10 @@ class Int4Linear(nn.Module):
         if self.backend == "triton":
             out = quant_linear(x2, self.packed, *self.scales_and_zeros, 4, self.bias,
                                backend="triton")
-        else:
+        else:  # torch's CPU kernel refuses a strided input ("expect A to be contiguous")
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x2, self.packed, GROUP, self.scales_and_zeros)
+                x2 if x2.is_contiguous() else x2.contiguous(), self.packed, GROUP,
+                self.scales_and_zeros)
             if self.bias is not None:
                 out += self.bias
         return out if flat else out.view(*shape[:-1], self.out_features)

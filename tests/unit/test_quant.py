@@ -110,6 +110,12 @@ def test_packed_for_triton_the_layer_computes_what_the_cpu_kernel_does(qtype, dt
                                * want.float().abs().max().item())
 
 
+def test_a_strided_input_computes_what_its_contiguous_copy_does():
+    lin = Int4Linear.from_gguf(blocks("Q4_1", 64, 128)[0], "Q4_1", torch.bfloat16).pack()
+    wide = torch.randn(3, 256, generator=torch.Generator().manual_seed(2)).bfloat16()
+    assert torch.equal(lin(wide[:, 128:]), lin(wide[:, 128:].contiguous()))
+
+
 def test_fused_parts_are_the_parts_side_by_side():
     parts = [Int4Linear.from_gguf(blocks("Q4_1", n, seed=n)[0], "Q4_1") for n in (64, 32)]
     ref = torch.cat([p.dequantized() for p in parts])
