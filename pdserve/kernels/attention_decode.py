@@ -7,12 +7,16 @@ positions. Each position's page is looked up on its own, so any block size
 works and pages can lie anywhere in the cache.
 
 Numerics: the torch reference gathers the pages into one padded batch and
-calls torch's SDPA on the input dtype with a padding mask (none when no
-sequence is shorter than the longest), the call transformers' "sdpa" attention
-makes for a decode step. When every sequence
-has the batch's longest length (a batch of one, say) that is bit for bit what
-transformers computes; padding changes the blocking inside SDPA, so shorter
-sequences can differ by an ulp (about 1e-7 in float32). The Triton kernel
+calls torch's SDPA with a padding mask (none when no sequence is shorter than
+the longest), the call transformers' "sdpa" attention makes for a decode step.
+In float32, when every sequence has the batch's longest length (a batch of
+one, say) that is bit for bit what transformers computes; padding changes the
+blocking inside SDPA, so shorter sequences can differ by an ulp (about 1e-7).
+bfloat16 and float16 are computed in float32 and rounded once, like the
+Triton kernel, not in the input dtype as transformers does: torch's CPU SDPA
+kernel runs 5-8 times slower in bfloat16 than in float32 at a decode step's
+shapes (0.32 ms against 1.83 a layer for 16 sequences of 320 tokens, AVX512-BF16
+EPYC; benchmarks/RESULTS.md), and the float32 copies cost a fraction of that. The Triton kernel
 loads in the input dtype and computes in float32: Q.K^T with exact products
 (tf32 holds bf16/fp16 values exactly), the softmax in float32, P@V with P
 rounded to tf32 (full float32 for float32 inputs), one rounding on store.
@@ -199,7 +203,11 @@ def _decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k = k[:, :gather.max_len].transpose(1, 2)  # [B, KVH, L, D]
         v = v[:, :gather.max_len].transpose(1, 2)
     # Without padding the mask is left out: same bits, and SDPA skips adding it.
-    out = sdpa(q[:, :, None, :], k, v, scale, attn_mask=gather.mask)  # [B, H, 1, D]
+    if q.dtype == torch.float32:
+        out = sdpa(q[:, :, None, :], k, v, scale, attn_mask=gather.mask)  # [B, H, 1, D]
+    else:  # in float32 (module docstring), rounded once
+        out = sdpa(q[:, :, None, :].float(), k.float(), v.float(), scale,
+                   attn_mask=gather.mask).to(q.dtype)
     out = out[:, :, 0, :]  # [B, H, D]
     if gather.empty is not None:
         out = out.masked_fill(gather.empty[:, None, None], 0.0)
