@@ -35,6 +35,8 @@ from pdserve.node.config import NodeConfig
 from pdserve.router.config import RouterConfig
 
 STOP_TIMEOUT_S = 10.0
+# libgomp's spins before a thread sleeps (it reckons 100,000 a millisecond): ~0.1 ms
+DECODE_SPIN_COUNT = "10000"
 
 
 @dataclass(frozen=True)
@@ -152,7 +154,8 @@ def _node_config(cfg: LaunchConfig, role: str, index: int, k: int,
             log_level if "log_level" in given else cfg.log_level)
 
 
-def _node_env(cfg: LaunchConfig, node: NodeConfig, log_level: str) -> dict[str, str]:
+def _node_env(cfg: LaunchConfig, role: str, node: NodeConfig,
+              log_level: str) -> dict[str, str]:
     """A node's environment. Nodes that share this machine each get every core (the
     default threads), and their OpenMP threads sleep at the end of a parallel region
     (OMP_WAIT_POLICY=PASSIVE, unless this environment says otherwise) instead of spinning
@@ -161,10 +164,18 @@ def _node_env(cfg: LaunchConfig, node: NodeConfig, log_level: str) -> dict[str, 
     (benchmarks/launch_threads.py; RESULTS.md "Threads of nodes that share a machine"):
     one core each, 73-75 ms a token at batch 1 and 37-51 tokens/s at 16 concurrent
     requests; every core each, passive, 54-59 ms and 55-61 tokens/s; spinning
-    (OMP_WAIT_POLICY=ACTIVE), 149 ms and 22 tokens/s."""
+    (OMP_WAIT_POLICY=ACTIVE), 149 ms and 22 tokens/s.
+
+    A decode node's threads still spin briefly before they sleep (GOMP_SPINCOUNT, unless
+    the environment sets it): a batch-1 step is ~1,700 small operations, and a thread woken
+    from sleep for each parallel region cost the float32 step 28 ms against 21 (RESULTS.md
+    "Batch-1 TPOT through launch"); a spin this short is over before an idle node's
+    threads could take a core from the other role."""
     env = child_env(node, log_level)
     if node.engine.compute == "model" and len(_roles(cfg)) > 1:
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        if role == "decode":
+            env.setdefault("GOMP_SPINCOUNT", DECODE_SPIN_COUNT)
     return env
 
 
@@ -288,7 +299,7 @@ def _start_nodes(cfg: LaunchConfig, routers: list[RouterConfig], ports: PortPick
     try:
         for k, (role, i) in enumerate(_roles(cfg)):
             node, log_level = _node_config(cfg, role, i, k, routers, ports)
-            env = _node_env(cfg, node, log_level)
+            env = _node_env(cfg, role, node, log_level)
             if server and node.engine.compute == "simulated":
                 forks.append((f"{role}-{i}", role, env[ENV]))
             else:
