@@ -35,8 +35,8 @@ from pdserve.node.config import NodeConfig
 from pdserve.router.config import RouterConfig
 
 STOP_TIMEOUT_S = 10.0
-# libgomp's spins before a thread sleeps (it reckons 100,000 a millisecond): ~0.1 ms
-DECODE_SPIN_COUNT = "10000"
+# A decode node's OpenMP spins before a thread sleeps (libgomp reckons 100,000 a ms)
+DECODE_SPIN_COUNT = "1000"
 
 
 @dataclass(frozen=True)
@@ -166,11 +166,11 @@ def _node_env(cfg: LaunchConfig, role: str, node: NodeConfig,
     requests; every core each, passive, 54-59 ms and 55-61 tokens/s; spinning
     (OMP_WAIT_POLICY=ACTIVE), 149 ms and 22 tokens/s.
 
-    A decode node's threads still spin briefly before they sleep (GOMP_SPINCOUNT, unless
-    the environment sets it): a batch-1 step is ~1,700 small operations, and a thread woken
-    from sleep for each parallel region cost the float32 step 28 ms against 21 (RESULTS.md
-    "Batch-1 TPOT through launch"); a spin this short is over before an idle node's
-    threads could take a core from the other role."""
+    A decode node's threads spin briefly before they sleep (GOMP_SPINCOUNT, unless the
+    environment sets it): waking a sleeping thread for each parallel region of a
+    batch-1 step made a float32 token 28 ms against 21 with 10,000 spins (RESULTS.md
+    "Batch-1 TPOT through launch"). Spins are cores the other role loses under load
+    (10,000: 16 concurrent requests 96-105 tokens/s against 112-115), hence 1,000."""
     env = child_env(node, log_level)
     if node.engine.compute == "model" and len(_roles(cfg)) > 1:
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
