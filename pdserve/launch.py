@@ -170,7 +170,8 @@ def _node_env(cfg: LaunchConfig, role: str, node: NodeConfig,
     environment sets it): waking a sleeping thread for each parallel region of a
     batch-1 step made a float32 token 28 ms against 21 with 10,000 spins (RESULTS.md
     "Batch-1 TPOT through launch"). Spins are cores the other role loses under load
-    (10,000: 16 concurrent requests 96-105 tokens/s against 112-115), hence 1,000."""
+    (10,000: 16 concurrent requests 96-105 tokens/s against 112-115), hence 1,000:
+    launch's defaults 14 ms a token against 18, and 103-110 tokens/s."""
     env = child_env(node, log_level)
     if node.engine.compute == "model" and len(_roles(cfg)) > 1:
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
