@@ -35,6 +35,8 @@ from pdserve.node.config import NodeConfig
 from pdserve.router.config import RouterConfig
 
 STOP_TIMEOUT_S = 10.0
+# A decode node's OpenMP spins before a thread sleeps (libgomp reckons 100,000 a ms)
+DECODE_SPIN_COUNT = "1000"
 
 
 @dataclass(frozen=True)
@@ -152,7 +154,8 @@ def _node_config(cfg: LaunchConfig, role: str, index: int, k: int,
             log_level if "log_level" in given else cfg.log_level)
 
 
-def _node_env(cfg: LaunchConfig, node: NodeConfig, log_level: str) -> dict[str, str]:
+def _node_env(cfg: LaunchConfig, role: str, node: NodeConfig,
+              log_level: str) -> dict[str, str]:
     """A node's environment. Nodes that share this machine each get every core (the
     default threads), and their OpenMP threads sleep at the end of a parallel region
     (OMP_WAIT_POLICY=PASSIVE, unless this environment says otherwise) instead of spinning
@@ -161,10 +164,19 @@ def _node_env(cfg: LaunchConfig, node: NodeConfig, log_level: str) -> dict[str, 
     (benchmarks/launch_threads.py; RESULTS.md "Threads of nodes that share a machine"):
     one core each, 73-75 ms a token at batch 1 and 37-51 tokens/s at 16 concurrent
     requests; every core each, passive, 54-59 ms and 55-61 tokens/s; spinning
-    (OMP_WAIT_POLICY=ACTIVE), 149 ms and 22 tokens/s."""
+    (OMP_WAIT_POLICY=ACTIVE), 149 ms and 22 tokens/s.
+
+    A decode node's threads spin briefly before they sleep (GOMP_SPINCOUNT, unless the
+    environment sets it): waking a sleeping thread for each parallel region of a
+    batch-1 step made a float32 token 28 ms against 21 with 10,000 spins (RESULTS.md
+    "Batch-1 TPOT through launch"). Spins are cores the other role loses under load
+    (10,000: 16 concurrent requests 96-105 tokens/s against 112-115), hence 1,000:
+    launch's defaults 14 ms a token against 18, and 103-110 tokens/s."""
     env = child_env(node, log_level)
     if node.engine.compute == "model" and len(_roles(cfg)) > 1:
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        if role == "decode":
+            env.setdefault("GOMP_SPINCOUNT", DECODE_SPIN_COUNT)
     return env
 
 
@@ -288,7 +300,7 @@ def _start_nodes(cfg: LaunchConfig, routers: list[RouterConfig], ports: PortPick
     try:
         for k, (role, i) in enumerate(_roles(cfg)):
             node, log_level = _node_config(cfg, role, i, k, routers, ports)
-            env = _node_env(cfg, node, log_level)
+            env = _node_env(cfg, role, node, log_level)
             if server and node.engine.compute == "simulated":
                 forks.append((f"{role}-{i}", role, env[ENV]))
             else:

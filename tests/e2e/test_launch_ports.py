@@ -54,36 +54,40 @@ def test_per_node_metrics_and_decode_kv_ports(tiny_model):
 
 def test_nodes_sharing_the_machine_share_its_cores(tiny_model):
     """Without --threads every node gets every core, its idle OpenMP threads sleeping
-    (OMP_WAIT_POLICY=PASSIVE); a user's own OMP_WAIT_POLICY and --threads stand."""
+    (OMP_WAIT_POLICY=PASSIVE), a decode node's after a short spin (GOMP_SPINCOUNT); a
+    user's own OMP_WAIT_POLICY, GOMP_SPINCOUNT and --threads stand."""
     import os
 
     from pdserve.bench.cluster import launched as launch_cluster
+    from pdserve.launch import DECODE_SPIN_COUNT
     from tests.cluster import child_config, node_pids
 
-    def nodes(cluster) -> dict[str, tuple[int, str | None]]:
-        """node id -> (threads launch gave it, its OMP_WAIT_POLICY)."""
+    def nodes(cluster) -> dict[str, tuple[int, str | None, str | None]]:
+        """node id -> (threads launch gave it, its OMP_WAIT_POLICY, its GOMP_SPINCOUNT)."""
         found = {}
         for node_id, pid in node_pids(cluster.proc.pid).items():
-            env = dict(v.split(b"=", 1) for v in
-                       open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if b"=" in v)
-            policy = env.get(b"OMP_WAIT_POLICY")
+            env = {k.decode(): v.decode() for k, v in (
+                v.split(b"=", 1) for v in
+                open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if b"=" in v)}
             found[node_id] = (child_config(pid)["config"]["engine"]["threads"],
-                              policy and policy.decode())
+                              env.get("OMP_WAIT_POLICY"), env.get("GOMP_SPINCOUNT"))
         return found
 
     model = str(tiny_model())
-    saved = os.environ.pop("OMP_WAIT_POLICY", None)
+    names = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+    saved = {k: os.environ.pop(k) for k in names if k in os.environ}
     try:
         with launch_cluster("--model", model, "--prefill", "1", "--decode", "1",
                             ready_timeout_s=180) as cluster:
             cores = os.cpu_count()
-            assert nodes(cluster) == {"prefill-0": (cores, "PASSIVE"),
-                                      "decode-0": (cores, "PASSIVE")}
-        os.environ["OMP_WAIT_POLICY"] = "ACTIVE"
+            assert nodes(cluster) == {"prefill-0": (cores, "PASSIVE", None),
+                                      "decode-0": (cores, "PASSIVE", DECODE_SPIN_COUNT)}
+        os.environ.update(OMP_WAIT_POLICY="ACTIVE", GOMP_SPINCOUNT="7")
         with launch_cluster("--model", model, "--prefill", "1", "--decode", "1",
                             "--threads", "1", ready_timeout_s=180) as cluster:
-            assert nodes(cluster) == {"prefill-0": (1, "ACTIVE"), "decode-0": (1, "ACTIVE")}
+            assert nodes(cluster) == {"prefill-0": (1, "ACTIVE", "7"),
+                                      "decode-0": (1, "ACTIVE", "7")}
     finally:
-        os.environ.pop("OMP_WAIT_POLICY", None)
-        if saved is not None:
-            os.environ["OMP_WAIT_POLICY"] = saved
+        for k in names:
+            os.environ.pop(k, None)
+        os.environ.update(saved)
