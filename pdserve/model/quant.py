@@ -231,9 +231,9 @@ class Int4Linear(nn.Module):
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 self.q.to(torch.int32).contiguous(), 1)                  # [N, K / 2] uint8
-            self.scales_and_zeros = torch.stack(
+            self.scales_and_zeros = torch.stack(                        # [G, N, 2]
                 [self.scale, self.zero], dim=-1).transpose(0, 1).to(self.dtype).contiguous()
-        self.q = self.scale = self.zero = None                          # ^ [G, N, 2]
+        self.q = self.scale = self.zero = None
         if self.bias is not None:
             self.bias = self.bias.to(device=device, dtype=self.dtype)
         return self
