@@ -20,6 +20,26 @@ def launched(model_dir, prefill: int = 1, decode: int = 1, *extra: str, log_dir=
         yield cluster
 
 
+def q4_1_cluster_logs(tiny_model, tmp_path, *extra: str) -> str:
+    """Launches 1P1D (``extra``: more flags) on the tiny Llama written as a Q4_1 GGUF file,
+    asserts that a greedy completion of 8 tokens comes back through it, and returns the
+    launcher's and the nodes' logs, once everything has stopped."""
+    import httpx
+
+    from tests.gguf_files import write_gguf
+
+    model = write_gguf(tiny_model("llama"), tmp_path / "tiny-q4_1.gguf", "Q4_1")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    with launched(model, 1, 1, *extra, log_dir=logs) as cluster:
+        r = httpx.post(cluster.http_url + "/v1/completions", timeout=60, json={
+            "model": "tiny-q4_1", "prompt": "The quick brown fox", "max_tokens": 8,
+            "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 8
+    return "\n".join(p.read_text(errors="replace") for p in logs.rglob("*") if p.is_file())
+
+
 def node_pids(pgid: int) -> dict[str, int]:
     """PID of each node pdserve launch started (its process group ``pgid``), by node id
     (from the config it handed)."""

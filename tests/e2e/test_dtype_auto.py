@@ -5,13 +5,12 @@ import os
 import subprocess
 import sys
 
-import httpx
 import pytest
 
 from pdserve import LLM
-from tests.cluster import launched
+from tests.cluster import q4_1_cluster_logs
 
-gguf_files = pytest.importorskip("tests.gguf_files")
+pytest.importorskip("tests.gguf_files")
 
 
 def expected_dtype() -> str:
@@ -23,16 +22,7 @@ def expected_dtype() -> str:
 
 def test_launch_with_defaults_serves_this_cpus_dtype(tiny_model, tmp_path, monkeypatch):
     monkeypatch.delenv("PDSERVE_DTYPE", raising=False)  # conftest pins float32
-    model = gguf_files.write_gguf(tiny_model("llama"), tmp_path / "tiny-q4_1.gguf", "Q4_1")
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    with launched(model, 1, 1, log_dir=logs) as cluster:
-        r = httpx.post(cluster.http_url + "/v1/completions", timeout=60, json={
-            "model": "tiny-q4_1", "prompt": "The quick brown fox", "max_tokens": 8,
-            "temperature": 0, "ignore_eos": True})
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == 8
-    text = "\n".join(p.read_text(errors="replace") for p in logs.rglob("*") if p.is_file())
+    text = q4_1_cluster_logs(tiny_model, tmp_path)
     want = expected_dtype()
     assert text.count(f"dtype auto: {want} (") == 2, text[-3000:]
     # bfloat16 keeps the file's 4-bit projections (--quantization auto); float32 does not
