@@ -154,8 +154,7 @@ def _node_config(cfg: LaunchConfig, role: str, index: int, k: int,
             log_level if "log_level" in given else cfg.log_level)
 
 
-def _node_env(cfg: LaunchConfig, role: str, node: NodeConfig,
-              log_level: str) -> dict[str, str]:
+def _node_env(cfg: LaunchConfig, node: NodeConfig, log_level: str) -> dict[str, str]:
     """A node's environment. Nodes that share this machine each get every core (the
     default threads), and their OpenMP threads sleep at the end of a parallel region
     (OMP_WAIT_POLICY=PASSIVE, unless this environment says otherwise) instead of spinning
@@ -175,7 +174,7 @@ def _node_env(cfg: LaunchConfig, role: str, node: NodeConfig,
     env = child_env(node, log_level)
     if node.engine.compute == "model" and len(_roles(cfg)) > 1:
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        if role == "decode":
+        if node.role == "decode":
             env.setdefault("GOMP_SPINCOUNT", DECODE_SPIN_COUNT)
     return env
 
@@ -300,7 +299,7 @@ def _start_nodes(cfg: LaunchConfig, routers: list[RouterConfig], ports: PortPick
     try:
         for k, (role, i) in enumerate(_roles(cfg)):
             node, log_level = _node_config(cfg, role, i, k, routers, ports)
-            env = _node_env(cfg, role, node, log_level)
+            env = _node_env(cfg, node, log_level)
             if server and node.engine.compute == "simulated":
                 forks.append((f"{role}-{i}", role, env[ENV]))
             else:
