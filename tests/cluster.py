@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 
-from pdserve.bench.cluster import Cluster, free_port  # noqa: F401 (the tests' API)
+from pdserve.bench.cluster import Cluster, free_port, processes  # noqa: F401 (the tests' API)
+from pdserve.bench.cluster import handed_config as child_config  # noqa: F401 (as above)
 from pdserve.bench.cluster import launched as launch_cluster
 
 
@@ -41,18 +42,8 @@ def q4_1_cluster_logs(tiny_model, tmp_path, *extra: str) -> str:
 
 
 def node_pids(pgid: int) -> dict[str, int]:
-    """PID of each node pdserve launch started (its process group ``pgid``), by node id
-    (from the config it handed)."""
-    import subprocess
-
-    out = subprocess.run(["ps", "-o", "pid=", "-g", str(pgid)], capture_output=True,
-                         text=True).stdout.split()
-    found = {}
-    for pid in map(int, out):
-        cfg = child_config(pid)
-        if cfg is not None and cfg["config"].get("node_id"):
-            found[cfg["config"]["node_id"]] = pid
-    return found
+    """PID of each node pdserve launch started (its process group ``pgid``), by node id."""
+    return {name: pid for name, pid in processes(pgid).items() if name != "router"}
 
 
 def alive(pid: int) -> bool:
@@ -78,19 +69,3 @@ def sim_test_profile(path, name: str, peak_flops: float, memory_bandwidth: float
     p["eos"] = {"kind": "never"}
     path.write_text(json.dumps(p))
     return path
-
-
-def child_config(pid: int) -> dict | None:
-    """The config ``pdserve launch`` handed child ``pid`` ({"log_level", "config"}), read
-    from its environment; None for a process that has none."""
-    import json
-
-    from pdserve.common.config_io import ENV
-
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
-    except OSError:
-        return None
-    raw = env.get(ENV.encode())
-    return None if raw is None else json.loads(raw)

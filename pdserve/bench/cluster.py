@@ -89,6 +89,18 @@ def metric_totals(url: str, names: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
+def handed_config(pid: int) -> dict | None:
+    """The config ``pdserve launch`` handed child ``pid`` ({"log_level", "config"}), read
+    from its environment; None for a process that has none (or is gone)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+    except OSError:
+        return None
+    raw = env.get(CONFIG_ENV.encode())
+    return None if raw is None else json.loads(raw)
+
+
 def processes(pgid: int) -> dict[str, int]:
     """PID of each process of a launched cluster (process group ``pgid``) by name
     ("router", "prefill-0", ...), from the config launch handed it."""
@@ -97,15 +109,12 @@ def processes(pgid: int) -> dict[str, int]:
     found = {}
     for pid in map(int, out):
         with contextlib.suppress(OSError):
-            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-            cfg = next((e for e in env if e.startswith(f"{CONFIG_ENV}=".encode())), None)
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-            if b"router" in cmd:
+            if b"router" in open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0"):
                 found["router"] = pid
-            elif cfg is not None:
-                node_id = json.loads(cfg.split(b"=", 1)[1])["config"].get("node_id")
-                if node_id:
-                    found[node_id] = pid
+                continue
+        cfg = handed_config(pid)
+        if cfg is not None and cfg["config"].get("node_id"):
+            found[cfg["config"]["node_id"]] = pid
     return found
 
 
