@@ -31,6 +31,8 @@ import logging
 import mmap
 import os
 import sys
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -103,3 +105,13 @@ def lazy_buffer(nbytes: int, reserve: bool = False) -> tuple[mmap.mmap, torch.Te
         flags |= getattr(mmap, "MAP_NORESERVE", 0x4000)
     mm = mmap.mmap(-1, max(1, nbytes), flags=flags)
     return mm, torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
+
+
+@dataclass(frozen=True)
+class SparseStorage:
+    """A KV cache's bytes (``data``, uint8, reading as zeros) that are backed only where
+    ``reserve(offset, nbytes)`` has been called; reserve raises OSError when the memory
+    cannot be had. A prefill node's /dev/shm segment (node/kv/segment.py): writing an
+    unreserved page would take memory that may not be there, a SIGBUS when it is not."""
+    data: torch.Tensor
+    reserve: Callable[[int, int], None]

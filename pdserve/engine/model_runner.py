@@ -11,7 +11,7 @@ import torch
 
 from pdserve.engine import logprobs
 from pdserve.engine.decode_window import DecodeWindows
-from pdserve.engine.host_memory import lazy_buffer
+from pdserve.engine.host_memory import SparseStorage, lazy_buffer
 from pdserve.engine.inputs import ModelInputs, build_model_inputs
 from pdserve.engine.sampler import make_generator, sample
 from pdserve.engine.scheduler import ScheduledBatch
@@ -42,13 +42,32 @@ def kv_views(storage: torch.Tensor, num_layers: int, shape: tuple[int, ...],
             for layer in range(num_layers)]
 
 
+def kv_storage_of(storage: torch.Tensor | SparseStorage | None, num_layers: int,
+                  shape: tuple[int, ...], dtype: torch.dtype
+                  ) -> tuple[torch.Tensor | None, Callable[[int, int], None] | None]:
+    """(the bytes, ``reserve_blocks(start, stop)``) of what a ``kv_storage`` callback gave:
+    reserve_blocks backs blocks [start, stop) of every layer's K and V (kv_views' layout) in
+    a SparseStorage, raising its OSError; None for storage that is all backed."""
+    if not isinstance(storage, SparseStorage):
+        return storage, None
+    size, block = kv_tensor_bytes(shape, dtype), kv_tensor_bytes(shape[1:], dtype)
+
+    def reserve_blocks(start: int, stop: int) -> None:
+        for i in range(2 * num_layers):
+            storage.reserve(i * size + start * block, (stop - start) * block)
+
+    return storage.data, reserve_blocks
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
                  device: torch.device | str, dtype: torch.dtype, compute: str = "model",
-                 kv_storage: Callable[[int], torch.Tensor | None] | None = None,
+                 kv_storage: Callable[[int], torch.Tensor | SparseStorage | None] | None = None,
                  decode_window_bytes: int = 0, cpu_linear: str = "auto"):
         """``kv_storage(nbytes)``: where the CPU KV cache lives (a uint8 tensor of nbytes,
-        zero-filled; a prefill node's shared-memory segment), or None for its own memory.
+        zero-filled, or a SparseStorage: a prefill node's shared-memory segment, backed as
+        the block allocator hands out blocks through ``kv_reserve``), or None for its own
+        memory.
         ``decode_window_bytes``: the most the CPU decode windows may take
         (engine/decode_window.py); 0 turns them off. ``cpu_linear``: EngineConfig's."""
         cfg = model.config
@@ -71,8 +90,9 @@ class ModelRunner:
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         # One K and one V tensor per layer: [num_blocks, block_size, num_kv_heads, head_dim]
         nbytes = 2 * cfg.num_hidden_layers * kv_tensor_bytes(shape, dtype)
-        storage = kv_storage(nbytes) \
-            if kv_storage is not None and self.device.type == "cpu" else None
+        storage, self.kv_reserve = kv_storage_of(
+            kv_storage(nbytes) if kv_storage is not None and self.device.type == "cpu"
+            else None, cfg.num_hidden_layers, shape, dtype)
         self._kv_memory = None
         if storage is None and self.device.type == "cpu":
             # Zeros the OS maps only as blocks are written: a node's RSS holds the KV it

@@ -33,8 +33,8 @@ from typing import Callable
 import torch
 import xxhash
 
-from pdserve.engine.host_memory import lazy_buffer
-from pdserve.engine.model_runner import kv_tensor_bytes, kv_views
+from pdserve.engine.host_memory import SparseStorage, lazy_buffer
+from pdserve.engine.model_runner import kv_storage_of, kv_tensor_bytes, kv_views
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.sim import roofline as R
 from pdserve.sim.profile import DTYPE_BYTES, Profile, scaled_head_dim
@@ -78,7 +78,7 @@ class SimRunner:
 
     def __init__(self, profile: Profile, model_config, num_blocks: int, block_size: int,
                  dtype: torch.dtype,
-                 kv_storage: Callable[[int], torch.Tensor | None] | None = None,
+                 kv_storage: Callable[[int], torch.Tensor | SparseStorage | None] | None = None,
                  sleep: Callable[[float], None] = time.sleep,
                  clock: Callable[[], float] = time.monotonic):
         """``model_config``: sim_model_config's. ``sleep`` and ``clock``: for tests."""
@@ -94,7 +94,8 @@ class SimRunner:
         layers = cfg.num_hidden_layers
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         nbytes = 2 * layers * kv_tensor_bytes(shape, dtype)
-        storage = kv_storage(nbytes) if kv_storage is not None else None
+        storage, self.kv_reserve = kv_storage_of(
+            kv_storage(nbytes) if kv_storage is not None else None, layers, shape, dtype)
         self._memory = None
         if storage is None:
             phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

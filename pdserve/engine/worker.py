@@ -52,7 +52,8 @@ class Worker:
             self._load(config, kv_storage)
         self.runner.logits_processors = LogitsProcessors(
             self.model_dir, self.model_config.vocab_size, self.model_config.eos_token_ids)
-        self.allocator = BlockAllocator(self.num_blocks, config.enable_prefix_caching)
+        self.allocator = BlockAllocator(self.num_blocks, config.enable_prefix_caching,
+                                        reserve=self.runner.kv_reserve)
         self.scheduler = Scheduler(self.allocator, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens)
 

@@ -46,8 +46,8 @@ class PrefillNode(Node):
     def __init__(self, config: NodeConfig, kv_senders: list[KVSender] | None = None):
         """``kv_senders``: the ways KV leaves, most preferred first (default: /dev/shm
         when on, then TCP, both through the node's KV sockets). Simulated nodes take TCP,
-        as KV goes between GPU hosts: a segment is mapped whole (MAP_POPULATE), and would
-        hold the simulated GPU's whole KV capacity in memory."""
+        as KV goes between GPU hosts: a segment needs /dev/shm room for the simulated GPU's
+        whole KV capacity, and backs every block the pool hands out."""
         shm = config.kv_shm and config.engine.compute != "simulated"
         self.kv_senders = kv_senders if kv_senders is not None else default_senders(
             lambda address, chunk: self.io.send_kv(address, chunk), shm=shm,

@@ -140,3 +140,62 @@ def test_siblings_of_one_prompt_share_its_prefill():
     for j in range(3):
         sched.add(Sequence(f"t{j}", prompt, SamplingParams(max_tokens=2)))
     assert [n for n in sched.schedule().num_new_tokens] == [20, 20, 20]
+
+
+class Backing:
+    """A growing pool's memory as the allocator asks for it: the blocks [0, stop) it
+    backed, each call, and OSError past ``room`` blocks (a /dev/shm that filled up)."""
+
+    def __init__(self, room: int):
+        self.room, self.calls = room, []
+
+    def __call__(self, start: int, stop: int) -> None:
+        self.calls.append((start, stop))
+        if stop > self.room:
+            raise OSError(28, "No space left on device")
+
+
+def test_a_growing_pool_is_backed_as_blocks_are_first_handed_out():
+    from pdserve.engine.block_allocator import RESERVE_STEP as STEP
+
+    backing = Backing(room=1000)
+    alloc = BlockAllocator(300, reserve=backing)
+    # at start: the first block, then a step ahead
+    assert backing.calls == [(0, 1), (1, 1 + STEP)] and alloc.num_backed == 1 + STEP
+    a = alloc.allocate(STEP)  # within what is backed: nothing asked
+    assert len(backing.calls) == 2
+    alloc.free(a)  # freed blocks go to the back: never-used ones are taken first
+    b = alloc.allocate(STEP + 10)
+    assert b == list(range(STEP, 2 * STEP + 10))
+    assert backing.calls[2:] == [(1 + STEP, 2 * STEP + 10), (2 * STEP + 10, 3 * STEP + 10)]
+    alloc.free(b)
+    alloc.allocate(alloc.num_free_blocks)  # all 300: backed to the end, not past it
+    assert backing.calls[4:] == [(3 * STEP + 10, 300)] and alloc.num_backed == 300
+
+
+def test_a_growing_pool_whose_memory_runs_out_stops_there_and_serves_on(caplog):
+    from pdserve.engine.block_allocator import RESERVE_STEP
+
+    room = 2 * RESERVE_STEP + 5
+    alloc = BlockAllocator(1000, enable_caching=True, reserve=Backing(room))
+    held = alloc.allocate(2 * RESERVE_STEP)
+    assert alloc.can_allocate(5)  # the step ahead is refused, the five blocks asked are not
+    assert alloc.num_backed == room and alloc.num_blocks == 1000
+    more = alloc.allocate(5)
+    assert more == list(range(2 * RESERVE_STEP, room))
+    with caplog.at_level("ERROR"):
+        assert not alloc.can_allocate(1)
+    assert alloc.num_blocks == room and alloc.num_free_blocks == 0
+    assert f"the KV pool stops at {room} blocks: the memory for {1000 - room} more " \
+           "cannot be had" in caplog.text
+    with pytest.raises(BlockAllocatorError, match=f"cannot allocate 1 KV blocks: 0 of {room}"):
+        alloc.allocate(1)
+    alloc.free(more)  # the blocks it has keep serving
+    assert alloc.allocate(5) == more and alloc.usage() == 1.0
+    alloc.free(held + more)
+    assert alloc.num_free_blocks == room
+
+
+def test_a_growing_pool_that_cannot_back_its_first_blocks_fails_at_start():
+    with pytest.raises(BlockAllocatorError, match="cannot back any KV block: .*No space left"):
+        BlockAllocator(100, reserve=Backing(room=0))

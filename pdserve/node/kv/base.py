@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from pdserve.common import protocol as P
+from pdserve.engine.host_memory import SparseStorage
 from pdserve.node.kv.pages import KVCaches, page_bytes, pool_bytes
 
 # How a KV message reaches a decode node's KV address (NodeIO.send_kv, or a FakeLink).
@@ -79,9 +80,10 @@ class KVSender:
         self.kv_caches: KVCaches = []
         self.views: list = []
 
-    def storage(self, nbytes: int) -> torch.Tensor | None:
+    def storage(self, nbytes: int) -> torch.Tensor | SparseStorage | None:
         """Where the CPU KV cache must live for this way to read it (a uint8 tensor of
-        nbytes); None: anywhere. Asked once, before the engine allocates the cache."""
+        nbytes, or a SparseStorage backed as blocks are first used); None: anywhere.
+        Asked once, before the engine allocates the cache."""
         return None
 
     def attach(self, model: P.ModelIdentity, layout: P.KVLayout, kv_caches: KVCaches,

@@ -6,6 +6,15 @@ read-only (``Segment.open``) and copies a request's pages straight from it into
 its own: one memcpy end to end, no socket in between. The KV message carries
 only offsets.
 
+Memory. A segment is sparse: its size is the whole pool, but /dev/shm backs only the
+ranges its owner ``reserve``s (``posix_fallocate``), and a process's RSS counts only
+the pages it has touched. The prefill node's block allocator reserves its blocks as it
+first hands them out (engine/block_allocator.py), so a node holds the KV it has used,
+not the whole ``--kv-cache-memory-gb``, and a /dev/shm that fills up later is met by
+a failed reservation (the pool stops growing there), never by a SIGBUS on a write. A
+decode node maps a peer's segment without populating it and reads only the pages the
+peer named, which the peer reserved before writing them.
+
 Same host means the same kernel boot *and* the same /dev/shm mount (containers
 on one machine share the boot id but may have private /dev/shm): ``host_id``
 is both, and nodes declare it in Hello.
@@ -93,8 +102,9 @@ class Segment:
     """One file under /dev/shm mapped into this process; ``data`` is a uint8 tensor
     over the whole mapping."""
 
-    def __init__(self, name: str, mm: mmap.mmap, owner: bool):
+    def __init__(self, name: str, mm: mmap.mmap, owner: bool, fd: int | None = None):
         self.name = name
+        self._fd = fd  # the owner's, kept open for reserve
         self.size = len(mm)
         self.owner = owner
         self._mm = mm
@@ -105,28 +115,31 @@ class Segment:
 
     @classmethod
     def create(cls, nbytes: int) -> Segment:
-        """A new zero-filled segment of this process, its space reserved (no SIGBUS later
-        on a full /dev/shm: that fails here, with the reason)."""
+        """A new zero-filled segment of this process, sparse (``reserve`` backs its
+        ranges). Refused here, with the reason, when /dev/shm has less room free than the
+        whole segment: a pool that could never grow to its size is not started."""
         pid = os.getpid()
         name = f"{PREFIX}{pid}-{_start_time(pid)}-{os.urandom(4).hex()}"
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.posix_fallocate(fd, 0, nbytes)
-            mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                           mmap.PROT_READ | mmap.PROT_WRITE)
+            st = os.fstatvfs(fd)
+            free = st.f_bavail * st.f_frsize
+            if free < nbytes:
+                raise OSError(f"{free / 2**20:.0f} MiB free there")
+            os.ftruncate(fd, nbytes)
+            mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:
+            os.close(fd)
             os.unlink(path)
             raise SegmentError(f"cannot make a {nbytes / 2**20:.0f} MiB KV segment in "
                                f"{SHM_DIR}: {exc}") from None
-        finally:
-            os.close(fd)
-        return cls(name, mm, owner=True)
+        return cls(name, mm, owner=True, fd=fd)
 
     @classmethod
     def open(cls, name: str) -> Segment:
-        """Maps another process's segment read-only (pages populated now, not faulted in
-        during the first transfers)."""
+        """Maps another process's segment read-only. Not populated: only the pages read
+        are mapped, so a decode node holds the pages it copied, not the peer's pool."""
         if not NAME_RE.match(name):
             raise SegmentError(f"{name[:80]!r} is not a pdserve KV segment name")
         try:
@@ -137,12 +150,19 @@ class Segment:
             size = os.fstat(fd).st_size
             if size == 0:
                 raise SegmentError(f"KV segment {name} is empty")
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
         except OSError as exc:
             raise SegmentError(f"cannot map KV segment {name}: {exc}") from None
         finally:
             os.close(fd)
         return cls(name, mm, owner=False)
+
+    def reserve(self, offset: int, nbytes: int) -> None:
+        """Backs bytes [offset, offset + nbytes) in /dev/shm (zeros where never written);
+        OSError (ENOSPC) when /dev/shm has no room left for them. The owner's only."""
+        if self._fd is None:
+            raise SegmentError(f"KV segment {self.name} is not this process's to reserve")
+        os.posix_fallocate(self._fd, offset, nbytes)
 
     def owner_alive(self) -> bool:
         return _owner_alive(self.name)
@@ -154,6 +174,9 @@ class Segment:
                 os.unlink(os.path.join(SHM_DIR, self.name))
             except FileNotFoundError:
                 pass
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         self.data = None
         try:
             self.view.release()

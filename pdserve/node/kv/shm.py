@@ -21,6 +21,7 @@ import torch
 
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
+from pdserve.engine.host_memory import SparseStorage
 from pdserve.node.kv import segment as shm
 from pdserve.node.kv.base import KVSender, KVTransferError, Outgoing, PageSource, make_chunk
 from pdserve.node.kv.pages import KVCaches, pages_checksum, paired_runs, pool_bytes
@@ -37,13 +38,13 @@ class ShmSender(KVSender):
     path = "shm"
     segment: Segment | None = None
 
-    def storage(self, nbytes: int) -> torch.Tensor | None:
+    def storage(self, nbytes: int) -> SparseStorage | None:
         try:
             self.segment = Segment.create(nbytes)
         except (SegmentError, OSError) as exc:
             log.warning("%s; KV to decode nodes on this host will go over TCP", exc)
             return None
-        return self.segment.data
+        return SparseStorage(self.segment.data, self.segment.reserve)
 
     def reaches(self, req: P.PrefillRequest) -> bool:
         return (self.segment is not None and bool(self.host_id)
