@@ -5,7 +5,8 @@ rates under load).
    GQA), per layer: in the input dtype, and through float32 copies rounded back (what
    kernels/attention_decode.py's torch path does for bfloat16 and float16).
 2. The default model's engine in-process (an Engine as a decode node holds it) with
-   ``--batch`` sequences of ``--prompt-len`` random tokens, prefilled, then ``--steps``
+   ``--batch`` sequences of ``--prompt-len`` random tokens, prefilled (all added at once:
+   the prefill's seconds and prompt tokens a second are printed too), then ``--steps``
    decode steps timed one by one, for each ``dtype:quantization`` in ``--configs``, each in
    a child process of its own; with ``--profile`` the commonest operations of five steps.
 
@@ -75,9 +76,11 @@ def child(dtype: str, quant: str, a) -> None:
                   for _ in range(a.prompt_len)]
         engine.add_request(str(i), prompt, SamplingParams(
             max_tokens=a.steps + 64, temperature=0, ignore_eos=True))
+    t0 = time.perf_counter()
     while engine.scheduler.waiting or any(  # prefill every prompt
             s.num_computed_tokens < a.prompt_len for s in engine.scheduler.running):
         engine.step()
+    prefill_s = time.perf_counter() - t0
     for _ in range(5):
         engine.step()
     times = []
@@ -92,7 +95,7 @@ def child(dtype: str, quant: str, a) -> None:
             for _ in range(5):
                 engine.step()
         top = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8)
-    print(json.dumps({"median_ms": 1e3 * statistics.median(times),
+    print(json.dumps({"prefill_s": prefill_s, "median_ms": 1e3 * statistics.median(times),
                       "min_ms": 1e3 * min(times), "top": top}))
 
 
@@ -122,8 +125,10 @@ def main() -> None:
         out = subprocess.run([sys.executable, __file__, "--child", dtype, quant, *flags],
                              capture_output=True, text=True, check=True)
         r = json.loads(out.stdout.strip().splitlines()[-1])
+        rate = a.batch * a.prompt_len / r["prefill_s"]
         print(f"{dtype:>9} --quantization {quant:<5} {a.batch} sequences at ~{a.prompt_len} "
-              f"tokens: decode step {r['median_ms']:6.1f} ms median, {r['min_ms']:6.1f} min")
+              f"tokens: prefill {r['prefill_s']:5.2f} s ({rate:.0f} tokens/s), decode step "
+              f"{r['median_ms']:6.1f} ms median, {r['min_ms']:6.1f} min")
         if r["top"]:
             print(r["top"])
 

@@ -10,7 +10,9 @@ the Q8_0 embedding). Paths, in one run, alternating over rounds, medians:
     bf16 F.linear  the weight in bfloat16 (AVX2: no oneDNN reorder)
     int4 f32       _weight_int4pack_mm_for_cpu, float32 activations, the file's blocks
                    (exact: every weight is the reference dequantization's, tested)
-    int4 bf16      the same kernel in bfloat16 (scales rounded to bfloat16: not exact)
+    int4 bf16 kernel  the same kernel in bfloat16 (scales rounded to bfloat16: not exact)
+    int4 bf16      pdserve's int4 layer in bfloat16: that kernel below DENSE_ROWS rows,
+                   from there the weight formed in bfloat16 and a dense GEMM (quant.py)
     int8 f32/bf16  _weight_int8pack_mm, one scale per output row, requantized from the
                    float32 weight (NOT exact for Q4_1 or Q8_0: per-row scales)
 
@@ -22,6 +24,7 @@ run over ``--big-layers`` layers and are scaled to 30 (the int4 kernel is slow t
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 from datetime import datetime
@@ -65,13 +68,14 @@ def build(layers: int):
     """{path: ([projection modules], lm head module)} and the activation dtype of each."""
     r = gguf.reader(default_model_dir())
     by_name = {t.name: t for t in r.tensors}
-    q4, dense = [], []
+    q4, q4_bf, dense = [], [], []
     for i in range(layers):
         for group in PROJ:
             parts = [Int4Linear.from_gguf(by_name[f"blk.{i}.{n}.weight"].data, "Q4_1")
                      for n in group]
             lin = Int4Linear.cat(parts)
             dense.append(lin.dequantized())
+            q4_bf.append(Int4Linear(lin.q, lin.scale, lin.zero, dtype=torch.bfloat16).pack())
             q4.append(lin.pack())
     t = by_name["token_embd.weight"]
     head = torch.from_numpy(gguf._gguf_module().quants.dequantize(t.data, t.tensor_type))
@@ -80,13 +84,13 @@ def build(layers: int):
         "f32 F.linear": ([Dense(w) for w in dense], Dense(head), torch.float32),
         "f32 oneDNN": ([_onednn(w) for w in dense], _onednn(head), torch.float32),
         "bf16 F.linear": ([Dense(w.to(bf)) for w in dense], Dense(head.to(bf)), bf),
-        "int4 f32": (q4, _int4_head(head), torch.float32),
-        "int4 bf16": ([_to_bf16(m) for m in q4], None, bf),  # head: below
+        "int4 f32": (q4, _int4_head(head, torch.float32), torch.float32),
+        "int4 bf16 kernel": ([_kernel_only(m) for m in q4_bf], _int4_head(head, bf), bf),
+        "int4 bf16": (q4_bf, _int4_head(head, bf), bf),
         "int8 f32": ([Int8(w, torch.float32) for w in dense], Int8(head, torch.float32),
                      torch.float32),
         "int8 bf16": ([Int8(w, bf) for w in dense], Int8(head, bf), bf),
     }
-    paths["int4 bf16"] = (paths["int4 bf16"][0], _to_bf16(paths["int4 f32"][1]), bf)
     return paths, sum(w.numel() for w in dense), head.numel()
 
 
@@ -96,19 +100,18 @@ def _onednn(w):
     return OneDNNLinear(lin)
 
 
-def _int4_head(w):
+def _int4_head(w, dtype):
     """The head requantized to Q4_0-style groups (NOT exact: only its speed matters)."""
     g = w.reshape(w.shape[0], -1, 32)
     d = g.abs().amax(-1).clamp_min(1e-12) / 8                           # [N, G]
     q = (torch.round(g / d[..., None]).clamp(-8, 7) + 8).to(torch.uint8).reshape(w.shape)
-    return Int4Linear(q, d, torch.zeros_like(d)).pack()
+    return Int4Linear(q, d, torch.zeros_like(d), dtype=dtype).pack()
 
 
-def _to_bf16(m: Int4Linear) -> Int4Linear:
-    out = Int4Linear.__new__(Int4Linear)
-    torch.nn.Module.__init__(out)
-    out.in_features, out.out_features, out.bias = m.in_features, m.out_features, None
-    out.packed, out.scales_and_zeros = m.packed, m.scales_and_zeros.to(torch.bfloat16)
+def _kernel_only(m: Int4Linear) -> Int4Linear:
+    """The layer with torch's int4 kernel at every row count."""
+    out = copy.copy(m)
+    out.dense_rows = None
     return out
 
 

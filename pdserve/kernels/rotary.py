@@ -55,11 +55,11 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 class RotaryTables:
     """One step's rotation on the torch path, built once for every layer (``rotary_tables``):
     30 layers used to look up and cast the same cos/sin each. ``sin`` has rotate_half's
-    sign folded in (negating is exact), so that ``x * cos + x[..., swap] * sin`` is
-    transformers' ``x * cos + rotate_half(x) * sin`` bit for bit."""
+    sign folded in (negating is exact), so that ``x * cos + x.roll(D / 2, -1) * sin`` (the
+    two halves of each head swapped) is transformers' ``x * cos + rotate_half(x) * sin``
+    bit for bit."""
     cos: torch.Tensor   # [T, 1, D] in the activations' dtype
     sin: torch.Tensor   # [T, 1, D] in the activations' dtype: -sin in the first half
-    swap: torch.Tensor  # int64 [D]: the two halves of a head swapped
 
 
 def rotary_tables(positions: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -73,18 +73,17 @@ def rotary_tables(positions: torch.Tensor, cos_sin_cache: torch.Tensor,
     if pick_backend(None, positions.device) != "torch":
         return None
     cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, D/2] each
-    half = cos.shape[1]
-    swap = torch.cat([torch.arange(half, 2 * half), torch.arange(half)]).to(positions.device)
     return RotaryTables(torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :],
-                        torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :], swap)
+                        torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :])
 
 
 def rotate(x: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
     """x [T, N, D] rotated by its tokens' positions, a new contiguous tensor. N may hold
     a layer's q heads and k heads side by side (one call for both; x any strides with a
     unit last one)."""
+    # roll, not index_select: the same copy, 16x faster at a prefill's 2,048 tokens
     out = x * tables.cos                                                  # [T, N, D]
-    return out.add_(x.index_select(-1, tables.swap).mul_(tables.sin))
+    return out.add_(x.roll(x.shape[-1] // 2, -1).mul_(tables.sin))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

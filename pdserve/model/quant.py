@@ -27,6 +27,15 @@ model (``plan``), and says so.
 Q4_K (super-blocks of 256 with a 6-bit scale and min per 32) maps the same way: ``scale =
 d sc``, ``zero = 8 d sc - dmin m``, exact in float32 where that zero is (checked).
 
+Many rows at once (a prefill's chunk: ``DENSE_ROWS`` or more), the CPU forms the
+weight instead, in the activations' dtype (from the packed blocks, in one pass of a few
+vector operations: 0.1-0.6 ms for SmolLM2's projections) and runs a dense GEMM over it.
+torch's int4 kernel forms each weight again for every few rows, and 2,048 rows of a
+prefill took it 2.3 times as long as forming the weight plus a bfloat16 GEMM
+(benchmarks/RESULTS.md). The weights are the same values the kernel forms (rounded
+to bfloat16 once, from float32); only the order of the sums differs. Nothing dense is
+kept: the weight lives for the one call.
+
 On CUDA the same blocks go to the Triton W4A16 kernel (kernels/quant_linear.py: the
 same ``w = scale * (q - 8) + zero``, in any of the float dtypes), packed by ``pack``.
 
@@ -55,6 +64,14 @@ log = logging.getLogger(__name__)
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
 INT4_TYPES = tuple(BLOCK_BYTES)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+# Rows from which the CPU forms the weight and runs a dense GEMM (module docstring). All
+# 30 layers of SmolLM2 (benchmarks/quant_linear.py, 2 threads, AVX512-BF16): at 128 rows
+# that took 1.32 times the int4 kernel's time, at 192 1.05, at 224 0.93, at 256 0.86,
+# at 2,048 0.43.
+DENSE_ROWS = 224
+PACK_ROWS = 64  # torch's CPU int4 packing: rows in blocks of 64 (``_packed_q_t``)
 
 
 class QuantError(ValueError):
@@ -194,6 +211,7 @@ class Int4Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.scales_and_zeros: torch.Tensor | None = None   # torch's CPU kernel: [G, N, 2]
         self.backend = "torch"      # which kernel pack() packed for (kernels' pick_backend)
+        self.dense_rows: int | None = None  # CPU: rows from which forward forms the weight
 
     @classmethod
     def from_gguf(cls, raw: np.ndarray, type_name: str,
@@ -233,10 +251,35 @@ class Int4Linear(nn.Module):
                 self.q.to(torch.int32).contiguous(), 1)                  # [N, K / 2] uint8
             self.scales_and_zeros = torch.stack(                        # [G, N, 2]
                 [self.scale, self.zero], dim=-1).transpose(0, 1).to(self.dtype).contiguous()
+            # the packing's layout is torch's, not a contract: read back and checked once
+            if self.out_features % PACK_ROWS == 0 and torch.equal(
+                    self._packed_q_t(), self.q.t().reshape(-1, GROUP, self.out_features)):
+                self.dense_rows = DENSE_ROWS
+            else:
+                log.warning("int4 %dx%d: torch's packing is not the layout expected; every "
+                            "call runs the int4 kernel", self.out_features, self.in_features)
         self.q = self.scale = self.zero = None
         if self.bias is not None:
             self.bias = self.bias.to(device=device, dtype=self.dtype)
         return self
+
+    def _packed_q_t(self) -> torch.Tensor:
+        """The 4-bit values out of torch's CPU packing, transposed and grouped: uint8
+        [G, 32, N], [g, i, n] = q[n, 32 g + i]. The packing keeps rows in blocks of 64
+        ([N / 64, K, 32] bytes: the low nibbles rows 0-31 of a block, the high ones 32-63)."""
+        n, k = self.out_features, self.in_features
+        blocks = self.packed.view(n // PACK_ROWS, k, PACK_ROWS // 2)           # [N/64, K, 32]
+        q_t = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1)                # [N/64, K, 64]
+        return q_t.permute(1, 0, 2).reshape(k // GROUP, GROUP, n)            # [G, 32, N]
+
+    def _weight_t(self) -> torch.Tensor:
+        """W^T [K, N] in the activations' dtype: each weight formed in float32 from the
+        packed blocks (``scale * (q - 8) + zero``, the scales as packed) and rounded once,
+        the value torch's kernel forms."""
+        scale = self.scales_and_zeros[..., 0].float()[:, None]             # [G, 1, N]
+        zero = self.scales_and_zeros[..., 1].float()[:, None]
+        w_t = (self._packed_q_t().float() - 8).mul_(scale).add_(zero)        # [G, 32, N]
+        return w_t.to(self.dtype).view(self.in_features, self.out_features)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [N, K] the kernel computes with (tests, the embedding)."""
@@ -245,6 +288,8 @@ class Int4Linear(nn.Module):
                     + self.zero.repeat_interleave(GROUP, 1))
         if self.backend == "triton":
             return dequantize(self.packed, *self.scales_and_zeros, 4)
+        if self.dense_rows is not None:
+            return self._weight_t().t().float()
         eye = torch.eye(self.in_features, dtype=self.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             eye, self.packed, GROUP, self.scales_and_zeros).t().contiguous()
@@ -260,6 +305,10 @@ class Int4Linear(nn.Module):
         if self.backend == "triton":
             out = quant_linear(x2, self.packed, *self.scales_and_zeros, 4, self.bias,
                                backend="triton")
+        elif self.dense_rows is not None and x2.shape[0] >= self.dense_rows:
+            out = torch.mm(x2, self._weight_t())                           # [T, N]
+            if self.bias is not None:
+                out += self.bias
         else:  # torch's CPU kernel refuses a strided input ("expect A to be contiguous")
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2 if x2.is_contiguous() else x2.contiguous(), self.packed, GROUP,

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from pdserve.cli import main
 from pdserve.model.loader import load_model
-from pdserve.model.quant import Int4Linear, QuantError, plan, unpack_q4
+from pdserve.model.quant import DENSE_ROWS, Int4Linear, QuantError, plan, unpack_q4
 
 gguf = pytest.importorskip("gguf")
 gguf_files = pytest.importorskip("tests.gguf_files")
@@ -87,6 +87,30 @@ def test_the_layer_is_dequantize_then_linear(qtype, rows):
     torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=4e-3 * ref.abs().max())
     scale_error = (lin.dequantized().float() - w).abs().max()
     assert 0 < scale_error <= 2**-8 * w.abs().max() * 2
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+def test_a_prefill_forms_the_weight_the_kernel_forms_and_runs_a_dense_gemm(qtype):
+    """DENSE_ROWS rows or more: the weight formed from the packed blocks (torch's packing
+    read back: checked at pack, so a torch that packs otherwise fails here) is the kernel's
+    bit for bit, and the rows' outputs are the int4 kernel's within the order of the sums."""
+    raw = q4_k_blocks(128, 256)[0] if qtype == "Q4_K" else blocks(qtype, 128, 256)[0]
+    lin = Int4Linear.from_gguf(raw, qtype, torch.bfloat16)
+    lin.bias = torch.randn(128, generator=torch.Generator().manual_seed(2))
+    lin.pack()
+    assert lin.dense_rows == DENSE_ROWS
+    eye = torch.eye(256, dtype=torch.bfloat16)  # the kernel's own weights, one row at a time
+    kernel_w = torch.stack([torch.ops.aten._weight_int4pack_mm_for_cpu(
+        eye[i:i + 1], lin.packed, 32, lin.scales_and_zeros)[0] for i in range(256)])  # [K, N]
+    assert torch.equal(lin._weight_t(), kernel_w)
+    x = torch.randn(DENSE_ROWS + 3, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
+    dense = lin(x)                                                      # [T, N]
+    per_row = torch.cat([lin(x[i:i + 1]) for i in range(4)])            # the int4 kernel
+    want = x[:4].double() @ kernel_w.double() + lin.bias.double()
+    assert dense.dtype == torch.bfloat16 and dense.shape == (DENSE_ROWS + 3, 128)
+    for out in (dense[:4], per_row):
+        torch.testing.assert_close(out.double(), want, rtol=1e-2,
+                                   atol=4e-3 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
