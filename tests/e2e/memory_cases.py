@@ -22,9 +22,13 @@ MB = 1 << 20
 
 
 def rss(pid: int) -> int:
-    """Resident bytes of ``pid``, from /proc."""
+    """Resident bytes of ``pid`` less its shared-memory pages, from /proc. Those are the
+    /dev/shm KV pool (node/kv/segment.py): a cache bounded by --kv-cache-memory-gb that
+    grows as blocks are first used (a flood of new prompts takes new blocks while never-used
+    ones are left), not what a leak would hold."""
     with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        fields = dict(line.split(":", 1) for line in f)
+    return (int(fields["VmRSS"].split()[0]) - int(fields["RssShmem"].split()[0])) * 1024
 
 
 def completion(c, body: dict, timeout_s: float = 120) -> httpx.Response:

@@ -18,6 +18,7 @@ import pytest
 from pdserve.model.config import ModelConfig
 from pdserve.model.tokenizer import Tokenizer
 from tests.cluster import child_config, launched
+from tests.e2e.memory_cases import rss
 from tests.e2e.test_attack import normal_text, process_tree
 
 MB = 1 << 20
@@ -65,11 +66,6 @@ def test_a_prompt_under_the_bound_is_still_tokenized_and_checked(cluster):
     r = chat(cluster, [{"role": "user", "content": "ab " * (cluster.context * 2)}])
     assert r.status_code == 400, r.text[:300]
     assert "tokens but the model's context" in r.json()["error"]["message"]
-
-
-def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 def roles(c) -> dict[str, int]:
