@@ -16,7 +16,7 @@ from pdserve.kernels.attention_prefill import paged_prefill_attention, prefill_a
 from pdserve.kernels.kv_cache import gather_kv, scatter_kv, store_kv
 from pdserve.kernels.norm import rms_norm
 from pdserve.kernels.quant_linear import quant_linear
-from pdserve.kernels.rotary import RotaryTables, apply_rotary, rotary_tables, rotate
+from pdserve.kernels.rotary import RotaryTables, apply_rotary, rotary_tables, rotate_
 
 __all__ = [
     "DecodeGather",
@@ -32,7 +32,7 @@ __all__ = [
     "quant_linear",
     "rms_norm",
     "rotary_tables",
-    "rotate",
+    "rotate_",
     "scatter_kv",
     "store_kv",
 ]

@@ -45,10 +45,10 @@ class PagedAttention(torch.nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata,
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        # q [T, H, D]; k, v [T, KVH, D]
+        # q [T, H, D]; kv [T, 2 KVH, D]: K's heads, then V's (any strides)
+        k, v = kv[:, :self.num_kv_heads], kv[:, self.num_kv_heads:]  # [T, KVH, D] each
         if kv_cache is None:
             if meta.kind != PREFILL:
                 raise ValueError("attention without a KV cache can only run a fresh prefill")
@@ -61,6 +61,7 @@ class PagedAttention(torch.nn.Module):
             return kernels.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
                 gather=meta.decode_gather,
-                window=None if meta.decode_windows is None else meta.decode_windows[self.layer])
+                window=None if meta.decode_windows is None else meta.decode_windows[self.layer],
+                kv=kv)
         return kernels.paged_prefill_attention(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, self.scale)
