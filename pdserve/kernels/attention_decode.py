@@ -55,7 +55,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            backend: str | None = None,
                            gather: DecodeGather | None = None,
                            window: DecodeWindow | None = None,
-                           kv: torch.Tensor | None = None) -> torch.Tensor:
+                           kv: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
     """Attention of each sequence's newest token over its first ``seq_lens[i]`` cached tokens.
 
     q [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size,
@@ -76,21 +76,24 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``kv`` [num_seqs, 2 * num_kv_heads, head_dim] (K's heads, then V's; any strides): the
     new tokens' K and V as they were stored, which a window that appends (``WindowFill``'s
     ``rows``) takes from here rather than reading its cache slots back.
+
+    ``check``: False skips the argument checks, the window's too (the package docstring).
     """
-    dims: dict[str, tuple[int, str]] = {}
-    check_tensor("q", q, "[num_seqs, num_heads, head_dim]", FLOAT_DTYPES, dims)
-    check_paged_cache(q, k_cache, v_cache, dims)
-    check_tensor("block_tables", block_tables, "[num_seqs, max_blocks_per_seq]", INDEX_DTYPES,
-                 dims, q.device)
-    check_tensor("seq_lens", seq_lens, "[num_seqs]", INDEX_DTYPES, dims, q.device)
-    check_gqa(q.shape[1], k_cache.shape[2])
-    check_contiguous("k_cache", k_cache)
-    check_contiguous("v_cache", v_cache)
-    scale = check_scale(scale)
+    if check:
+        dims: dict[str, tuple[int, str]] = {}
+        check_tensor("q", q, "[num_seqs, num_heads, head_dim]", FLOAT_DTYPES, dims)
+        check_paged_cache(q, k_cache, v_cache, dims)
+        check_tensor("block_tables", block_tables, "[num_seqs, max_blocks_per_seq]",
+                     INDEX_DTYPES, dims, q.device)
+        check_tensor("seq_lens", seq_lens, "[num_seqs]", INDEX_DTYPES, dims, q.device)
+        check_gqa(q.shape[1], k_cache.shape[2])
+        check_contiguous("k_cache", k_cache)
+        check_contiguous("v_cache", v_cache)
+        scale = check_scale(scale)
     if pick_backend(backend, q.device) == "torch":
         if gather is None:
             gather = decode_gather(block_tables, seq_lens, k_cache.shape[1])
-        if window is not None:
+        if window is not None and check:
             window.check(q, k_cache, gather.max_len, kv)
         return _decode_torch(q, k_cache, v_cache, gather, scale, window, kv)
     return _decode_triton(q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(),

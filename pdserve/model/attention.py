@@ -54,7 +54,10 @@ class PagedAttention(torch.nn.Module):
                 raise ValueError("attention without a KV cache can only run a fresh prefill")
             return kernels.prefill_attention(q, k, v, meta.cu_seqlens_q, self.scale)
         k_cache, v_cache = kv_cache
-        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, all_slots=meta.all_slots)
+        # The model and the step's inputs built every argument of the two calls made in
+        # every layer of every step: not checked again (kernels' docstring)
+        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, all_slots=meta.all_slots,
+                         check=False)
         if meta.kind == PREFILL:
             return kernels.prefill_attention(q, k, v, meta.cu_seqlens_q, self.scale)
         if meta.kind == DECODE:
@@ -62,6 +65,6 @@ class PagedAttention(torch.nn.Module):
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
                 gather=meta.decode_gather,
                 window=None if meta.decode_windows is None else meta.decode_windows[self.layer],
-                kv=kv)
+                kv=kv, check=False)
         return kernels.paged_prefill_attention(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, self.scale)

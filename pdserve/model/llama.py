@@ -32,9 +32,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         # The model owns every residual it passes (a layer's output, or the embedding's):
-        # the sum may go into it rather than into a new tensor.
+        # the sum may go into it rather than into a new tensor. It built x and residual
+        # itself: no argument checks (kernels' docstring).
         return kernels.rms_norm(x, self.weight, self.eps, residual=residual,
-                                add_in_place=True)
+                                add_in_place=True, check=False)
 
 
 class Attention(nn.Module):
