@@ -45,10 +45,12 @@ class PagedAttention(torch.nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
 
-    def forward(self, q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        # q [T, H, D]; kv [T, 2 KVH, D]: K's heads, then V's (any strides)
-        k, v = kv[:, :self.num_kv_heads], kv[:, self.num_kv_heads:]  # [T, KVH, D] each
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+                kv: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H, D]; k, v [T, KVH, D]; ``kv``: k and v side by side, [T, 2 KVH, D], where
+        the caller holds them so (the fused qkv output on the CPU): a decode window appends
+        them in one copy, else they are put side by side for it."""
         if kv_cache is None:
             if meta.kind != PREFILL:
                 raise ValueError("attention without a KV cache can only run a fresh prefill")
@@ -61,6 +63,8 @@ class PagedAttention(torch.nn.Module):
         if meta.kind == PREFILL:
             return kernels.prefill_attention(q, k, v, meta.cu_seqlens_q, self.scale)
         if meta.kind == DECODE:
+            if kv is None and meta.decode_windows is not None:
+                kv = torch.cat([k, v], dim=1)                             # [T, 2 KVH, D]
             return kernels.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
                 gather=meta.decode_gather,

@@ -68,10 +68,12 @@ class Attention(nn.Module):
         if self.qkv_proj is not None and rope is not None:
             qkv = self.qkv_proj(x).view(t, -1, d)                     # [T, H + 2 KVH, D]
             # q's and k's heads lie side by side: one rotation for both, in place, so that
-            # k stays beside v for the attention
+            # k stays beside v (a decode window appends both in one copy)
             kernels.rotate_(qkv[:, :h + kvh], rope)
             q, kv = qkv[:, :h], qkv[:, h:]                            # [T, H, D], [T, 2 KVH, D]
+            k, v = kv[:, :kvh], kv[:, kvh:]                           # [T, KVH, D] each
         else:
+            kv = None
             if self.qkv_proj is not None:
                 q, k, v = self.qkv_proj(x).view(t, -1, d).split([h, kvh, kvh], dim=1)
             else:
@@ -82,8 +84,7 @@ class Attention(nn.Module):
                 q, k = kernels.rotate_(q, rope), kernels.rotate_(k, rope)
             else:
                 q, k = kernels.apply_rotary(q, k, positions, cos_sin)
-            kv = torch.cat([k, v], dim=1)                             # [T, 2 KVH, D]
-        out = self.attn(q, kv, meta, kv_cache)                        # [T, H, D]
+        out = self.attn(q, k, v, meta, kv_cache, kv)                  # [T, H, D]
         return self.o_proj(out.reshape(t, h * d))
 
 
