@@ -6,13 +6,16 @@ context out of its pages before calling SDPA: on SmolLM2 at batch 16 that gather
 about a tenth of the step. transformers keeps one contiguous cache per batch instead
 (and copies it whole every step to append a token).
 
-A window is one layer's K and V as ``[B, num_kv_heads, cap, head_dim]``, [b, h] holding
-sequence b's context, head-major as SDPA reads it. While the batch stays the same (the
-same sequences in the same order, each one token further), a step copies just the new
-token of each sequence from its cache slot into its row. When the batch changes, the
-step refills the windows from the pages, once per layer: what the gather did every step.
-The windows cost memory, a second copy of the batch's context padded to the longest one;
-past ``budget_bytes`` the step gathers as before.
+A window is one layer's K and V as one float32 ``[B, 2, num_kv_heads, cap, head_dim]``
+(kernels.DecodeWindow), [b, 0, h] and [b, 1, h] holding sequence b's context, head-major
+as SDPA reads it. While the batch stays the same (the same sequences in the same order,
+each one token further), a step writes just the new token of each sequence into its row,
+the K and V the layer has just stored in its cache slot. When the batch changes, the step
+refills the windows from the pages, once per layer: what the gather did every step. The
+windows cost memory, a second copy of the batch's context padded to the longest one, in
+float32 (twice a bfloat16 cache's bytes: SDPA computes in float32 anyway, and converting
+the window every layer of every step cost more than the attention); past ``budget_bytes``
+the step gathers as before.
 
 Only CPU decode steps use them (the GPU's Triton kernel reads the pages itself). The
 pages stay the source of truth: a step appends only when its batch holds the same
@@ -30,6 +33,8 @@ import torch
 from pdserve.kernels import DecodeWindow, WindowFill
 from pdserve.kernels.attention_decode import page_list
 from pdserve.model.attention import AttentionMetadata
+
+WINDOW_DTYPE = torch.float32  # whatever the cache's: kernels.DecodeWindow
 
 # Positions a window holds past the longest context when it is (re)built, at most: it is
 # refilled when the longest context outgrows it, so every HEADROOM steps in a steady batch.
@@ -50,9 +55,10 @@ class DecodeWindows:
         self.budget_bytes = budget_bytes
         k = kv_caches[0][0]
         self._token_shape = tuple(k.shape[2:])  # (num_kv_heads, head_dim)
-        # bytes of one position of one row, K and V of every layer
-        self.position_bytes = 2 * len(kv_caches) * k[0, 0].numel() * k.element_size()
-        self._storage: list[tuple[torch.Tensor, torch.Tensor]] = []  # flat, per layer
+        # bytes of one position of one row, K and V of every layer, in float32
+        self.position_bytes = 2 * len(kv_caches) * k[0, 0].numel() * WINDOW_DTYPE.itemsize
+        self._storage: list[torch.Tensor] = []  # flat, one per layer
+        self._views: tuple[tuple[int, int], list[torch.Tensor]] | None = None  # (rows, cap)
         self._held: tuple | None = None     # (seqs, lens, cap, block tables) they hold
         self._pending: tuple | None = None  # the same, once this step's forward completes
         self.refills = 0
@@ -78,18 +84,18 @@ class DecodeWindows:
                 and self._same_pages(held[3], held[1], tables)):
             # Same batch, each sequence one token further (or the same step again), on the
             # same pages: the rows hold positions < lens - 1, so only the newest token of
-            # each is copied.
-            cap, heads = held[2], self._token_shape[0]
-            # row (b, h) of the [B * KVH * cap, D] window takes position lens[b] - 1
+            # each is written.
+            cap, heads = held[2], 2 * self._token_shape[0]
+            # row (b, j) of the [B * 2 KVH * cap, D] window takes position lens[b] - 1
             at = (np.arange(rows * heads).reshape(rows, heads) * cap + (lens - 1)[:, None])
-            fill = WindowFill(rows=torch.from_numpy(at.reshape(-1)), slots=meta.slot_mapping)
+            fill = WindowFill(rows=torch.from_numpy(at.reshape(-1)))
             self.appends += 1
         else:
             headroom = min(HEADROOM, max(self.block_size, gather.max_len // 4))
             cap = -(-(gather.max_len + headroom) // self.block_size) * self.block_size
             if rows * cap * self.position_bytes > self.budget_bytes:
                 self.forget()
-                self._storage = []  # give the memory back; gather as before
+                self._free()  # give the memory back; gather as before
                 return meta
             fill = WindowFill(pages=page_list(meta.block_tables, meta.seq_lens,
                                               self.block_size, cap // self.block_size))
@@ -118,13 +124,18 @@ class DecodeWindows:
         same = held_tables[:, :width] == tables[:, :width]
         return bool((same | (np.arange(width)[None, :] >= need[:, None])).all())
 
+    def _free(self) -> None:
+        self._storage, self._views = [], None
+
     def _windows(self, rows: int, cap: int, fill: WindowFill) -> tuple[DecodeWindow, ...]:
-        numel = rows * cap * int(np.prod(self._token_shape))
-        if not self._storage or self._storage[0][0].numel() < numel:
+        numel = rows * cap * 2 * int(np.prod(self._token_shape))
+        if not self._storage or self._storage[0].numel() < numel:
             # (Only on a refill: an append keeps rows and cap, so its windows fit.)
-            self._storage = []  # free the old windows before taking the new ones
-            self._storage = [(k.new_empty(numel), v.new_empty(numel)) for k, v in self.kv_caches]
-        heads, head_dim = self._token_shape
-        shape = (rows, heads, cap, head_dim)
-        return tuple(DecodeWindow(k[:numel].view(shape), v[:numel].view(shape), fill)
-                     for k, v in self._storage)
+            self._free()  # the old windows before taking the new ones
+            self._storage = [k.new_empty(numel, dtype=WINDOW_DTYPE) for k, _ in self.kv_caches]
+        if self._views is None or self._views[0] != (rows, cap):
+            # Kept while rows and cap stay: 30 layers' views are 60 operations a step
+            heads, head_dim = self._token_shape
+            shape = (rows, 2, heads, cap, head_dim)
+            self._views = (rows, cap), [kv[:numel].view(shape) for kv in self._storage]
+        return tuple(DecodeWindow(kv, fill) for kv in self._views[1])

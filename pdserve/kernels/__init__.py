@@ -4,6 +4,12 @@ and a torch reference each.
 ``backend=None`` picks Triton for CUDA tensors and torch otherwise; the torch
 references are the CPU serving path and match transformers bit for bit.
 Triton is optional: without it everything runs on torch.
+
+Every function checks its arguments and says what was wrong. The ones the model calls in
+every layer of every step (``rms_norm``, ``store_kv``, ``paged_decode_attention``) take
+``check=False`` as well: the same contract, not checked, for a caller that built the
+arguments itself. The model's forward passes it: the checks were a few hundred Python
+calls a decode step, 0.5-0.7 ms of a 10 ms bfloat16 batch-1 step on a 2-core EPYC.
 """
 from pdserve.kernels.attention_decode import (
     DecodeGather,
@@ -16,7 +22,7 @@ from pdserve.kernels.attention_prefill import paged_prefill_attention, prefill_a
 from pdserve.kernels.kv_cache import gather_kv, scatter_kv, store_kv
 from pdserve.kernels.norm import rms_norm
 from pdserve.kernels.quant_linear import quant_linear
-from pdserve.kernels.rotary import RotaryTables, apply_rotary, rotary_tables, rotate
+from pdserve.kernels.rotary import RotaryTables, apply_rotary, rotary_tables, rotate_
 
 __all__ = [
     "DecodeGather",
@@ -32,7 +38,7 @@ __all__ = [
     "quant_linear",
     "rms_norm",
     "rotary_tables",
-    "rotate",
+    "rotate_",
     "scatter_kv",
     "store_kv",
 ]

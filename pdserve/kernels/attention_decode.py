@@ -16,7 +16,9 @@ bfloat16 and float16 are computed in float32 and rounded once, like the
 Triton kernel, not in the input dtype as transformers does: torch's CPU SDPA
 kernel runs 5-8 times slower in bfloat16 than in float32 at a decode step's
 shapes (0.32 ms against 1.83 a layer for 16 sequences of 320 tokens, AVX512-BF16
-EPYC; benchmarks/RESULTS.md), and the float32 copies cost a fraction of that. The Triton kernel
+EPYC; benchmarks/RESULTS.md), and the float32 copies cost a fraction of that. A decode
+window (``DecodeWindow``) is held in float32 for that reason, so that only each step's new
+token is converted, not the whole context in every layer. The Triton kernel
 loads in the input dtype and computes in float32: Q.K^T with exact products
 (tf32 holds bf16/fp16 values exactly), the softmax in float32, P@V with P
 rounded to tf32 (full float32 for float32 inputs), one rounding on store.
@@ -33,6 +35,7 @@ from pdserve.kernels._dispatch import (
     check_contiguous,
     check_gqa,
     check_paged_cache,
+    check_same_dtype,
     check_scale,
     check_tensor,
     head_block,
@@ -51,7 +54,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            backend: str | None = None,
                            gather: DecodeGather | None = None,
-                           window: DecodeWindow | None = None) -> torch.Tensor:
+                           window: DecodeWindow | None = None,
+                           kv: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
     """Attention of each sequence's newest token over its first ``seq_lens[i]`` cached tokens.
 
     q [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size,
@@ -69,23 +73,29 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``window`` (torch backend, with ``gather``): this layer's context kept contiguous
     across steps (``DecodeWindow``), brought up to date and attended over instead of
     gathering every page again. The Triton kernel reads the pages and ignores it.
+    ``kv`` [num_seqs, 2 * num_kv_heads, head_dim] (K's heads, then V's; any strides): the
+    new tokens' K and V as they were stored, which a window that appends (``WindowFill``'s
+    ``rows``) takes from here rather than reading its cache slots back.
+
+    ``check``: False skips the argument checks, the window's too (the package docstring).
     """
-    dims: dict[str, tuple[int, str]] = {}
-    check_tensor("q", q, "[num_seqs, num_heads, head_dim]", FLOAT_DTYPES, dims)
-    check_paged_cache(q, k_cache, v_cache, dims)
-    check_tensor("block_tables", block_tables, "[num_seqs, max_blocks_per_seq]", INDEX_DTYPES,
-                 dims, q.device)
-    check_tensor("seq_lens", seq_lens, "[num_seqs]", INDEX_DTYPES, dims, q.device)
-    check_gqa(q.shape[1], k_cache.shape[2])
-    check_contiguous("k_cache", k_cache)
-    check_contiguous("v_cache", v_cache)
-    scale = check_scale(scale)
+    if check:
+        dims: dict[str, tuple[int, str]] = {}
+        check_tensor("q", q, "[num_seqs, num_heads, head_dim]", FLOAT_DTYPES, dims)
+        check_paged_cache(q, k_cache, v_cache, dims)
+        check_tensor("block_tables", block_tables, "[num_seqs, max_blocks_per_seq]",
+                     INDEX_DTYPES, dims, q.device)
+        check_tensor("seq_lens", seq_lens, "[num_seqs]", INDEX_DTYPES, dims, q.device)
+        check_gqa(q.shape[1], k_cache.shape[2])
+        check_contiguous("k_cache", k_cache)
+        check_contiguous("v_cache", v_cache)
+        scale = check_scale(scale)
     if pick_backend(backend, q.device) == "torch":
         if gather is None:
             gather = decode_gather(block_tables, seq_lens, k_cache.shape[1])
-        if window is not None:
-            window.check(q.shape[0], k_cache, gather.max_len)
-        return _decode_torch(q, k_cache, v_cache, gather, scale, window)
+        if window is not None and check:
+            window.check(q, k_cache, gather.max_len, kv)
+        return _decode_torch(q, k_cache, v_cache, gather, scale, window, kv)
     return _decode_triton(q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(),
                           scale)
 
@@ -107,38 +117,48 @@ class WindowFill:
     """How one decode step brings every layer's window up to date (the same for all
     layers). Either ``pages`` [B * cap / block_size] int64: refill the window from these
     cache pages (sequence b's context is its pages in order; the batch changed), or ``rows``
-    [B * KVH] int64 (= (b * KVH + h) * cap + seq_lens[b] - 1: the window seen as
-    [B * KVH * cap, head_dim]) and ``slots`` [B] int64: copy each sequence's newest token from
-    its cache slot, the rest of the window being the earlier steps'."""
+    [B * 2 * KVH] int64 (= (b * 2 * KVH + j) * cap + seq_lens[b] - 1: the window seen as
+    [B * 2 * KVH * cap, head_dim]): write each sequence's new K and V there, the rest of the
+    window being the earlier steps'."""
     pages: torch.Tensor | None = None
     rows: torch.Tensor | None = None
-    slots: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
 class DecodeWindow:
-    """One layer's decode window: K and V [B, num_kv_heads, cap, head_dim], contiguous,
-    [b, h] holding sequence b's context at positions 0..seq_lens[b]-1 (what lies past it
-    is never attended), head-major as SDPA reads it. A decode step on the CPU otherwise
-    copies every sequence's whole context out of its pages in every layer; a window kept
-    across steps takes one new token per sequence instead.
-    ``pdserve.engine.decode_window`` decides when that is valid."""
-    k: torch.Tensor
-    v: torch.Tensor
+    """One layer's decode window: ``kv`` float32 [B, 2, num_kv_heads, cap, head_dim],
+    contiguous, [b, 0, h] holding K head h of sequence b at positions 0..seq_lens[b]-1 and
+    [b, 1, h] its V (what lies past it is never attended), head-major as SDPA reads it.
+    float32 whatever the activations' dtype: SDPA runs in float32 (module docstring). A
+    decode step on the CPU otherwise copies every sequence's whole context out of its
+    pages in every layer; a window kept across steps takes one new token per sequence
+    instead. ``pdserve.engine.decode_window`` decides when that is valid."""
+    kv: torch.Tensor
     fill: WindowFill
 
-    def check(self, num_seqs: int, k_cache: torch.Tensor, max_len: int) -> None:
-        cap = self.k.shape[2] if self.k.dim() == 4 else -1
-        shape = (num_seqs, k_cache.shape[2], cap, k_cache.shape[3])
-        if tuple(self.k.shape) != shape or tuple(self.v.shape) != shape:
-            raise ValueError(f"decode window K/V must be [num_seqs, num_kv_heads, cap, head_dim] "
-                             f"= {list(shape)}, got {list(self.k.shape)} and {list(self.v.shape)}")
-        if shape[2] < max_len or shape[2] % k_cache.shape[1]:
-            raise ValueError(f"decode window holds {shape[2]} positions: it must be a multiple "
+    def check(self, q: torch.Tensor, k_cache: torch.Tensor, max_len: int,
+              kv: torch.Tensor | None) -> None:
+        cap = self.kv.shape[3] if self.kv.dim() == 5 else -1
+        num_kv_heads, head_dim = k_cache.shape[2:]
+        shape = (q.shape[0], 2, num_kv_heads, cap, head_dim)
+        if tuple(self.kv.shape) != shape or self.kv.dtype != torch.float32 \
+                or not self.kv.is_contiguous():
+            raise ValueError(f"a decode window must be float32 [num_seqs, 2, num_kv_heads, cap, "
+                             f"head_dim] = {list(shape)}, contiguous; got "
+                             f"{str(self.kv.dtype).removeprefix('torch.')} "
+                             f"{list(self.kv.shape)}")
+        if cap < max_len or cap % k_cache.shape[1]:
+            raise ValueError(f"decode window holds {cap} positions: it must be a multiple "
                              f"of the block size {k_cache.shape[1]} and at least the longest "
                              f"sequence's {max_len}")
         if (self.fill.pages is None) == (self.fill.rows is None):
-            raise ValueError("a window fill takes either pages or rows and slots")
+            raise ValueError("a window fill takes either pages or rows")
+        if self.fill.rows is not None:
+            check_tensor("kv", kv, "[num_seqs, 2 * num_kv_heads, head_dim]", FLOAT_DTYPES,
+                         {"num_seqs": (q.shape[0], "q"),
+                          "2 * num_kv_heads": (2 * num_kv_heads, "k_cache"),
+                          "head_dim": (head_dim, "k_cache")}, q.device)
+            check_same_dtype("kv", kv, "q", q)
 
 
 def decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -176,39 +196,47 @@ def page_list(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: in
     return torch.where(used, table, 0).flatten()
 
 
-def _fill_window(cache: torch.Tensor, win: torch.Tensor, fill: WindowFill) -> None:
-    num_seqs, num_kv_heads, cap, head_dim = win.shape
+def _fill_window(k_cache: torch.Tensor, v_cache: torch.Tensor, window: DecodeWindow,
+                 kv: torch.Tensor | None) -> None:
+    win, fill = window.kv, window.fill  # [B, 2, KVH, cap, D]
+    num_seqs, _, num_kv_heads, cap, head_dim = win.shape
     if fill.pages is not None:  # the pages in token order, then head-major into the window
-        pages = cache.index_select(0, fill.pages)  # [B * cap / bs, bs, KVH, D]
-        win.copy_(pages.view(num_seqs, cap, num_kv_heads, head_dim).transpose(1, 2))
-    else:
-        new = cache.view(-1, num_kv_heads, head_dim).index_select(0, fill.slots)  # [B, KVH, D]
-        win.view(-1, head_dim).index_copy_(0, fill.rows, new.view(-1, head_dim))
+        for i, cache in enumerate((k_cache, v_cache)):
+            pages = cache.index_select(0, fill.pages)  # [B * cap / bs, bs, KVH, D]
+            win[:, i].copy_(pages.view(num_seqs, cap, num_kv_heads, head_dim).transpose(1, 2))
+    else:  # rows (b, j) of the new tokens' [B * 2 * KVH, D], converted to float32 here
+        win.view(-1, head_dim).index_copy_(0, fill.rows, _float32(kv).reshape(-1, head_dim))
+
+
+def _float32(t: torch.Tensor) -> torch.Tensor:
+    # A dtype test in Python, not a .float() dispatched to return t itself in float32
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def _like(t: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == other.dtype else t.to(other.dtype)
 
 
 def _decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  gather: DecodeGather, scale: float,
-                  window: DecodeWindow | None = None) -> torch.Tensor:
+                  gather: DecodeGather, scale: float, window: DecodeWindow | None = None,
+                  kv: torch.Tensor | None = None) -> torch.Tensor:
     num_seqs = q.shape[0]
     if gather.max_len == 0:
         return q.new_zeros(q.shape)
     if window is not None:
-        _fill_window(k_cache, window.k, window.fill)
-        _fill_window(v_cache, window.v, window.fill)
-        k, v = window.k[:, :, :gather.max_len], window.v[:, :, :gather.max_len]
+        _fill_window(k_cache, v_cache, window, kv)
+        k, v = window.kv[:, :, :, :gather.max_len].unbind(1)  # [B, KVH, L, D] float32 each
     else:
         # index_select on the flat table: ~4x faster on CPU than advanced indexing (same bits)
         k = k_cache.index_select(0, gather.blocks).view(num_seqs, -1, *k_cache.shape[2:])
         v = v_cache.index_select(0, gather.blocks).view(num_seqs, -1, *v_cache.shape[2:])
         k = k[:, :gather.max_len].transpose(1, 2)  # [B, KVH, L, D]
         v = v[:, :gather.max_len].transpose(1, 2)
-    # Without padding the mask is left out: same bits, and SDPA skips adding it.
-    if q.dtype == torch.float32:
-        out = sdpa(q[:, :, None, :], k, v, scale, attn_mask=gather.mask)  # [B, H, 1, D]
-    else:  # in float32 (module docstring), rounded once
-        out = sdpa(q[:, :, None, :].float(), k.float(), v.float(), scale,
-                   attn_mask=gather.mask).to(q.dtype)
-    out = out[:, :, 0, :]  # [B, H, D]
+    # Without padding the mask is left out: same bits, and SDPA skips adding it. bfloat16
+    # and float16 in float32 (module docstring), rounded once.
+    out = sdpa(_float32(q[:, :, None, :]), _float32(k), _float32(v), scale,
+               attn_mask=gather.mask)[:, :, 0, :]  # [B, H, D]
+    out = _like(out, q)
     if gather.empty is not None:
         out = out.masked_fill(gather.empty[:, None, None], 0.0)
     return out

@@ -31,7 +31,7 @@ _CACHE_SHAPE = "[num_blocks, block_size, num_kv_heads, head_dim]"
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, backend: str | None = None,
-             all_slots: bool = False) -> None:
+             all_slots: bool = False, check: bool = True) -> None:
     """Write token t's K/V to slot ``slot_mapping[t]`` (= block * block_size + offset), in place.
 
     k, v [T, num_kv_heads, head_dim], any strides (views of a fused qkv are fine);
@@ -39,18 +39,20 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     of k's dtype; slot_mapping int32/int64 [T], -1 skips the token. ``all_slots``: the
     caller knows that no entry is -1 (a model step's, AttentionMetadata.all_slots): the
     torch path then skips looking for one, a host sync in every layer. A slot past the
-    cache still raises there (index_copy_ checks).
+    cache still raises there (index_copy_ checks). ``check``: False skips the argument
+    checks (the package docstring).
     """
-    dims: dict[str, tuple[int, str]] = {}
-    check_tensor("k", k, "[T, num_kv_heads, head_dim]", FLOAT_DTYPES, dims)
-    check_tensor("v", v, "[T, num_kv_heads, head_dim]", FLOAT_DTYPES, dims, k.device)
-    check_tensor("k_cache", k_cache, _CACHE_SHAPE, FLOAT_DTYPES, dims, k.device)
-    check_tensor("v_cache", v_cache, _CACHE_SHAPE, FLOAT_DTYPES, dims, k.device)
-    check_tensor("slot_mapping", slot_mapping, "[T]", INDEX_DTYPES, dims, k.device)
-    for name, t in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_same_dtype(name, t, "k", k)
-    check_contiguous("k_cache", k_cache)
-    check_contiguous("v_cache", v_cache)
+    if check:
+        dims: dict[str, tuple[int, str]] = {}
+        check_tensor("k", k, "[T, num_kv_heads, head_dim]", FLOAT_DTYPES, dims)
+        check_tensor("v", v, "[T, num_kv_heads, head_dim]", FLOAT_DTYPES, dims, k.device)
+        check_tensor("k_cache", k_cache, _CACHE_SHAPE, FLOAT_DTYPES, dims, k.device)
+        check_tensor("v_cache", v_cache, _CACHE_SHAPE, FLOAT_DTYPES, dims, k.device)
+        check_tensor("slot_mapping", slot_mapping, "[T]", INDEX_DTYPES, dims, k.device)
+        for name, t in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+            check_same_dtype(name, t, "k", k)
+        check_contiguous("k_cache", k_cache)
+        check_contiguous("v_cache", v_cache)
     if pick_backend(backend, k.device) == "torch":
         slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
         if not all_slots:

@@ -23,24 +23,27 @@ from pdserve.kernels._dispatch import (
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None, backend: str | None = None,
-             add_in_place: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+             add_in_place: bool = False, check: bool = True
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x [T, hidden] with weight [hidden] (x's dtype).
 
     Without ``residual``: returns out [T, hidden]. With ``residual`` [T, hidden]:
     returns (norm(x + residual), x + residual), the sum taken in x's dtype, as a
     transformers decoder layer does. Inputs are not modified, except that with
     ``add_in_place`` the torch path writes the sum into ``residual`` (and returns it):
-    for a caller that no longer needs the old one. Any row stride works.
+    for a caller that no longer needs the old one. Any row stride works. ``check``: False
+    skips the argument checks (the package docstring).
     """
-    dims: dict[str, tuple[int, str]] = {}
-    check_tensor("x", x, "[T, hidden]", FLOAT_DTYPES, dims)
-    check_tensor("weight", weight, "[hidden]", FLOAT_DTYPES, dims, x.device)
-    check_same_dtype("weight", weight, "x", x)
-    if residual is not None:
-        check_tensor("residual", residual, "[T, hidden]", FLOAT_DTYPES, dims, x.device)
-        check_same_dtype("residual", residual, "x", x)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+    if check:
+        dims: dict[str, tuple[int, str]] = {}
+        check_tensor("x", x, "[T, hidden]", FLOAT_DTYPES, dims)
+        check_tensor("weight", weight, "[hidden]", FLOAT_DTYPES, dims, x.device)
+        check_same_dtype("weight", weight, "x", x)
+        if residual is not None:
+            check_tensor("residual", residual, "[T, hidden]", FLOAT_DTYPES, dims, x.device)
+            check_same_dtype("residual", residual, "x", x)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+            raise ValueError(f"eps must be a non-negative number, got {eps!r}")
     if pick_backend(backend, x.device) == "torch":
         if residual is None:
             return _rms_norm_torch(x, weight, eps)

@@ -46,21 +46,29 @@ class PagedAttention(torch.nn.Module):
         self.scale = head_dim ** -0.5
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata,
-                kv_cache: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        # q [T, H, D]; k, v [T, KVH, D]
+                meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+                kv: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H, D]; k, v [T, KVH, D]; ``kv``: k and v side by side, [T, 2 KVH, D], where
+        the caller holds them so (the fused qkv output on the CPU): a decode window appends
+        them in one copy, else they are put side by side for it."""
         if kv_cache is None:
             if meta.kind != PREFILL:
                 raise ValueError("attention without a KV cache can only run a fresh prefill")
             return kernels.prefill_attention(q, k, v, meta.cu_seqlens_q, self.scale)
         k_cache, v_cache = kv_cache
-        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, all_slots=meta.all_slots)
+        # The model and the step's inputs built every argument of the two calls made in
+        # every layer of every step: not checked again (kernels' docstring)
+        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, all_slots=meta.all_slots,
+                         check=False)
         if meta.kind == PREFILL:
             return kernels.prefill_attention(q, k, v, meta.cu_seqlens_q, self.scale)
         if meta.kind == DECODE:
+            if kv is None and meta.decode_windows is not None:
+                kv = torch.cat([k, v], dim=1)                             # [T, 2 KVH, D]
             return kernels.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
                 gather=meta.decode_gather,
-                window=None if meta.decode_windows is None else meta.decode_windows[self.layer])
+                window=None if meta.decode_windows is None else meta.decode_windows[self.layer],
+                kv=kv, check=False)
         return kernels.paged_prefill_attention(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, self.scale)

@@ -32,9 +32,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         # The model owns every residual it passes (a layer's output, or the embedding's):
-        # the sum may go into it rather than into a new tensor.
+        # the sum may go into it rather than into a new tensor. It built x and residual
+        # itself: no argument checks (kernels' docstring).
         return kernels.rms_norm(x, self.weight, self.eps, residual=residual,
-                                add_in_place=True)
+                                add_in_place=True, check=False)
 
 
 class Attention(nn.Module):
@@ -63,28 +64,28 @@ class Attention(nn.Module):
     def forward(self, x, positions, cos_sin, meta: AttentionMetadata, kv_cache: KVCache | None,
                 rope: kernels.RotaryTables | None = None):
         """``rope``: the step's rotary tables (torch path), else ``apply_rotary`` per layer."""
-        t, h, d = x.shape[0], self.num_heads, self.head_dim
-        q_dim, kv_dim = h * d, self.num_kv_heads * d
+        t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None and rope is not None:
-            # q's and k's heads lie side by side in qkv: one rotation for both
-            qkv = self.qkv_proj(x)                                    # [T, (H + 2 KVH) D]
-            qk = kernels.rotate(qkv[:, :q_dim + kv_dim].view(t, -1, d), rope)  # [T, H + KVH, D]
-            q, k = qk[:, :h], qk[:, h:]                               # [T, H, D], [T, KVH, D]
-            v = qkv[:, q_dim + kv_dim:].view(t, self.num_kv_heads, d)  # [T, KVH, D]
+            qkv = self.qkv_proj(x).view(t, -1, d)                     # [T, H + 2 KVH, D]
+            # q's and k's heads lie side by side: one rotation for both, in place, so that
+            # k stays beside v (a decode window appends both in one copy)
+            kernels.rotate_(qkv[:, :h + kvh], rope)
+            q, kv = qkv[:, :h], qkv[:, h:]                            # [T, H, D], [T, 2 KVH, D]
+            k, v = kv[:, :kvh], kv[:, kvh:]                           # [T, KVH, D] each
         else:
+            kv = None
             if self.qkv_proj is not None:
-                q, k, v = self.qkv_proj(x).split([q_dim, kv_dim, kv_dim], dim=1)
+                q, k, v = self.qkv_proj(x).view(t, -1, d).split([h, kvh, kvh], dim=1)
             else:
-                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            q = q.view(t, h, d)                                       # [T, H, D]
-            k = k.view(t, self.num_kv_heads, d)                       # [T, KVH, D]
-            v = v.view(t, self.num_kv_heads, d)                       # [T, KVH, D]
+                q = self.q_proj(x).view(t, h, d)                      # [T, H, D]
+                k = self.k_proj(x).view(t, kvh, d)                    # [T, KVH, D]
+                v = self.v_proj(x).view(t, kvh, d)                    # [T, KVH, D]
             if rope is not None:
-                q, k = kernels.rotate(q, rope), kernels.rotate(k, rope)
+                q, k = kernels.rotate_(q, rope), kernels.rotate_(k, rope)
             else:
                 q, k = kernels.apply_rotary(q, k, positions, cos_sin)
-        out = self.attn(q, k, v, meta, kv_cache)                      # [T, H, D]
-        return self.o_proj(out.reshape(t, q_dim))
+        out = self.attn(q, k, v, meta, kv_cache, kv)                  # [T, H, D]
+        return self.o_proj(out.reshape(t, h * d))
 
 
 def _fused_linear(*parts: nn.Linear | Int4Linear) -> nn.Linear | Int4Linear:

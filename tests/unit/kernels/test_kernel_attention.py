@@ -148,48 +148,48 @@ def test_decode_gather_built_once_per_step_gives_the_same_bits():
         torch.testing.assert_close(with_plan.double(), expected, **F32_TOL)
 
 
-def test_decode_window_refilled_then_appended_gives_the_bits_of_the_gather():
-    """A decode window (the batch's context kept contiguous across steps) is refilled from
-    the pages, then takes one new token per sequence: each step must attend exactly as the
-    gather from the pages does, bit for bit."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_window_refilled_then_appended_gives_the_bits_of_the_gather(dtype):
+    """A decode window (the batch's context kept contiguous across steps, in float32) is
+    refilled from the pages, then takes one new token per sequence: each step must attend
+    exactly as the gather from the pages does, bit for bit, in bfloat16 too."""
     from pdserve.kernels import DecodeWindow, WindowFill, decode_gather
     lens, block, cap = [5, 17, 9, 16], 8, 32  # 16: the next token opens a new page
-    ks, vs, gen = random_seqs([n + 1 for n in lens], 6, 2, 64, torch.float32)
+    ks, vs, gen = random_seqs([n + 1 for n in lens], 6, 2, 64, dtype)
     k_cache, tables = paged(ks, block)
     v_cache, _ = paged(vs, block)
     num_seqs = len(lens)
-    # Uninitialised windows: a position the refill left out would poison the output.
-    win_k = torch.full((num_seqs, 2, cap, 64), float("nan"))
-    win_v = torch.full((num_seqs, 2, cap, 64), float("nan"))
+    # An uninitialised window: a position the refill left out would poison the output.
+    win = torch.full((num_seqs, 2, 2, cap, 64), float("nan"))
     pages = torch.zeros(num_seqs, cap // block, dtype=torch.int64)
     for i, n in enumerate(lens):
         used = -(-(n + 1) // block)
         pages[i, :used] = tables[i, :used]
 
-    def both(seq_lens, fill):
-        q = torch.randn(num_seqs, 6, 64, generator=gen)
+    def both(seq_lens, fill, kv=None):
+        q = torch.randn(num_seqs, 6, 64, generator=gen).to(dtype)
         seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
         gather = decode_gather(tables, seq_lens, block)
         windowed = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125,
-                                          gather=gather,
-                                          window=DecodeWindow(win_k, win_v, fill))
+                                          gather=gather, window=DecodeWindow(win, fill), kv=kv)
         return windowed, paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125)
 
     windowed, gathered = both(lens, WindowFill(pages=pages.flatten()))
     assert torch.equal(windowed, gathered)
-    # The next step: each sequence's new token is stored (fresh values), then appended.
+    # The next step: each sequence's new token is stored (fresh values), then appended
+    # from the values stored (a [B, 2 KVH, D] view with strides, as the model's qkv gives).
     slots = torch.tensor([int(tables[i, n // block]) * block + n % block
                           for i, n in enumerate(lens)])
-    k_cache.view(-1, 2, 64)[slots] = torch.randn(num_seqs, 2, 64, generator=gen)
-    v_cache.view(-1, 2, 64)[slots] = torch.randn(num_seqs, 2, 64, generator=gen)
-    # row (b, h) of the window seen as [B * KVH * cap, D] takes position lens[b]
-    rows = (torch.arange(num_seqs * 2).view(num_seqs, 2) * cap
+    new = torch.randn(num_seqs, 9, 64, generator=gen).to(dtype)[:, 5:]  # [B, 2 KVH, D]
+    k_cache.view(-1, 2, 64)[slots] = new[:, :2]
+    v_cache.view(-1, 2, 64)[slots] = new[:, 2:]
+    # row (b, j) of the window seen as [B * 2 KVH * cap, D] takes position lens[b]
+    rows = (torch.arange(num_seqs * 4).view(num_seqs, 4) * cap
             + torch.tensor(lens)[:, None]).flatten()
-    windowed, gathered = both([n + 1 for n in lens], WindowFill(rows=rows, slots=slots))
+    windowed, gathered = both([n + 1 for n in lens], WindowFill(rows=rows), new)
     assert torch.equal(windowed, gathered)
-    # and the appended token is really read: taking it from the wrong slots shows
-    wrong = torch.tensor([int(tables[i, 0]) * block for i in range(num_seqs)])
-    windowed, gathered = both([n + 1 for n in lens], WindowFill(rows=rows, slots=wrong))
+    # and the appended token is really read: appending other values shows
+    windowed, gathered = both([n + 1 for n in lens], WindowFill(rows=rows), new.flip(0))
     assert not torch.equal(windowed, gathered)
 
 
@@ -200,15 +200,24 @@ def test_decode_window_of_the_wrong_size_is_refused():
     v_cache, _ = paged(vs, 8)
     q = torch.randn(1, 4, 64, generator=gen)
     fill = WindowFill(pages=torch.zeros(2, dtype=torch.int64))
+
+    def attend(win, fill=fill, kv=None):
+        return paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor([20]), 0.125,
+                                      window=DecodeWindow(win, fill), kv=kv)
+
     for cap, match in ((16, "at least the longest"), (20, "multiple of the block size")):
-        win = torch.zeros(1, 2, cap, 64)
         with pytest.raises(ValueError, match=match):
-            paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor([20]), 0.125,
-                                   window=DecodeWindow(win, win, fill))
-    with pytest.raises(ValueError, match=r"\[num_seqs, num_kv_heads, cap, head_dim\]"):
-        win = torch.zeros(1, 4, 24, 64)
-        paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor([20]), 0.125,
-                               window=DecodeWindow(win, win, fill))
+            attend(torch.zeros(1, 2, 2, cap, 64))
+    shape = r"float32 \[num_seqs, 2, num_kv_heads, cap, head_dim\]"
+    for win in (torch.zeros(1, 2, 4, 24, 64), torch.zeros(1, 2, 2, 24, 64, dtype=torch.bfloat16),
+                torch.zeros(1, 2, 2, 24, 64)[..., :1, :, :].expand(1, 2, 2, 24, 64)):
+        with pytest.raises(ValueError, match=shape):
+            attend(win)
+    rows = WindowFill(rows=torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="kv must be a torch.Tensor"):
+        attend(torch.zeros(1, 2, 2, 24, 64), rows)
+    with pytest.raises(ValueError, match=r"kv must have shape"):
+        attend(torch.zeros(1, 2, 2, 24, 64), rows, torch.zeros(1, 2, 64))
 
 
 # ---- torch references against transformers (same SDPA call, same bits) ------------

@@ -69,5 +69,35 @@ def test_public_names():
     assert sorted(kernels.__all__) == sorted([
         "DecodeGather", "DecodeWindow", "RotaryTables", "WindowFill", "apply_rotary",
         "decode_gather", "gather_kv", "paged_decode_attention", "paged_prefill_attention",
-        "prefill_attention", "quant_linear", "rms_norm", "rotary_tables", "rotate",
+        "prefill_attention", "quant_linear", "rms_norm", "rotary_tables", "rotate_",
         "scatter_kv", "store_kv"])
+
+
+def test_check_false_is_the_same_call_without_the_argument_checks(monkeypatch):
+    """The model's per-layer calls pass check=False (the package docstring): the same
+    results, and no check_* helper called."""
+    gen = torch.Generator().manual_seed(0)
+    x, res, w = (torch.randn(3, 16, generator=gen) for _ in range(3))
+    k, v = torch.randn(2, 2, 8, generator=gen), torch.randn(2, 2, 8, generator=gen)
+    q = torch.randn(2, 4, 8, generator=gen)
+    tables, lens = torch.tensor([[1, 0], [2, 0]], dtype=torch.int32), torch.tensor([3, 4])
+    slots = torch.tensor([4 + 2, 8 + 3])
+
+    def run(check):
+        k_cache = torch.randn(3, 4, 2, 8, generator=torch.Generator().manual_seed(1))
+        v_cache = torch.randn(3, 4, 2, 8, generator=torch.Generator().manual_seed(2))
+        kernels.store_kv(k, v, k_cache, v_cache, slots, check=check)
+        return (kernels.rms_norm(x, w[0], 1e-6, check=check),
+                kernels.rms_norm(x, w[0], 1e-6, residual=res.clone(), check=check),
+                k_cache, v_cache,
+                kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125,
+                                               check=check))
+
+    checked = run(True)
+    for module in ("norm", "kv_cache", "attention_decode"):
+        mod = sys.modules[f"pdserve.kernels.{module}"]
+        for name in dir(mod):
+            if name.startswith("check_"):
+                monkeypatch.setattr(mod, name, None)  # calling one would raise TypeError
+    for a, b in zip(checked, run(False)):
+        assert all(map(torch.equal, a, b)) if isinstance(a, tuple) else torch.equal(a, b)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels import apply_rotary, rms_norm, rotary_tables, rotate
+from pdserve.kernels import apply_rotary, rms_norm, rotary_tables, rotate_
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -113,19 +113,20 @@ def test_apply_rotary(dtype, num_heads, num_kv_heads, head_dim):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotate_with_step_tables_is_apply_rotary_on_q_and_k_at_once(dtype):
     """The model's CPU path: tables once per step, q's and k's heads rotated together as
-    they lie in the fused qkv output; bit for bit what apply_rotary gives."""
+    they lie in the fused qkv output, in place; bit for bit what apply_rotary gives."""
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, d = 9, 3, 64
     qkv = torch.randn(5, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
     positions = torch.tensor([0, 7, 300, 2047, 5])
     cache = hf_cos_sin_cache(d, 2048)
-    q, k, _ = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
     q_ref, k_ref = apply_rotary(q.view(5, heads, d), k.view(5, kv_heads, d), positions, cache,
                                 backend="torch")
-    qk = rotate(qkv[:, :(heads + kv_heads) * d].view(5, -1, d),
-                rotary_tables(positions, cache, dtype))
+    v_before = v.clone()
+    qk = qkv[:, :(heads + kv_heads) * d].view(5, -1, d)
+    assert rotate_(qk, rotary_tables(positions, cache, dtype)) is qk  # in place
     assert torch.equal(qk[:, :heads], q_ref) and torch.equal(qk[:, heads:], k_ref)
-    assert torch.equal(qkv, torch.cat([q, k, _], -1))  # the input is left as it was
+    assert torch.equal(v, v_before)  # v, beside them, is left as it was
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
