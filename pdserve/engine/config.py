@@ -58,7 +58,8 @@ class EngineConfig:
     decode_window_memory_gb: float | None = flag(
         None, "CPU decode steps keep the batch's context contiguous across steps in at "
         "most this much memory, instead of gathering it from the KV pages in every layer; "
-        "0: off.", min=0, default_text="half of the KV cache's size")
+        "0: off.", min=0,
+        default_text="half of the KV cache's positions (float32: half its size)")
     # model/cpu_linear.py
     cpu_linear: str = flag(
         "auto", "float32 and bfloat16 linear layers on the CPU: 'onednn' reorders each "

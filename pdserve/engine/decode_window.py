@@ -43,6 +43,13 @@ WINDOW_DTYPE = torch.float32  # whatever the cache's: kernels.DecodeWindow
 HEADROOM = 64
 
 
+def window_default_bytes(kv_cache_bytes: int, dtype: torch.dtype) -> int:
+    """--decode-window-memory-gb's default: windows of half the KV cache's positions. They
+    hold WINDOW_DTYPE, so that is half the cache's bytes for a float32 cache and all of a
+    bfloat16 one's."""
+    return kv_cache_bytes // 2 * WINDOW_DTYPE.itemsize // dtype.itemsize
+
+
 class DecodeWindows:
     """Every layer's window, and the proof of what they hold. ``plan`` puts them in a
     step's metadata; ``commit`` records the step once its forward is complete; any

@@ -14,6 +14,7 @@ from pdserve.common.config import WEIGHTS_INT4
 from pdserve.common.sampling import SamplingParams
 from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.decode_window import window_default_bytes
 from pdserve.engine.host_memory import trim_malloc, tune_malloc
 from pdserve.engine.logits_processors import LogitsProcessors
 from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -73,8 +74,9 @@ class Worker:
         window_gb = config.decode_window_memory_gb
         self.runner = ModelRunner(self.model, num_blocks, config.block_size,
                                   config.device, self.dtype, config.compute, kv_storage,
-                                  num_blocks * per_block // 2 if window_gb is None
-                                  else int(window_gb * 2**30), config.cpu_linear)
+                                  window_default_bytes(num_blocks * per_block, self.dtype)
+                                  if window_gb is None else int(window_gb * 2**30),
+                                  config.cpu_linear)
 
     def _simulated(self, config: EngineConfig, kv_storage) -> None:
         """No weights: the checkpoint's config gives the token space, the profile the KV
