@@ -93,7 +93,7 @@ class LLM:
                 r.prompt_logprobs = out.prompt_logprobs or r.prompt_logprobs
                 r.text += out.new_text
                 r.finish_reason = out.finish_reason
-            for req_id, why in self.engine.take_rejected().items():  # its grammar failed
+            for req_id, (_, why) in self.engine.take_rejected().items():  # it cannot go on
                 log.warning("request %s ended: %s", req_id, why)
                 results[req_id].finish_reason = "error"
         return list(results.values())

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from pdserve.common import errors as E
 from pdserve.common.sampling import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.logprobs import prompt_of
@@ -64,9 +65,11 @@ class Engine(Worker):
         # Where on_layer_group fires; one group (the whole model) unless the owner splits it.
         self.layer_groups = [(0, self.model_config.num_hidden_layers)]
         self._requests: dict[str, tuple[Sequence, RequestOutputState]] = {}
-        # Requests a step ended because they cannot go on (their grammar failed), with why;
-        # the owner takes them (take_rejected) and fails each.
-        self.rejected: dict[str, str] = {}
+        # Requests a step ended because they cannot go on (their grammar failed, or the KV
+        # pool stopped growing short of them): (error code, why); the owner takes them
+        # (take_rejected) and fails each.
+        self.rejected: dict[str, tuple[str, str]] = {}
+        self._pool_blocks = self.allocator.num_blocks
         self.release_load_memory()
 
     # -- requests ---------------------------------------------------------------------------
@@ -99,7 +102,7 @@ class Engine(Worker):
                                    self.model_config.eos_token_ids, self.max_model_len)
         self._requests[seq.seq_id] = (seq, state)
 
-    def take_rejected(self) -> dict[str, str]:
+    def take_rejected(self) -> dict[str, tuple[str, str]]:
         rejected, self.rejected = self.rejected, {}
         return rejected
 
@@ -154,6 +157,8 @@ class Engine(Worker):
         in order, as the forward finishes its layers, in a step running the last chunk of
         prompts prefilled here (``prompts``: those sequences; their KV for those layers is
         final). It fires before sampling: the prompts' first tokens come in the outputs."""
+        if self.allocator.num_blocks < self._pool_blocks:
+            self._reject_unfit()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -172,7 +177,7 @@ class Engine(Worker):
         for seq, token in zip(batch.seqs, sampled):
             if seq.seq_id in failed:  # its grammar failed: it ends here, its token unsent
                 self.finish(seq.seq_id, "error")
-                self.rejected[seq.seq_id] = failed.pop(seq.seq_id)
+                self.rejected[seq.seq_id] = (E.BAD_GUIDE, failed.pop(seq.seq_id))
                 continue
             if token is None:
                 continue  # a prompt chunk short of its end, or a preempted sequence's recompute
@@ -185,6 +190,19 @@ class Engine(Worker):
                 self.scheduler.finish(seq, delta.finish_reason)
                 del self._requests[seq.seq_id]
         return outputs
+
+    def _reject_unfit(self) -> None:
+        """The KV pool stopped growing (its memory could not be had: engine/block_allocator.py)
+        short of what add_request checked: a request whose longest length no longer fits
+        would wait (or be preempted) forever. Each is ended and rejected, with why."""
+        self._pool_blocks = blocks = self.allocator.num_blocks
+        for req_id, (seq, _) in list(self._requests.items()):
+            longest = min(len(seq.prompt_token_ids) + seq.params.max_tokens, self.max_model_len)
+            if self.scheduler.blocks_for(longest) > blocks:
+                self.finish(req_id, "error")
+                self.rejected[req_id] = (E.NO_CAPACITY, (
+                    f"needs up to {longest} tokens of KV cache, but the cache stopped growing "
+                    f"at {blocks * self.block_size} (its memory could not be had)"))
 
     def _layer_callback(self, prompts: list[Sequence],
                         hook: LayerGroupHook) -> Callable[[int], None]:

@@ -306,9 +306,9 @@ class Node:
             self.expire()
             if self.has_work():
                 self.step()
-            for req_id, why in self.engine.take_rejected().items():  # (their grammar)
+            for req_id, (code, why) in self.engine.take_rejected().items():
                 self.drop(req_id, "error")
-                self.error_to_router(req_id, E.BAD_GUIDE, why)
+                self.error_to_router(req_id, code, why)
         except Exception:
             self.metrics.internal_error(f"{self.role}.step", log)
             for req_id in list(self.jobs):

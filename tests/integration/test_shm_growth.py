@@ -71,13 +71,49 @@ CHILD = textwrap.dedent('''
 ''')
 
 
-def run_in_small_shm(tmp_path) -> dict:
+ENGINE_CHILD = textwrap.dedent('''
+    import json, logging, os, sys
+    from pdserve.common.sampling import SamplingParams
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import Engine
+    from pdserve.engine.host_memory import SparseStorage
+    from pdserve.node.kv.segment import Segment
+
+    logging.basicConfig(level=logging.ERROR)
+
+    def storage(nbytes):  # as a prefill node's shm sender makes it; then /dev/shm fills up
+        seg = Segment.create(nbytes)
+        st = os.statvfs("/dev/shm")
+        with open("/dev/shm/filler", "wb") as f:
+            f.write(b"x" * (st.f_bavail * st.f_frsize - 24 * 1024))
+        return SparseStorage(seg.data, seg.reserve)
+
+    engine = Engine(EngineConfig(model=sys.argv[1], dtype="float32", threads=1,
+                                 num_kv_blocks=200, block_size=16), kv_storage=storage)
+    greedy = dict(temperature=0, ignore_eos=True)
+    engine.add_request("long", list(range(2, 902)), SamplingParams(max_tokens=50, **greedy))
+    engine.add_request("short", [5, 6, 7, 8], SamplingParams(max_tokens=8, **greedy))
+    tokens, rejected = {}, {}
+    for _ in range(50):
+        for out in engine.step():
+            tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+        rejected.update(engine.take_rejected())
+        if not engine.has_unfinished():
+            break
+    print(json.dumps({"tokens": tokens, "rejected": rejected,
+                      "num_blocks": engine.allocator.num_blocks,
+                      "unfinished": engine.has_unfinished()}))
+''')
+
+
+def run_in_small_shm(tmp_path, child: str = CHILD, *args: str) -> dict:
     if not shutil.which("unshare"):
         pytest.skip("needs unshare(1) to make a mount namespace")
     script = tmp_path / "child.py"
-    script.write_text(CHILD)
+    script.write_text(child)
     cmd = ["unshare", "-rm", "sh", "-c",
-           f"mount -t tmpfs -o size={TMPFS_MIB}m tmpfs /dev/shm && exec {sys.executable} {script}"]
+           f"mount -t tmpfs -o size={TMPFS_MIB}m tmpfs /dev/shm && "
+           f"exec {sys.executable} {script} {' '.join(args)}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"child exited {proc.returncode}: {proc.stderr[-3000:]}"
     return {"log": proc.stderr, **json.loads(proc.stdout.strip().splitlines()[-1])}
@@ -101,3 +137,19 @@ def test_segment_is_backed_as_blocks_are_used_and_stops_where_shm_is_full(tmp_pa
     assert f"the KV pool stops at {step + 180} blocks" in out["log"]
     assert out["refused"].startswith("cannot make a 31 MiB KV segment in /dev/shm: ")
     assert "MiB free there" in out["refused"]
+
+
+def test_requests_that_no_longer_fit_a_pool_that_stopped_growing_fail_with_why(tmp_path,
+                                                                            tiny_model):
+    """/dev/shm fills up just after the segment is made: the pool stops at the blocks it
+    backed. A request accepted for the whole pool is ended with no_capacity and the reason
+    (not left waiting forever); one that fits is served."""
+    out = run_in_small_shm(tmp_path, ENGINE_CHILD, str(tiny_model("llama")))
+    assert not out["unfinished"]
+    assert out["num_blocks"] < 57, "the pool stopped short of the long request's blocks"
+    code, why = out["rejected"]["long"]
+    assert code == "no_capacity"
+    assert why == (f"needs up to 950 tokens of KV cache, but the cache stopped growing at "
+                   f"{out['num_blocks'] * 16} (its memory could not be had)")
+    assert len(out["tokens"]["short"]) == 8 and "long" not in out["tokens"]
+    assert "the KV pool stops at" in out["log"]
