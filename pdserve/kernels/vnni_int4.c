@@ -1,0 +1,136 @@
+/* PROTOTYPE (benchmarks/vnni_int4.py; not used by the model): int4 weights x int8
+ * activations on AVX512-VNNI, llama.cpp's Q4_1 x Q8_1 dot product laid out for a GEMM.
+ *
+ * Weights w[n, k] = d[n, g] * q[n, k] + m[n, g], g = k / 32, q in 0..15, d and m float16.
+ * Activations are quantized per call, per row and group of 32: xq = round(x * 127 / amax),
+ * sx = amax / 127, sumx = the float sum of x. Then
+ *     out[r, n] = sum_g d[n, g] * sx[r, g] * dot(q[n, g], xq[r, g]) + m[n, g] * sumx[r, g].
+ *
+ * One 512-bit int32 lane per output n: a block of 16 outputs x one group is eight vectors
+ * w_j (j = 0..7), lane n holding q[n, 4j .. 4j + 3], and _mm512_dpbusd_epi32 with the row's
+ * 4 activations at 4j broadcast gives 16 outputs' partial dots at once: no horizontal sums,
+ * and the float work (scales) is one cvt, one mul and two fma per 16 outputs and group.
+ * Stored per block of 16 outputs, per group, 320 bytes, one stream per block:
+ *     256 bytes: nibbles, byte b of vector j (j < 4) = w_j[b] | w_{j+4}[b] << 4
+ *      32 bytes: d, 16 float16
+ *      32 bytes: m, 16 float16
+ * (5 bits a weight: the same bytes as torch's int4 kernel with bfloat16 scales and zeros.)
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define GROUP 32
+#define NB 16
+#define BLOCK_BYTES 320
+#define MAX_TILE 8
+
+static inline __m512 load16(const void *x, int x_bf16) {
+    if (x_bf16) {
+        __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+    }
+    return _mm512_loadu_ps(x);
+}
+
+/* x [M, K] (bfloat16 or float32) -> xq int8 [M, K], sx and sumx float32 [M, K / 32] */
+static void quantize_rows(const void *x, int x_bf16, int M, int K, int8_t *xq, float *sx,
+                          float *sumx) {
+    const int G = K / GROUP, size = x_bf16 ? 2 : 4;
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int i = 0; i < M * G; i++) {
+        const char *p = (const char *)x + (size_t)i * GROUP * size;
+        __m512 a = load16(p, x_bf16), b = load16(p + 16 * size, x_bf16);
+        float amax = _mm512_reduce_max_ps(
+            _mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m512 vid = _mm512_set1_ps(id);
+        /* round half to even (MXCSR's default), as torch.round in the reference */
+        _mm_storeu_si128((__m128i *)(xq + (size_t)i * GROUP),
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, vid))));
+        _mm_storeu_si128((__m128i *)(xq + (size_t)i * GROUP + 16),
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, vid))));
+        sx[i] = amax / 127.0f;
+        sumx[i] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+    }
+}
+
+static inline void store16(void *out, __m512 v, int out_bf16) {
+    if (out_bf16)
+        _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(v));
+    else
+        _mm512_storeu_ps(out, v);
+}
+
+/* MT rows x one block of 16 outputs over all groups. MT is a constant at each call site,
+ * so acc[] lives in registers (8 rows: 8 accumulators + 8 weight vectors + temporaries). */
+static inline __attribute__((always_inline)) void tile(
+        const uint8_t *wb, int G, const int8_t *xq, const float *sx, const float *sumx,
+        int K, const int MT, char *out, size_t out_row, int out_bf16) {
+    __m512 acc[MAX_TILE];
+    for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    for (int g = 0; g < G; g++) {
+        const uint8_t *p = wb + (size_t)g * BLOCK_BYTES;
+        __m512i w[8];
+        for (int j = 0; j < 4; j++) {
+            __m512i v = _mm512_loadu_si512(p + 64 * j);
+            w[j] = _mm512_and_si512(v, lo4);
+            w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+        }
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256)));
+        __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288)));
+        for (int r = 0; r < MT; r++) {
+            const int8_t *xr = xq + (size_t)r * K + g * GROUP;
+            __m512i s = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j++) {
+                int32_t four;
+                memcpy(&four, xr + 4 * j, 4);
+                s = _mm512_dpbusd_epi32(s, w[j], _mm512_set1_epi32(four));
+            }
+            __m512 dx = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(sx[r * G + g]));
+            acc[r] = _mm512_fmadd_ps(dx, d, acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sumx[r * G + g]), acc[r]);
+        }
+    }
+    for (int r = 0; r < MT; r++) store16(out + r * out_row, acc[r], out_bf16);
+}
+
+/* out [M, N] = x [M, K] @ w.T, w packed as above ([N / 16, K / 32, 320] bytes). N a multiple
+ * of 16, K of 32. Threads: OpenMP's default for the calling thread (torch's, when torch
+ * loaded the same libgomp). Returns 0, or -1 if the scratch could not be allocated. */
+int vnni_int4_mm(const void *x, int x_bf16, int M, int K, int N, const uint8_t *w,
+                 void *out, int out_bf16) {
+    const int G = K / GROUP, out_size = out_bf16 ? 2 : 4;
+    char *scratch = malloc((size_t)M * K + 2 * sizeof(float) * (size_t)M * G + 64);
+    if (!scratch) return -1;
+    float *sx = (float *)scratch, *sumx = sx + (size_t)M * G;
+    int8_t *xq = (int8_t *)(sumx + (size_t)M * G);
+    quantize_rows(x, x_bf16, M, K, xq, sx, sumx);
+    const size_t out_row = (size_t)N * out_size;
+#pragma omp parallel for schedule(static)
+    for (int nb = 0; nb < N / NB; nb++) {
+        const uint8_t *wb = w + (size_t)nb * G * BLOCK_BYTES;
+        char *o = (char *)out + (size_t)nb * NB * out_size;
+        int r = 0;
+        for (; r + 8 <= M; r += 8)
+            tile(wb, G, xq + (size_t)r * K, sx + r * G, sumx + r * G, K, 8, o + r * out_row,
+                 out_row, out_bf16);
+        if (r + 4 <= M) {
+            tile(wb, G, xq + (size_t)r * K, sx + r * G, sumx + r * G, K, 4, o + r * out_row,
+                 out_row, out_bf16);
+            r += 4;
+        }
+        if (r + 2 <= M) {
+            tile(wb, G, xq + (size_t)r * K, sx + r * G, sumx + r * G, K, 2, o + r * out_row,
+                 out_row, out_bf16);
+            r += 2;
+        }
+        if (r < M)
+            tile(wb, G, xq + (size_t)r * K, sx + r * G, sumx + r * G, K, 1, o + r * out_row,
+                 out_row, out_bf16);
+    }
+    free(scratch);
+    return 0;
+}
