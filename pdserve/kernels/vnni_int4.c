@@ -81,15 +81,17 @@ static inline __attribute__((always_inline)) void tile(
         }
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256)));
         __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288)));
-        for (int r = 0; r < MT; r++) {
-            const int8_t *xr = xq + (size_t)r * K + g * GROUP;
-            __m512i s = _mm512_setzero_si512();
-            for (int j = 0; j < 8; j++) {
+        /* rows innermost: MT independent dpbusd chains in flight, not one chain of 8 */
+        __m512i s[MAX_TILE];
+        for (int r = 0; r < MT; r++) s[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++)
+            for (int r = 0; r < MT; r++) {
                 int32_t four;
-                memcpy(&four, xr + 4 * j, 4);
-                s = _mm512_dpbusd_epi32(s, w[j], _mm512_set1_epi32(four));
+                memcpy(&four, xq + (size_t)r * K + g * GROUP + 4 * j, 4);
+                s[r] = _mm512_dpbusd_epi32(s[r], w[j], _mm512_set1_epi32(four));
             }
-            __m512 dx = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(sx[r * G + g]));
+        for (int r = 0; r < MT; r++) {
+            __m512 dx = _mm512_mul_ps(_mm512_cvtepi32_ps(s[r]), _mm512_set1_ps(sx[r * G + g]));
             acc[r] = _mm512_fmadd_ps(dx, d, acc[r]);
             acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sumx[r * G + g]), acc[r]);
         }
