@@ -60,6 +60,32 @@ def run_vnni(calls):
         call()
 
 
+def accuracy(rows: int = 16, seed: int = 1) -> None:
+    """Relative error (Frobenius) against the exact float64 GEMM over the dequantized weight
+    with the same bfloat16 activations: the prototype (int8 activations) and torch's kernel
+    (bfloat16 scales and zeros, bfloat16 output)."""
+    gen = torch.Generator().manual_seed(seed)
+    print(f"accuracy at {rows} rows, random normal activations in bfloat16:")
+    print("| shape | vnni f32 out | vnni bf16 out | torch int4 bf16 |")
+    print("|---|---|---|---|")
+    for name, n, k in SHAPES:
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+        d = (torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-3).half().float()
+        m = (-8 * d * torch.rand(n, k // 32, generator=gen)).half().float()
+        x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+        w = (d.repeat_interleave(32, 1).double() * q.double()
+             + m.repeat_interleave(32, 1).double())
+        exact = x.double() @ w.T
+        lin = Int4Linear(q, d, m + 8 * d, dtype=torch.bfloat16).pack()
+        packed = vnni_int4.pack(q, d, m)
+        got = [vnni_int4.int4_mm(x, packed, n, out_dtype=torch.float32),
+               vnni_int4.int4_mm(x, packed, n),
+               torch.ops.aten._weight_int4pack_mm_for_cpu(x, lin.packed, 32,
+                                                          lin.scales_and_zeros)]
+        errs = [((g.double() - exact).norm() / exact.norm()).item() for g in got]
+        print(f"| {name} {n}x{k} | " + " | ".join(f"{e:.2e}" for e in errs) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,4,16")
@@ -77,6 +103,7 @@ def main() -> None:
     proto_bytes = sum(p.numel() for *_, p in layers)
     print(f"{args.layers} layers x {len(SHAPES)} projections: weights {weight_bytes / 1e6:.1f}"
           f" MB (torch), {proto_bytes / 1e6:.1f} MB (prototype)")
+    accuracy()
     print("| M | torch ms | vnni ms | vnni / torch | torch GB/s | vnni GB/s |")
     print("|---|---|---|---|---|---|")
     for rows in (int(r) for r in args.rows.split(",")):
