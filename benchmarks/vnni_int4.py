@@ -1,4 +1,4 @@
-"""PROTOTYPE measurement: an AVX512-VNNI int4 x int8 GEMM (pdserve/kernels/vnni_int4.c)
+"""PROTOTYPE measurement: an AVX512-VNNI int4 x int8 GEMM (benchmarks/vnni_int4_kernel.c)
 against torch's ``_weight_int4pack_mm_for_cpu`` with bfloat16 activations (what
 model/quant.py's Int4Linear runs below DENSE_ROWS rows), at a decode step's rows.
 
@@ -21,8 +21,8 @@ import subprocess
 import time
 
 import torch
+import vnni_int4_kernel as vnni_int4  # beside this script
 
-from pdserve.kernels import vnni_int4
 from pdserve.model.quant import Int4Linear
 
 SHAPES = (("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536))

@@ -1,12 +1,19 @@
-"""The AVX512-VNNI int4 x int8 GEMM prototype (kernels/vnni_int4.c): against a float64
+"""The AVX512-VNNI int4 x int8 GEMM prototype (benchmarks/vnni_int4_kernel.c): against a float64
 reference with the same int8 activations, and the error int8 activations cost against the
 exact GEMM over the dequantized weight."""
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
-from pdserve.kernels import vnni_int4
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("vnni_int4_kernel",
+                                               ROOT / "benchmarks/vnni_int4_kernel.py")
+vnni_int4 = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(vnni_int4)
 
 WHY = vnni_int4.why_unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=WHY or "")

@@ -1,6 +1,7 @@
-"""PROTOTYPE, not used by the model or the engine: an AVX512-VNNI int4 x int8 GEMM in plain C
-(vnni_int4.c), to measure against torch's ``_weight_int4pack_mm_for_cpu`` at a decode
-step's few rows (benchmarks/vnni_int4.py, tests/unit/test_vnni_int4.py).
+"""PROTOTYPE, not part of pdserve (so it lives beside its benchmark): an AVX512-VNNI int4
+x int8 GEMM in plain C (vnni_int4_kernel.c), to measure against torch's
+``_weight_int4pack_mm_for_cpu`` at a decode step's few rows (benchmarks/vnni_int4.py,
+tests/unit/test_vnni_int4.py).
 
 Weights are Q4_1's blocks (``w = d * q + m`` per 32 inputs, d and m float16, as GGUF stores
 them); activations are quantized per call to int8 per 32 (llama.cpp's Q8_1), which is
@@ -22,7 +23,7 @@ import torch
 
 GROUP = 32
 BLOCK_ROWS = 16         # outputs per block: one per 512-bit int32 lane
-SOURCE = Path(__file__).with_name("vnni_int4.c")
+SOURCE = Path(__file__).with_name("vnni_int4_kernel.c")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni", "avx512_bf16")
 
 
@@ -41,7 +42,7 @@ def why_unavailable() -> str | None:
 
 @functools.cache
 def library() -> ctypes.CDLL:
-    """Compiles vnni_int4.c once per process and loads it (after torch: its libgomp)."""
+    """Compiles vnni_int4_kernel.c once per process and loads it (after torch: its libgomp)."""
     out = Path(tempfile.mkdtemp(prefix="pdserve-vnni-")) / "vnni_int4.so"
     subprocess.run(["cc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o",
                     str(out), str(SOURCE)], check=True, capture_output=True, text=True)
