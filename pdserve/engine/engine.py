@@ -197,7 +197,7 @@ class Engine(Worker):
         would wait (or be preempted) forever. Each is ended and rejected, with why."""
         self._pool_blocks = blocks = self.allocator.num_blocks
         for req_id, (seq, _) in list(self._requests.items()):
-            longest = min(len(seq.prompt_token_ids) + seq.params.max_tokens, self.max_model_len)
+            longest = self.longest(len(seq.prompt_token_ids), seq.params)
             if self.scheduler.blocks_for(longest) > blocks:
                 self.finish(req_id, "error")
                 self.rejected[req_id] = (E.NO_CAPACITY, (

@@ -106,6 +106,11 @@ class Worker:
             gguf.release_readers()
         trim_malloc()
 
+    def longest(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """The most tokens of KV cache a request can take: its prompt and every token it
+        may generate, within the context."""
+        return min(num_prompt_tokens + params.max_tokens, self.max_model_len)
+
     @property
     def block_size(self) -> int:
         return self.config.block_size
@@ -156,7 +161,7 @@ class Worker:
         if self.profile is not None and (refused := unsimulated(params)) is not None:
             raise ValueError(refused[1])
         self.runner.logits_processors.check(params)
-        longest = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
+        longest = self.longest(len(prompt_token_ids), params)
         if self.scheduler.blocks_for(longest) > self.allocator.num_blocks:
             raise ValueError(f"{what} needs up to {longest} tokens of KV cache but the cache "
                              f"holds {self.allocator.num_blocks * self.block_size}")
