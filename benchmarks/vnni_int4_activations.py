@@ -1,4 +1,4 @@
-"""What int8 activations per 32 (the VNNI prototype's, benchmarks/vnni_int4_kernel.py) cost on
+"""What int8 activations per 32 (the VNNI kernel's, pdserve/kernels/native/int4_gemm.py) cost on
 SmolLM2-135M's real projection inputs, beside rounding them to bfloat16.
 
 transformers runs the bundled Q4_1 GGUF file (dequantized, float32) over one prompt; a hook
@@ -11,7 +11,6 @@ dequantized and x' = x in bfloat16. Only the activations' rounding: the weights 
 from __future__ import annotations
 
 import collections
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -21,13 +20,8 @@ import torch
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent]
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from pdserve.kernels.native.int4_gemm import quantize_activations  # noqa: E402
 from pdserve.model.default_model import bundled_model  # noqa: E402
-
-_spec = importlib.util.spec_from_file_location(  # beside this script, off sys.path (above)
-    "vnni_int4_kernel", Path(__file__).with_name("vnni_int4_kernel.py"))
-_kernel = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_kernel)
-quantize_activations = _kernel.quantize_activations
 
 PROMPT = ("The sky appears blue because of a process called Rayleigh scattering. Write a short "
           "poem about the ocean, then explain how a CPU cache works and why memory bandwidth "

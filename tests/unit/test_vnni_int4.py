@@ -1,21 +1,15 @@
-"""The AVX512-VNNI int4 x int8 GEMM prototype (benchmarks/vnni_int4_kernel.c): against a float64
+"""The AVX512-VNNI int4 x int8 GEMM (pdserve/kernels/native/int4_gemm.c): against a float64
 reference with the same int8 activations, and the error int8 activations cost against the
 exact GEMM over the dequantized weight."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("vnni_int4_kernel",
-                                               ROOT / "benchmarks/vnni_int4_kernel.py")
-vnni_int4 = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(vnni_int4)
+from pdserve.kernels import native
+from pdserve.kernels.native import int4_gemm as vnni_int4
 
-WHY = vnni_int4.why_unavailable()
+WHY = native.why_unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=WHY or "")
 
 
@@ -37,10 +31,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_matches_reference(rows, n, k, dtype):
     q, d, m = weights(n, k, rows * n + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
-    out = vnni_int4.int4_mm(x, vnni_int4.pack(q, d, m), n, out_dtype=torch.float32)
+    out = vnni_int4.int4_mm(x, vnni_int4.pack(q, d, m), n, torch.float32)
     want = vnni_int4.reference(x, q, d, m)
     assert rel(out, want) < 1e-5
-    out_bf16 = vnni_int4.int4_mm(x, vnni_int4.pack(q, d, m), n, out_dtype=torch.bfloat16)
+    out_bf16 = vnni_int4.int4_mm(x, vnni_int4.pack(q, d, m), n, torch.bfloat16)
     assert rel(out_bf16, want) < 1e-2
 
 
@@ -66,3 +60,14 @@ def test_int8_activation_error_against_exact_gemm():
     exact = x.double() @ w.T
     out = vnni_int4.int4_mm(x, vnni_int4.pack(q, d, m), n)
     assert rel(out, exact) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_is_the_blocks(dtype):
+    """The weight formed for a prefill's dense GEMM is d * q + m, rounded once."""
+    q, d, m = weights(48, 96, 3)
+    w = d.repeat_interleave(32, 1) * q.float() + m.repeat_interleave(32, 1)
+    got = vnni_int4.weight(vnni_int4.pack(q, d, m), dtype)
+    assert got.dtype == dtype
+    rtol = 1e-6 if dtype == torch.float32 else 2**-8  # float32: fma or not; bf16: a tie
+    torch.testing.assert_close(got.float(), w.to(dtype).float(), rtol=rtol, atol=0)

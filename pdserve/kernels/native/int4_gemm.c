@@ -1,5 +1,5 @@
-/* PROTOTYPE (benchmarks/vnni_int4.py; not used by the model): int4 weights x int8
- * activations on AVX512-VNNI, llama.cpp's Q4_1 x Q8_1 dot product laid out for a GEMM.
+/* int4 weights x int8 activations on AVX512-VNNI (model/quant.py's Int4Linear at a decode
+ * step's rows): llama.cpp's Q4_1 x Q8_1 dot product laid out for a GEMM.
  *
  * Weights w[n, k] = d[n, g] * q[n, k] + m[n, g], g = k / 32, q in 0..15, d and m float16.
  * Activations are quantized per call, per row and group of 32: xq = round(x * 127 / amax),
@@ -135,4 +135,34 @@ int vnni_int4_mm(const void *x, int x_bf16, int M, int K, int N, const uint8_t *
     }
     free(scratch);
     return 0;
+}
+
+/* The weight itself, w [N, K] row-major = d * q + m in float32, stored as float32 or
+ * bfloat16 (rounded once, to nearest even): a prefill's many rows run a dense GEMM over it
+ * (Int4Linear.forward), and the tests read it. */
+void vnni_int4_weight(const uint8_t *w, int K, int N, void *out, int out_bf16) {
+    const int G = K / GROUP, size = out_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static)
+    for (int nb = 0; nb < N / NB; nb++) {
+        for (int g = 0; g < G; g++) {
+            const uint8_t *p = w + ((size_t)nb * G + g) * BLOCK_BYTES;
+            float d[NB], m[NB];
+            _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256))));
+            _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288))));
+            for (int n = 0; n < NB; n++) {
+                /* vector j < 8 holds q[n, 4j .. 4j + 3] in lane n: low nibbles of bytes
+                 * 64 (j % 4) + 4n .. + 3 for j < 4, high nibbles for j >= 4 */
+                float row[GROUP];
+                for (int j = 0; j < 8; j++)
+                    for (int b = 0; b < 4; b++) {
+                        uint8_t byte = p[64 * (j % 4) + 4 * n + b];
+                        int q = j < 4 ? byte & 0x0F : byte >> 4;
+                        row[4 * j + b] = d[n] * (float)q + m[n];
+                    }
+                char *o = (char *)out + (((size_t)nb * NB + n) * K + (size_t)g * GROUP) * size;
+                store16(o, _mm512_loadu_ps(row), out_bf16);
+                store16(o + 16 * size, _mm512_loadu_ps(row + 16), out_bf16);
+            }
+        }
+    }
 }

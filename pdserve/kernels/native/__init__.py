@@ -1,0 +1,131 @@
+"""CPU kernels in C that torch does not have, compiled on first use and called through ctypes.
+
+Every ``*.c`` file in this folder is one part of one shared library, built with the
+system's C compiler (``cc -O3 -march=native -fopenmp``) and cached under
+``$XDG_CACHE_HOME/pdserve/native`` (default ``~/.cache``), keyed by the sources, the
+compiler's version and this CPU's model and flags: a node builds it once per machine
+(about a second) and loads it afterwards. ctypes releases the GIL for the call. The
+library links the same ``libgomp.so.1`` torch has loaded, so its OpenMP threads are
+torch's: same pool, same thread count (``torch.set_num_threads``).
+
+They run where ``why_unavailable()`` is None: an x86-64 CPU with AVX512-VNNI and
+AVX512-BF16, a C compiler, and ``PDSERVE_NATIVE_KERNELS`` not set to 0. Elsewhere the
+callers keep torch's kernels, and say so once at start-up (``describe``): never a silent
+difference in what runs.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+ENV = "PDSERVE_NATIVE_KERNELS"      # 0: torch's kernels only (comparisons, a broken cc)
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")
+SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+
+
+def _cpu() -> tuple[str, list[str]]:
+    model, flags = "", []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not model:
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = value.split()
+    except OSError:
+        pass
+    return model, flags
+
+
+@functools.cache
+def why_unavailable() -> str | None:
+    """None if the native kernels can be built and run here, else why not (one phrase)."""
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+        return f"{ENV}=0"
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"the CPU is {platform.machine()}, not x86-64"
+    _, flags = _cpu()
+    missing = [f for f in CPU_FLAGS if f not in flags]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    if shutil.which("cc") is None:
+        return "no C compiler (cc) on PATH"
+    return None
+
+
+def available() -> bool:
+    return why_unavailable() is None
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pdserve" / "native"
+
+
+def _key() -> str:
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
+    version = subprocess.run(["cc", "--version"], capture_output=True, text=True).stdout
+    model, flags = _cpu()
+    h.update("\0".join([*CFLAGS, version, model, *flags]).encode())
+    return h.hexdigest()[:20]
+
+
+def _build(target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # built beside the target and renamed: a concurrent builder (another node starting on
+    # the same machine) never loads a half-written file
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(["cc", *CFLAGS, "-o", tmp, *map(str, SOURCES)],
+                              capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"building pdserve's native CPU kernels failed (cc exit "
+                               f"{done.returncode}; set {ENV}=0 to serve without them):\n"
+                               f"{done.stderr.strip()}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The shared library, built if this machine has none cached yet. Import torch first
+    (its libgomp). Raises RuntimeError where ``why_unavailable()`` says why, or where the
+    build failed (the compiler's message)."""
+    why = why_unavailable()
+    if why is not None:
+        raise RuntimeError(f"pdserve's native CPU kernels cannot run here: {why}")
+    target = _cache_dir() / f"pdserve-native-{_key()}.so"
+    if not target.exists():
+        log.info("building pdserve's native CPU kernels into %s", target)
+        _build(target)
+    return ctypes.CDLL(str(target))
+
+
+def function(name: str, argtypes: list, restype=ctypes.c_int):
+    """One of the library's functions with its ctypes signature declared."""
+    fn = getattr(library(), name)
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
+def describe() -> str:
+    """For the start-up log: which CPU kernels run and, if not the native ones, why."""
+    why = why_unavailable()
+    return "native CPU kernels (AVX512-VNNI)" if why is None else \
+        f"torch's CPU kernels only (native ones unavailable: {why})"
