@@ -5,7 +5,9 @@ The reference is pdserve in float32 with ``--quantization none``, token for toke
 transformers' output on the same GGUF file (tests/e2e/test_smollm2.py). Each other
 configuration generates greedily from the same chat prompts (those of test_smollm2.py);
 per prompt: the first position where its tokens differ from the reference's (or "=" when
-all are equal), and the texts where they differ.
+all are equal), and the texts where they differ. bfloat16 with int4 runs twice: on torch's
+kernels only (``PDSERVE_NATIVE_KERNELS=0``) and on the native ones, where this CPU runs them
+(pdserve/kernels/native: int8 activations in the int4 GEMM).
 
     python benchmarks/quant_greedy.py [--max-tokens 64] [--threads 2]
 """
@@ -18,11 +20,23 @@ import sys
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.kernels import native
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.chat_prompts import CONVERSATIONS  # noqa: E402 (the checkout's tests/)
 
-CONFIGS = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "auto")]
+# (dtype, --quantization, native kernels)
+CONFIGS = [("float32", "none", True), ("bfloat16", "none", True), ("bfloat16", "auto", False),
+           ("bfloat16", "auto", True)]
+
+
+def use_native(on: bool) -> None:
+    """The native kernels on or off for the models built next (read when they are packed)."""
+    if on:
+        os.environ.pop(native.ENV, None)
+    else:
+        os.environ[native.ENV] = "0"
+    native.why_unavailable.cache_clear()
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -41,25 +55,29 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0)
     outputs = {}
-    for dtype, quant in CONFIGS:
+    for dtype, quant, on in CONFIGS:
+        use_native(on)
         llm = LLM(dtype=dtype, quantization=quant, threads=a.threads)
         prompts = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template(m),
                                         add_special_tokens=False) for m in CONVERSATIONS]
-        outputs[dtype, quant] = [(o.token_ids, o.text) for o in llm.generate(prompts, params)]
+        outputs[dtype, quant, on] = [(o.token_ids, o.text) for o in llm.generate(prompts, params)]
         del llm
     ref = outputs[CONFIGS[0]]
     print(f"greedy, {a.max_tokens} new tokens at most, {len(CONVERSATIONS)} chat prompts; "
           f"first differing position against float32 --quantization none "
           f"(transformers' tokens); '=': all equal")
-    for (dtype, quant), outs in outputs.items():
+    print(f"native kernels: {native.describe()}")
+    for (dtype, quant, on), outs in outputs.items():
         firsts = [first_difference(o[0], r[0]) for o, r in zip(outs, ref)]
         shown = " ".join("=" if f is None else str(f) for f in firsts)
-        print(f"{dtype:>9} --quantization {quant:<5} {shown}   "
+        kernels = "native" if on and native.why_unavailable() is None else "torch"
+        print(f"{dtype:>9} --quantization {quant:<5} {kernels:<6} {shown}   "
               f"(lengths {' '.join(str(len(o[0])) for o in outs)})")
-    for (dtype, quant), outs in list(outputs.items())[1:]:
+    for (dtype, quant, on), outs in list(outputs.items())[1:]:
         for i, (o, r) in enumerate(zip(outs, ref)):
             if o[0] != r[0]:
-                print(f"\n[{dtype} {quant}, prompt {i}]\n  ref:  {r[1]!r}\n  ours: {o[1]!r}")
+                print(f"\n[{dtype} {quant} {'native' if on else 'torch'}, prompt {i}]\n"
+                      f"  ref:  {r[1]!r}\n  ours: {o[1]!r}")
 
 
 if __name__ == "__main__":

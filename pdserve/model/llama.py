@@ -7,6 +7,7 @@ sequence starts and where its KV lives.
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -16,8 +17,10 @@ from pdserve import kernels
 from pdserve.model.attention import AttentionMetadata, PagedAttention
 from pdserve.model.config import ModelConfig
 from pdserve.model.cpu_linear import OneDNNLinear
-from pdserve.model.quant import Int4Linear
+from pdserve.model.quant import Int4Linear, kernels_used
 from pdserve.model.rope import cos_sin_cache
+
+log = logging.getLogger(__name__)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -196,9 +199,9 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
         device = self.model.embed_tokens.weight.device
-        for m in self.modules():
-            if isinstance(m, Int4Linear):
-                m.pack(device)
+        int4 = [m.pack(device) for m in self.modules() if isinstance(m, Int4Linear)]
+        if int4:
+            log.info("%s", kernels_used(int4))
 
     def use_onednn(self) -> None:
         """Every projection and the LM head through oneDNN with reordered weights

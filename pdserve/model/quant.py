@@ -36,6 +36,16 @@ prefill took it 2.3 times as long as forming the weight plus a bfloat16 GEMM
 to bfloat16 once, from float32); only the order of the sums differs. Nothing dense is
 kept: the weight lives for the one call.
 
+Where the native CPU kernels run (``pdserve.kernels.native``: AVX512-VNNI and a C
+compiler; the start-up log says whether), a bfloat16 model's blocks go to the VNNI int4
+GEMM instead (kernels/native/int4_gemm.c), at every row count: ``w = d q + m`` with d and
+m in float16 (Q4_1's own, 3 bits finer than the bfloat16 scales above), and the
+activations rounded on each call to int8 per 32 inputs with a float32 scale, as llama.cpp
+runs Q4_1 (x Q8_1). That rounding is its error: 1.2-10 times bfloat16 rounding's on
+SmolLM2's projection inputs; how far greedy output departs is in benchmarks/RESULTS.md.
+It ran 0.63 of torch's kernel's time at one row, 0.44 at 16 and 0.29 at 224, and 0.77 of
+the dense path's at 2,048 rows (benchmarks/vnni_int4.py), so it takes the prefill too.
+
 On CUDA the same blocks go to the Triton W4A16 kernel (kernels/quant_linear.py: the
 same ``w = scale * (q - 8) + zero``, in any of the float dtypes), packed by ``pack``.
 
@@ -53,7 +63,9 @@ import torch
 from torch import nn
 
 from pdserve.common.config import QUANTIZATION_MODES
+from pdserve.kernels import native
 from pdserve.kernels._dispatch import pick_backend
+from pdserve.kernels.native import int4_gemm
 from pdserve.kernels.quant_linear import GROUP, dequantize, pack_int4, quant_linear
 
 log = logging.getLogger(__name__)
@@ -133,13 +145,32 @@ def summary(kept: list[tuple[int, int]], types: set[str], dtype: torch.dtype,
     held = sum(n * k // 2 + n * k // GROUP * 2 * size for n, k in kept)
     dense = sum(n * k * size for n, k in kept)
     name = str(dtype).removeprefix("torch.")
-    parts = [f"{len(kept)} projection weights kept as int4 ({', '.join(sorted(types))}, "
-             f"{name} scales): {held / 2**20:.0f} MiB against {dense / 2**20:.0f} MiB in "
-             f"{name}"]
+    parts = [f"{len(kept)} projection weights kept as int4 ({', '.join(sorted(types))}): "
+             f"{held / 2**20:.0f} MiB against {dense / 2**20:.0f} MiB in {name}"]
     for why, names in dequantized.items():
         shown = ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
         parts.append(f"dequantized {shown} ({why})")
     return "quantization auto: " + "; ".join(parts)
+
+
+KERNELS = {  # Int4Linear.backend → what runs, for the start-up log
+    "native": "the native AVX512-VNNI int4 x int8 GEMM (float16 scales; activations rounded "
+              "to int8 per 32 inputs, as llama.cpp's Q4_1 x Q8_1)",
+    "torch": "torch's int4 CPU kernel (bfloat16 scales and activations)",
+    "triton": "the Triton W4A16 kernel",
+}
+
+
+def kernels_used(layers: list[Int4Linear]) -> str:
+    """The start-up log line once packed: which kernel the int4 projections run on, and
+    on a CPU without the native one, why not."""
+    counts: dict[str, int] = {}
+    for lin in layers:
+        counts[lin.backend] = counts.get(lin.backend, 0) + 1
+    line = "; ".join(f"{n} on {KERNELS[b]}" for b, n in counts.items())
+    if "torch" in counts and native.why_unavailable() is not None:
+        line += f" (native kernels unavailable: {native.why_unavailable()})"
+    return f"int4 projections: {line}"
 
 
 def unpack_q4(raw: np.ndarray, type_name: str, exact: bool = True
@@ -194,8 +225,8 @@ def _unpack_q4_k(raw: np.ndarray, exact: bool) -> tuple[np.ndarray, np.ndarray, 
 
 class Int4Linear(nn.Module):
     """``nn.Linear``'s forward over 4-bit weights with a scale and a zero per 32 inputs:
-    packed for torch's CPU int4 GEMM on the CPU, for the Triton W4A16 kernel
-    (kernels/quant_linear.py) on CUDA."""
+    packed for the native VNNI GEMM (bfloat16 on a CPU that runs it) or torch's CPU int4
+    GEMM on the CPU, for the Triton W4A16 kernel (kernels/quant_linear.py) on CUDA."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                  bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32):
@@ -210,7 +241,7 @@ class Int4Linear(nn.Module):
         self.bias = bias
         self.packed: torch.Tensor | None = None
         self.scales_and_zeros: torch.Tensor | None = None   # torch's CPU kernel: [G, N, 2]
-        self.backend = "torch"      # which kernel pack() packed for (kernels' pick_backend)
+        self.backend = "torch"      # which kernel pack() packed for: torch, native, triton
         self.dense_rows: int | None = None  # CPU: rows from which forward forms the weight
 
     @classmethod
@@ -233,12 +264,18 @@ class Int4Linear(nn.Module):
 
     def pack(self, device: torch.device | str = "cpu", backend: str | None = None
              ) -> Int4Linear:
-        """Packs for the kernel that runs on ``device`` (``backend`` as the kernels take
-        it: None picks Triton on CUDA, torch's kernel on the CPU), with scales and zeros
-        in the activations' dtype; the unpacked copies go."""
+        """Packs for the kernel that runs on ``device``: ``backend`` None picks Triton on
+        CUDA and on the CPU the native VNNI kernel for bfloat16 where it runs, else
+        torch's; "torch", "native" or "triton" ask for one. Scales and zeros in the
+        activations' dtype (native: float16); the unpacked copies go."""
         if self.packed is not None:
             return self
         device = torch.device(device)
+        if backend == "native" or (backend is None and device.type == "cpu"
+                                   and self.dtype == torch.bfloat16 and native.available()):
+            if self._pack_native(device, required=backend == "native"):
+                return self
+            backend = "torch"
         self.backend = pick_backend(backend, device)
         if self.backend == "triton":
             self.packed = pack_int4(self.q).to(device)                  # [N, K / 2] uint8
@@ -262,6 +299,31 @@ class Int4Linear(nn.Module):
         if self.bias is not None:
             self.bias = self.bias.to(device=device, dtype=self.dtype)
         return self
+
+    def _pack_native(self, device: torch.device, required: bool) -> bool:
+        """Packs for the VNNI kernel (``w = d q + m``: d = scale, m = zero - 8 scale).
+        False, with the reason logged, where it cannot take this layer (``required``:
+        raises ValueError instead)."""
+        why = native.why_unavailable()
+        if why is None and device.type != "cpu":
+            why = f"the native kernels run on the CPU, not {device.type}"
+        if why is None:
+            try:
+                self.packed = int4_gemm.pack(self.q, self.scale, self.zero - 8 * self.scale)
+            except ValueError as e:
+                why = str(e)
+        if why is not None:
+            if required:
+                raise ValueError(f"int4 {self.out_features}x{self.in_features}: the native "
+                                 f"kernel cannot take it: {why}")
+            log.warning("int4 %dx%d: torch's int4 kernel, not the native one: %s",
+                        self.out_features, self.in_features, why)
+            return False
+        self.backend = "native"
+        self.q = self.scale = self.zero = None
+        if self.bias is not None:
+            self.bias = self.bias.to(dtype=self.dtype)
+        return True
 
     def _packed_q_t(self) -> torch.Tensor:
         """The 4-bit values out of torch's CPU packing, transposed and grouped: uint8
@@ -288,6 +350,8 @@ class Int4Linear(nn.Module):
                     + self.zero.repeat_interleave(GROUP, 1))
         if self.backend == "triton":
             return dequantize(self.packed, *self.scales_and_zeros, 4)
+        if self.backend == "native":
+            return int4_gemm.weight(self.packed, torch.float32)
         if self.dense_rows is not None:
             return self._weight_t().t().float()
         eye = torch.eye(self.in_features, dtype=self.dtype)
@@ -302,7 +366,12 @@ class Int4Linear(nn.Module):
         x2 = x if flat else x.reshape(-1, shape[-1])
         if self.packed is None:
             self.pack(x.device)
-        if self.backend == "triton":
+        if self.backend == "native":
+            out = int4_gemm.int4_mm(x2 if x2.is_contiguous() else x2.contiguous(),
+                                    self.packed, self.out_features)
+            if self.bias is not None:
+                out += self.bias
+        elif self.backend == "triton":
             out = quant_linear(x2, self.packed, *self.scales_and_zeros, 4, self.bias,
                                backend="triton")
         elif self.dense_rows is not None and x2.shape[0] >= self.dense_rows:
