@@ -65,7 +65,7 @@ def step_weight_bytes(model, dtype) -> tuple[int, int]:
     int4 = dense = 0
     for m in model.modules():
         if isinstance(m, Int4Linear):
-            int4 += m.packed.nbytes + m.scales_and_zeros.nbytes
+            int4 += m.nbytes
         elif hasattr(m, "in_features"):
             dense += m.in_features * m.out_features * dtype.itemsize
     return int4, dense

@@ -308,9 +308,10 @@ class Int4Linear(nn.Module):
         if why is None and device.type != "cpu":
             why = f"the native kernels run on the CPU, not {device.type}"
         if why is None:
-            try:
+            try:  # built here if this machine has no build yet: at load, not at a request
+                native.library()
                 self.packed = int4_gemm.pack(self.q, self.scale, self.zero - 8 * self.scale)
-            except ValueError as e:
+            except (RuntimeError, ValueError) as e:
                 why = str(e)
         if why is not None:
             if required:
@@ -385,6 +386,12 @@ class Int4Linear(nn.Module):
             if self.bias is not None:
                 out += self.bias
         return out if flat else out.view(*shape[:-1], self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held once packed: the 4-bit values with their scales and zeros."""
+        held = [self.packed, self.scales_and_zeros]
+        return sum(t.nbytes for t in held if t is not None)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
