@@ -2,7 +2,10 @@
 and a torch reference each.
 
 ``backend=None`` picks Triton for CUDA tensors and torch otherwise; the torch
-references are the CPU serving path and match transformers bit for bit.
+references are the CPU serving path and match transformers bit for bit, but for a bfloat16
+``prefill_attention`` where the native CPU kernels run (``kernels.native``): that one runs
+a C kernel, as accurate against float32 as SDPA's bfloat16 but not its bits
+(attention_prefill's docstring).
 Triton is optional: without it everything runs on torch.
 
 Every function checks its arguments and says what was wrong. The ones the model calls in
