@@ -15,13 +15,14 @@ causal mask otherwise), so each sequence gets the bits transformers gives it
 on its own, whatever else is in the batch. The Triton kernel computes as the
 decode kernel does (float32, tf32 tensor cores for bf16/fp16 inputs).
 
-One exception on the CPU: a bfloat16 ``prefill_attention`` runs the native kernel
+One exception on the CPU: bfloat16 (both functions) runs the native kernel
 (kernels/native/prefill_attention.c) where ``native.available()``, about 2.5x faster than
 SDPA at 1024 tokens: flash-style, Q.K^T and P.V on AVX512-BF16 with float32 accumulation,
 float32 online softmax, P rounded to bfloat16 for P.V. Not SDPA's bits, but the same
 error against float32 (about one bfloat16 rounding of the output; benchmarks/RESULTS.md).
-float32 and the paged variant keep SDPA, so float32 greedy output stays token-exact
-against transformers.
+A query's output does not depend on which other queries share its call, so a prompt
+prefilled in chunks over its cached pages gets the bits it gets in one piece. float32
+keeps SDPA, so float32 greedy output stays token-exact against transformers.
 """
 from __future__ import annotations
 
@@ -126,8 +127,7 @@ def _prefill_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
                    scale: float) -> torch.Tensor:
     cu = cu_seqlens.tolist()
     check_cu_values("cu_seqlens", cu, q.shape[0])
-    if (q.dtype == torch.bfloat16 and q.device.type == "cpu"
-            and native_prefill.supports(q.shape[2], q.shape[1], k.shape[1]) and _native_ready()):
+    if _use_native(q, k):
         return native_prefill.prefill_attention(last_dim_contiguous(q), last_dim_contiguous(k),
                                                 last_dim_contiguous(v), cu_seqlens.cpu(), scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
@@ -139,6 +139,13 @@ def _prefill_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
                  v[start:end].transpose(0, 1)[None], scale, is_causal=True)
         out[start:end] = o[0].transpose(0, 1)
     return out
+
+
+def _use_native(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """bfloat16 on the CPU goes to the native kernel where it runs and takes the shapes."""
+    return (q.dtype == torch.bfloat16 and q.device.type == "cpu"
+            and native_prefill.supports(q.shape[-1], q.shape[-2], k.shape[-2])
+            and _native_ready())
 
 
 @functools.cache
@@ -162,7 +169,7 @@ def _paged_prefill_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     check_cu_values("cu_seqlens_q", cu, q.shape[0])
     block_size = k_cache.shape[1]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
+    num_blocks = [0] * len(lens)  # pages each sequence reads
     for i, (start, end) in enumerate(zip(cu, cu[1:])):
         q_len, kv_len = end - start, lens[i]
         if q_len == 0:
@@ -170,11 +177,26 @@ def _paged_prefill_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         if kv_len < q_len:
             raise ValueError(f"sequence {i} has {q_len} new tokens but seq_lens[{i}] is only "
                              f"{kv_len}; seq_lens counts cached and new tokens")
-        num_blocks = -(-kv_len // block_size)
-        if num_blocks > block_tables.shape[1]:
-            raise ValueError(f"sequence {i} needs {num_blocks} blocks for {kv_len} tokens, but "
-                             f"block_tables has {block_tables.shape[1]} columns")
-        blocks = block_tables[i, :num_blocks].long()
+        num_blocks[i] = -(-kv_len // block_size)
+        if num_blocks[i] > block_tables.shape[1]:
+            raise ValueError(f"sequence {i} needs {num_blocks[i]} blocks for {kv_len} tokens, "
+                             f"but block_tables has {block_tables.shape[1]} columns")
+    if _use_native(q, k_cache):
+        # C reads the pages unchecked: every id a sequence reads must exist
+        used = torch.arange(block_tables.shape[1])[None, :] < torch.tensor(num_blocks)[:, None]
+        bad = used & ((block_tables < 0) | (block_tables >= k_cache.shape[0]))
+        if bad.any():
+            i, j = bad.nonzero()[0].tolist()
+            raise ValueError(f"block_tables[{i}, {j}] is {block_tables[i, j].item()}, not a "
+                             f"page of the cache's {k_cache.shape[0]}")
+        return native_prefill.paged_prefill_attention(
+            last_dim_contiguous(q), k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
+    for i, (start, end) in enumerate(zip(cu, cu[1:])):
+        q_len, kv_len = end - start, lens[i]
+        if q_len == 0:
+            continue
+        blocks = block_tables[i, :num_blocks[i]].long()
         k = k_cache[blocks].flatten(0, 1)[:kv_len]  # [L, KVH, D]
         v = v_cache[blocks].flatten(0, 1)[:kv_len]  # [L, KVH, D]
         mask = None

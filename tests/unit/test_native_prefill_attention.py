@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import attention_prefill, native, prefill_attention
+from pdserve.kernels import attention_prefill, native, paged_prefill_attention, prefill_attention
 from pdserve.kernels.native import prefill_attention as native_prefill
 
 WHY = native.why_unavailable()
@@ -110,3 +110,49 @@ def test_prefill_attention_takes_it_for_bfloat16_only():
     q, k, v = fused_qkv(lens, 4, 2, 40)
     assert not native_prefill.supports(40, 4, 2)
     assert torch.equal(prefill_attention(q, k, v, cu(lens), scale), sdpa(q, k, v, lens, scale))
+
+
+def paged(kv, block_size, seed=0):
+    """[L, KVH, D] of each sequence → cache [num_blocks, block_size, KVH, D] in shuffled
+    pages (the rest noise) and int32 block_tables, padded with -1."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = [-(-t.shape[0] // block_size) for t in kv]
+    order = torch.randperm(sum(counts) + 2, generator=gen)
+    cache = torch.randn(len(order), block_size, *kv[0].shape[1:], generator=gen).bfloat16()
+    tables = torch.full((len(kv), max(counts) + 1), -1, dtype=torch.int32)
+    used = 0
+    for i, (t, n) in enumerate(zip(kv, counts)):
+        ids, used = order[used:used + n], used + n
+        tables[i, :n] = ids.int()
+        flat = torch.zeros(n * block_size, *t.shape[1:], dtype=t.dtype)
+        flat[:t.shape[0]] = t
+        cache[ids] = flat.view(n, block_size, *t.shape[1:])
+    return cache, tables
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_chunks_over_pages_give_the_bits_of_one_piece(block_size):
+    # prompts of 70, 1, 200 and 0 tokens, of which 30, 1, 64 and 0 are new in this step
+    lens, new = [70, 1, 200, 0], [30, 1, 64, 0]
+    q, k, v = fused_qkv(lens, 9, 3, 64, seed=5)
+    whole = prefill_attention(q, k, v, cu(lens), 0.125)
+    starts = cu(lens)[:-1].tolist()
+    seqs = [slice(s, s + n) for s, n in zip(starts, lens)]
+    k_cache, tables = paged([k[s] for s in seqs], block_size)
+    v_cache, _ = paged([v[s] for s in seqs], block_size)
+    last = torch.cat([torch.arange(s.stop - n, s.stop) for s, n in zip(seqs, new)])
+    out = paged_prefill_attention(q[last], k_cache, v_cache, cu(new),
+                                  torch.tensor(lens, dtype=torch.int32), tables, 0.125)
+    assert torch.equal(out, whole[last])
+    ref = reference(q, k, v, lens, 0.125)[last]
+    bound = ROUND * ref.abs() + ROUND * v.double().abs().max() + 1e-5
+    assert ((out.double() - ref).abs() <= bound).all()
+
+
+def test_paged_refuses_a_page_that_does_not_exist():
+    q, k, v = fused_qkv([20], 9, 3, 64)
+    k_cache, tables = paged([k], 16)
+    tables[0, 1] = k_cache.shape[0]
+    with pytest.raises(ValueError, match=r"block_tables\[0, 1\]"):
+        paged_prefill_attention(q, k_cache, k_cache, cu([20]),
+                                torch.tensor([20], dtype=torch.int32), tables, 0.125)

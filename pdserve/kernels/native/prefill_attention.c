@@ -1,5 +1,7 @@
-/* Causal attention of fresh prompts on AVX512-BF16 (kernels/attention_prefill.py's CPU path
- * for bfloat16): sequences packed back to back, each attending to its own keys 0..p.
+/* Causal attention of prompts on AVX512-BF16 (kernels/attention_prefill.py's CPU path for
+ * bfloat16): sequences' new tokens packed back to back, the query at position p attending
+ * to its sequence's keys 0..p, which are the new tokens themselves (a fresh prompt) or
+ * its pages of the KV cache (a chunk after a cached prefix).
  *
  * Flash-style: a panel of R query rows walks the key blocks of BN keys up to its last
  * query's position, keeping a running max m, sum l and output O in float32 (online
@@ -182,15 +184,29 @@ static int cmp_cost(const void *a, const void *b) {
     return ((const item_t *)b)->cost - ((const item_t *)a)->cost;
 }
 
-/* K of one sequence and KV head, keys n of block b → kp[b][D/2][BN][2]; keys past len 0.
- * V → vp[key pair][D][2] (p_bf16) or vf[key][D] float32. */
-static void pack_block(const uint16_t *k, const uint16_t *v, int64_t sk, int64_t sv, int len,
-                       int b, int D, int p_bf16, uint16_t *kp, uint16_t *vp, float *vf) {
+/* Where one sequence's keys are: token rows from ``first`` (a fresh prompt), or pages. */
+typedef struct {
+    int64_t first;              /* fresh: the sequence's first token row */
+    const int64_t *table;       /* paged: its block table row, else NULL */
+    int block_size;
+} keys_t;
+
+static inline int64_t key_row(const keys_t *kr, int n) {
+    if (!kr->table) return kr->first + n;
+    return kr->table[n / kr->block_size] * kr->block_size + n % kr->block_size;
+}
+
+/* K of one sequence and KV head (k, v: that head's column), keys n of block b →
+ * kp[b][D/2][BN][2]; keys past len 0. V → vp[key pair][D][2] (p_bf16) or vf[key][D]
+ * float32. */
+static void pack_block(const uint16_t *k, const uint16_t *v, int64_t sk, int64_t sv,
+                       const keys_t *kr, int len, int b, int D, int p_bf16, uint16_t *kp,
+                       uint16_t *vp, float *vf) {
     uint32_t *kb = (uint32_t *)(kp + (size_t)b * BN * D);
     for (int n = 0; n < BN; n++) {
         int key = b * BN + n;
         if (key < len) {
-            const uint32_t *row = (const uint32_t *)(k + key * sk);
+            const uint32_t *row = (const uint32_t *)(k + key_row(kr, key) * sk);
             for (int i = 0; i < D / 2; i++) kb[i * BN + n] = row[i];
         } else {
             for (int i = 0; i < D / 2; i++) kb[i * BN + n] = 0;
@@ -203,10 +219,11 @@ static void pack_block(const uint16_t *k, const uint16_t *v, int64_t sk, int64_t
             for (int d = 0; d < D; d += 16) {
                 __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
                 if (key < len)
-                    lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v + key * sv + d)));
+                    lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                        (const __m256i *)(v + key_row(kr, key) * sv + d)));
                 if (key + 1 < len)
-                    hi = _mm512_cvtepu16_epi32(
-                        _mm256_loadu_si256((const __m256i *)(v + (key + 1) * sv + d)));
+                    hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                        (const __m256i *)(v + key_row(kr, key + 1) * sv + d)));
                 _mm512_storeu_si512(dst + 2 * d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
             }
         }
@@ -217,36 +234,44 @@ static void pack_block(const uint16_t *k, const uint16_t *v, int64_t sk, int64_t
             for (int d = 0; d < D; d += 16) {
                 __m512i u = _mm512_setzero_si512();
                 if (key < len)
-                    u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v + key * sv + d)));
+                    u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                        (const __m256i *)(v + key_row(kr, key) * sv + d)));
                 _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)));
             }
         }
     }
 }
 
-/* out = causal attention of each sequence's queries over its own keys, all bfloat16.
- * q [T, H, D] with strides (sqt, sqh), k/v [T, KVH, D] with (skt, skh), (svt, svh), out
- * [T, H, D] with (sot, soh), all in elements, unit stride along D; cu[num_seqs + 1] int64.
- * D a multiple of 16 (at most 256), H a multiple of KVH, H / KVH at most 16. scale: the
- * softmax's. Threads: OpenMP's default for the calling thread (torch's). Returns 0, or -1
- * if the scratch could not be allocated. */
+/* out = causal attention of each sequence's new queries over its keys, all bfloat16.
+ * q [T, H, D] with strides (sqt, sqh) in elements, unit stride along D, likewise out; the
+ * queries of sequence s are rows cu[s] .. cu[s + 1] - 1 (cu int64 [num_seqs + 1]).
+ * Fresh prompts (kv_lens NULL): k/v [T, KVH, D], strides (skt, skh), (svt, svh); sequence
+ * s's keys are its queries' rows. Paged (kv_lens int64 [num_seqs]): k/v are the caches
+ * [num_blocks, block_size, KVH, D] contiguous, (skt, skh) = (KVH D, D), token n of
+ * sequence s at page tables[s * table_stride + n / block_size]; its q_len queries are the
+ * last of its kv_lens[s] tokens. The caller has checked every length and page index.
+ * D a multiple of 16, at most 256; H a multiple of KVH. scale: the softmax's. Threads:
+ * OpenMP's default for the calling thread (torch's). Returns 0, or -1 if the scratch could
+ * not be allocated. */
 int bf16_prefill_attention(const uint16_t *q, int64_t sqt, int64_t sqh, const uint16_t *k,
                            int64_t skt, int64_t skh, const uint16_t *v, int64_t svt,
                            int64_t svh, uint16_t *out, int64_t sot, int64_t soh,
-                           const int64_t *cu, int num_seqs, int H, int KVH, int D, float scale,
-                           int p_bf16) {
+                           const int64_t *cu, int num_seqs, const int64_t *kv_lens,
+                           const int64_t *tables, int64_t table_stride, int block_size,
+                           int H, int KVH, int D, float scale, int p_bf16) {
     const int G = H / KVH;
     const float c = scale * 1.4426950408889634f;
+#define KV_LEN(s) (kv_lens ? (int)kv_lens[s] : (int)(cu[(s) + 1] - cu[s]))
     /* per sequence: first padded key block, so packed K/V of (seq, kvh) start at
-     * ((blk0[s] * KVH + kvh) * BN) keys */
+     * ((blk0[s] * KVH + kvh * blocks of s) * BN) keys */
     int *blk0 = malloc(sizeof(int) * (num_seqs + 1));
     if (!blk0) return -1;
     int num_items = 0;
     blk0[0] = 0;
     for (int s = 0; s < num_seqs; s++) {
-        int len = (int)(cu[s + 1] - cu[s]);
-        blk0[s + 1] = blk0[s] + (len + BN - 1) / BN;
-        num_items += KVH * ((len + BM - 1) / BM);
+        int q_len = (int)(cu[s + 1] - cu[s]);
+        blk0[s + 1] = blk0[s] + (q_len ? (KV_LEN(s) + BN - 1) / BN : 0);
+        num_items += KVH * ((q_len + BM - 1) / BM);
     }
     const size_t keys = (size_t)blk0[num_seqs] * KVH * BN;
     item_t *items = malloc(sizeof(item_t) * (num_items + 1));
@@ -260,10 +285,10 @@ int bf16_prefill_attention(const uint16_t *q, int64_t sqt, int64_t sqh, const ui
     float *vf = vbuf;
     int n = 0;
     for (int s = 0; s < num_seqs; s++) {
-        int len = (int)(cu[s + 1] - cu[s]);
-        for (int t = 0; t < (len + BM - 1) / BM; t++)
+        int q_len = (int)(cu[s + 1] - cu[s]), past = KV_LEN(s) - q_len;
+        for (int t = 0; t < (q_len + BM - 1) / BM; t++)
             for (int h = 0; h < KVH; h++)
-                items[n++] = (item_t){s, h, t, t * BM + BM};
+                items[n++] = (item_t){s, h, t, past + t * BM + BM};
     }
     qsort(items, num_items, sizeof(item_t), cmp_cost);
     const int num_blocks = blk0[num_seqs] * KVH;
@@ -274,10 +299,10 @@ int bf16_prefill_attention(const uint16_t *q, int64_t sqt, int64_t sqh, const ui
             /* (block index over all sequences) x kvh → sequence by search */
             int h = i % KVH, bb = i / KVH, s = 0;
             while (blk0[s + 1] <= bb) s++;
-            int len = (int)(cu[s + 1] - cu[s]), b = bb - blk0[s];
+            const keys_t kr = {cu[s], tables ? tables + s * table_stride : NULL, block_size};
             size_t base = ((size_t)blk0[s] * KVH + (size_t)h * (blk0[s + 1] - blk0[s])) * BN;
-            pack_block(k + cu[s] * skt + h * skh, v + cu[s] * svt + h * svh, skt, svt, len, b,
-                       D, p_bf16, kp + base * D, vp + base * D, vf + base * D);
+            pack_block(k + h * skh, v + h * svh, skt, svt, &kr, KV_LEN(s), bb - blk0[s], D,
+                       p_bf16, kp + base * D, vp + base * D, vf + base * D);
         }
         float o[R_MAX * 256];
         uint16_t pbuf[R_MAX * BN];
@@ -285,9 +310,10 @@ int bf16_prefill_attention(const uint16_t *q, int64_t sqt, int64_t sqh, const ui
 #pragma omp for schedule(dynamic, 1)
         for (int it = 0; it < num_items; it++) {
             const item_t w = items[it];
-            const int s = w.seq, len = (int)(cu[s + 1] - cu[s]);
-            const size_t base = ((size_t)blk0[s] * KVH + (size_t)w.kvh * (blk0[s + 1] - blk0[s])) * BN;
-            const int t0 = w.tile * BM, t1 = t0 + BM < len ? t0 + BM : len;
+            const int s = w.seq, q_len = (int)(cu[s + 1] - cu[s]), past = KV_LEN(s) - q_len;
+            const size_t base = ((size_t)blk0[s] * KVH + (size_t)w.kvh * (blk0[s + 1] - blk0[s]))
+                                * BN;
+            const int t0 = w.tile * BM, t1 = t0 + BM < q_len ? t0 + BM : q_len;
             const int rows = (t1 - t0) * G;
             for (int r0 = 0; r0 < rows; r0 += R_MAX) {
                 const int R = rows - r0 < R_MAX ? rows - r0 : R_MAX;
@@ -296,7 +322,7 @@ int bf16_prefill_attention(const uint16_t *q, int64_t sqt, int64_t sqh, const ui
                 int pos[R_MAX];
                 for (int r = 0; r < R; r++) {
                     int tok = t0 + (r0 + r) / G, h = w.kvh * G + (r0 + r) % G;
-                    pos[r] = tok;
+                    pos[r] = past + tok;
                     qrow[r] = q + (cu[s] + tok) * sqt + h * sqh;
                     orow[r] = out + (cu[s] + tok) * sot + h * soh;
                 }
@@ -305,6 +331,7 @@ int bf16_prefill_attention(const uint16_t *q, int64_t sqt, int64_t sqh, const ui
             }
         }
     }
+#undef KV_LEN
     free(blk0); free(items); free(kp); free(vbuf);
     return 0;
 }
