@@ -58,6 +58,42 @@ static inline __m512 bcast_pair(const uint16_t *p) {
 
 #define DP(acc, a, b) _mm512_dpbf16_ps((acc), (__m512bh)(a), (__m512bh)(b))
 
+/* o[r][d0 .. d0 + 16 NV) = o * alpha[r] + P.V over key block b, R and NV constants at
+ * each call site: the R x NV accumulators stay in registers. */
+static inline __attribute__((always_inline)) void pv(
+        float *o, const float *alpha, const int R, const int NV, int d0, int D, int b,
+        int p_bf16, const uint16_t *pbuf, const uint16_t *vp, const float *pf, const float *vf) {
+    __m512 acc[R_MAX][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < NV; j++)
+            acc[r][j] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d0 + 16 * j),
+                                      _mm512_set1_ps(alpha[r]));
+    if (p_bf16) {
+        const uint16_t *vb = vp + (size_t)b * BN * D + 2 * d0;
+        for (int i = 0; i < BN / 2; i++) {
+            const uint16_t *vv = vb + (size_t)i * 2 * D;
+            __m512 v[4];
+            for (int j = 0; j < NV; j++) v[j] = _mm512_loadu_ps(vv + 32 * j);
+            for (int r = 0; r < R; r++) {
+                __m512 pp = bcast_pair(pbuf + r * BN + 2 * i);
+                for (int j = 0; j < NV; j++) acc[r][j] = DP(acc[r][j], pp, v[j]);
+            }
+        }
+    } else {
+        const float *vb = vf + (size_t)b * BN * D + d0;
+        for (int n = 0; n < BN; n++) {
+            __m512 v[4];
+            for (int j = 0; j < NV; j++) v[j] = _mm512_loadu_ps(vb + (size_t)n * D + 16 * j);
+            for (int r = 0; r < R; r++) {
+                __m512 pp = _mm512_set1_ps(pf[r * BN + n]);
+                for (int j = 0; j < NV; j++) acc[r][j] = _mm512_fmadd_ps(pp, v[j], acc[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < NV; j++) _mm512_storeu_ps(o + r * D + d0 + 16 * j, acc[r][j]);
+}
+
 /* One panel of R rows (R a constant at each call site: the accumulators stay in registers)
  * over key blocks 0..nblocks-1 of one sequence and KV head. */
 static inline __attribute__((always_inline)) void panel(
@@ -125,37 +161,13 @@ static inline __attribute__((always_inline)) void panel(
             }
         }
         /* O = O * alpha + P.V, 64 dimensions (4 vectors) at a time */
-        for (int d0 = 0; d0 < D; d0 += 64) {
-            const int nv = D - d0 >= 64 ? 4 : (D - d0) / 16;
-            __m512 acc[R_MAX][4];
-            for (int r = 0; r < R; r++)
-                for (int j = 0; j < nv; j++)
-                    acc[r][j] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d0 + 16 * j),
-                                              _mm512_set1_ps(alpha[r]));
-            if (p_bf16) {
-                const uint16_t *vb = vp + (size_t)b * BN * D + 2 * d0;
-                for (int i = 0; i < BN / 2; i++) {
-                    const uint16_t *vv = vb + (size_t)i * 2 * D;
-                    __m512 v[4];
-                    for (int j = 0; j < nv; j++) v[j] = _mm512_loadu_ps(vv + 32 * j);
-                    for (int r = 0; r < R; r++) {
-                        __m512 pp = bcast_pair(pbuf + r * BN + 2 * i);
-                        for (int j = 0; j < nv; j++) acc[r][j] = DP(acc[r][j], pp, v[j]);
-                    }
-                }
-            } else {
-                const float *vb = vf + (size_t)b * BN * D + d0;
-                for (int n = 0; n < BN; n++) {
-                    __m512 v[4];
-                    for (int j = 0; j < nv; j++) v[j] = _mm512_loadu_ps(vb + (size_t)n * D + 16 * j);
-                    for (int r = 0; r < R; r++) {
-                        __m512 pp = _mm512_set1_ps(pf[r * BN + n]);
-                        for (int j = 0; j < nv; j++) acc[r][j] = _mm512_fmadd_ps(pp, v[j], acc[r][j]);
-                    }
-                }
-            }
-            for (int r = 0; r < R; r++)
-                for (int j = 0; j < nv; j++) _mm512_storeu_ps(o + r * D + d0 + 16 * j, acc[r][j]);
+        int d0 = 0;
+        for (; d0 + 64 <= D; d0 += 64)
+            pv(o, alpha, R, 4, d0, D, b, p_bf16, pbuf, vp, pf, vf);
+        switch ((D - d0) / 16) {
+        case 3: pv(o, alpha, R, 3, d0, D, b, p_bf16, pbuf, vp, pf, vf); break;
+        case 2: pv(o, alpha, R, 2, d0, D, b, p_bf16, pbuf, vp, pf, vf); break;
+        case 1: pv(o, alpha, R, 1, d0, D, b, p_bf16, pbuf, vp, pf, vf); break;
         }
     }
     for (int r = 0; r < R; r++) {
