@@ -143,7 +143,9 @@ static inline __attribute__((always_inline)) void panel(
             float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(s[r][0], s[r][1]),
                                                           _mm512_max_ps(s[r][2], s[r][3])));
             float mnew = mx > m[r] ? mx : m[r];     /* finite: key 0 is in block 0 */
-            alpha[r] = exp2f(m[r] - mnew);          /* 0 for the first block */
+            /* 1 while the max stands (most blocks after the first), ~0 on the first block */
+            alpha[r] = mnew == m[r] ? 1.0f
+                       : _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(m[r] - mnew)));
             m[r] = mnew;
             __m512 vm = _mm512_set1_ps(mnew), sum = _mm512_setzero_ps();
             for (int j = 0; j < 4; j++) {
