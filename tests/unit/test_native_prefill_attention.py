@@ -91,6 +91,11 @@ def test_packed_sequences(num_heads, num_kv_heads, head_dim):
     check([5, 0, 64, 129, 1, 33], num_heads, num_kv_heads, head_dim)
 
 
+@pytest.mark.parametrize("head_dim", [16, 48, 80, 96])  # P.V's last chunk of 1-3 vectors
+def test_head_dims_past_a_multiple_of_64(head_dim):
+    check([70, 3], 9, 3, head_dim)
+
+
 @pytest.mark.parametrize("lens", [[17], [300, 0, 65]])
 def test_p_in_float32(lens):
     check(lens, 9, 3, 64, p_bf16=False)

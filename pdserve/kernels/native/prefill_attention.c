@@ -14,7 +14,10 @@
  * The products are exact in float32 and summed in float32; the softmax is float32 (exp2
  * by a degree-6 polynomial, relative error ~2e-7). The one rounding beyond torch's float32
  * path is P to bfloat16 before P.V (p_bf16 = 1); p_bf16 = 0 keeps P.V in float32 FMAs
- * over V widened to float32 (same bits in, about half the speed of that stage).
+ * over V widened to float32 (25-35% more time in all, a third less mean error; both in
+ * benchmarks/RESULTS.md). A row's arithmetic does not depend on the other rows of its
+ * panel (a block wholly masked for it leaves its m, l and O as they were, bit for bit), so
+ * a prompt prefilled in chunks gets the bits it gets in one piece.
  *
  * GQA: a work item is one sequence's tile of BM query tokens times the GROUP query heads
  * that share a KV head, rows ordered token-major (row = token * GROUP + head), so every
