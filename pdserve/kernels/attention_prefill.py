@@ -16,7 +16,7 @@ on its own, whatever else is in the batch. The Triton kernel computes as the
 decode kernel does (float32, tf32 tensor cores for bf16/fp16 inputs).
 
 One exception on the CPU: bfloat16 (both functions) runs the native kernel
-(kernels/native/prefill_attention.c) where ``native.available()``, about 2.5x faster than
+(kernels/native/prefill_attention.c) where ``native.available()``, about 5x faster than
 SDPA at 1024 tokens: flash-style, Q.K^T and P.V on AVX512-BF16 with float32 accumulation,
 float32 online softmax, P rounded to bfloat16 for P.V. Not SDPA's bits, but the same
 error against float32 (about one bfloat16 rounding of the output; benchmarks/RESULTS.md).
