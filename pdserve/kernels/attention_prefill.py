@@ -142,25 +142,25 @@ def _prefill_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
 
 
 def _use_native(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """bfloat16 on the CPU goes to the native kernel where it runs and takes the shapes."""
+    """bfloat16 on the CPU goes to the native kernel where it runs and takes the shapes.
+    ``native.why_unavailable()`` is asked each time: a caller that turns the kernels off
+    (``PDSERVE_NATIVE_KERNELS=0`` and a cache_clear, as benchmarks/quant_greedy.py does)
+    gets SDPA from the next call."""
     return (q.dtype == torch.bfloat16 and q.device.type == "cpu"
             and native_prefill.supports(q.shape[-1], q.shape[-2], k.shape[-2])
-            and _native_ready())
+            and native.why_unavailable() is None and _native_built())
 
 
 @functools.cache
-def _native_ready() -> bool:
-    """Whether bfloat16 prefills run the native kernel: the library builds here if this
-    machine has none yet (once); a failed build keeps torch's SDPA, with the reason logged."""
-    why = native.why_unavailable()
-    if why is None:
-        try:
-            native.library()
-        except RuntimeError as e:
-            why = str(e)
-    if why is not None:
-        log.warning("bfloat16 prefill attention: torch's SDPA, not the native kernel: %s", why)
-    return why is None
+def _native_built() -> bool:
+    """The library, built here if this machine has none yet (once); a failed build keeps
+    torch's SDPA, with the compiler's message logged."""
+    try:
+        native.library()
+    except RuntimeError as e:
+        log.warning("bfloat16 prefill attention: torch's SDPA, not the native kernel: %s", e)
+        return False
+    return True
 
 
 def _paged_prefill_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

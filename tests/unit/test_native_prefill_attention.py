@@ -101,10 +101,10 @@ def test_p_in_float32(lens):
     check(lens, 9, 3, 64, p_bf16=False)
 
 
-def test_prefill_attention_takes_it_for_bfloat16_only():
+def test_prefill_attention_takes_it_for_bfloat16_only(monkeypatch):
     lens, scale = [40, 0, 70], 0.125
     q, k, v = fused_qkv(lens, 9, 3, 64)
-    assert attention_prefill._native_ready()
+    assert attention_prefill._native_built()
     want = native_prefill.prefill_attention(q, k, v, cu(lens), scale)
     assert torch.equal(prefill_attention(q, k, v, cu(lens), scale), want)
     # float32 keeps SDPA's bits (token-exact greedy output against transformers)
@@ -114,6 +114,10 @@ def test_prefill_attention_takes_it_for_bfloat16_only():
     # a head_dim the kernel does not take keeps SDPA
     q, k, v = fused_qkv(lens, 4, 2, 40)
     assert not native_prefill.supports(40, 4, 2)
+    assert torch.equal(prefill_attention(q, k, v, cu(lens), scale), sdpa(q, k, v, lens, scale))
+    # turned off (PDSERVE_NATIVE_KERNELS=0 read anew): SDPA from the next call
+    q, k, v = fused_qkv(lens, 9, 3, 64)
+    monkeypatch.setattr(native, "why_unavailable", lambda: "off for this test")
     assert torch.equal(prefill_attention(q, k, v, cu(lens), scale), sdpa(q, k, v, lens, scale))
 
 

@@ -237,7 +237,7 @@ class _Attn(torch.nn.Module):
 def test_references_are_bitwise_transformers_sdpa(dtype, monkeypatch):
     hf = pytest.importorskip("transformers.integrations.sdpa_attention")
     # bfloat16 prefill runs the native kernel where it can (its own tests); SDPA here
-    monkeypatch.setattr(attention_prefill, "_native_ready", lambda: False)
+    monkeypatch.setattr(attention_prefill, "_native_built", lambda: False)
     num_heads, num_kv_heads, head_dim, scale = 8, 2, 64, 0.125
     ks, vs, gen = random_seqs([37], num_heads, num_kv_heads, head_dim, dtype)
     q = torch.randn(37, num_heads, head_dim, generator=gen).to(dtype)
