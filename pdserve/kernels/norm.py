@@ -19,6 +19,7 @@ from pdserve.kernels._dispatch import (
     tl,
     triton,
 )
+from pdserve.kernels.native import decode_ops
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -44,6 +45,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             check_same_dtype("residual", residual, "x", x)
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
             raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+    if backend is None and decode_ops.runs(x) and decode_ops.unit_stride(x, weight, residual):
+        # bfloat16 on the CPU: one native call for the torch path's 4-9 operations, same bits
+        if residual is None:
+            return decode_ops.rms_norm(x, weight, eps)
+        new_residual = residual if add_in_place else torch.empty_like(x)
+        return decode_ops.rms_norm(x, weight, eps, residual, new_residual), new_residual
     if pick_backend(backend, x.device) == "torch":
         if residual is None:
             return _rms_norm_torch(x, weight, eps)
