@@ -141,7 +141,7 @@ class MLP(nn.Module):
             up = nn.functional.linear(x, w[i:], None if b is None else b[i:])
         else:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        if decode_ops.runs(gate) and decode_ops.unit_stride(gate, up):
+        if decode_ops.runs(gate) and up.stride(1) == 1:
             # bfloat16 on the CPU: silu and the product in one native call, the same bits
             return self.down_proj(decode_ops.silu_mul(gate, up))
         # gate is this call's own (a new tensor or a half of one): silu goes into it, and

@@ -32,26 +32,29 @@ static inline __m512 load_bf16(const bf16 *p, int n) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
-/* float32 -> bfloat16, round to nearest even, as c10's conversion (NaN kept a NaN) */
-static inline __m256i round_bf16(__m512 f) {
+/* float32 rounded to the nearest bfloat16 (ties to even, as c10's conversion; a NaN stays a
+ * NaN), still as float32: the value a torch operation in bfloat16 keeps */
+static inline __m512 bf16_value(__m512 f) {
     __m512i u = _mm512_castps_si512(f);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
     __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000)));
 }
 
-/* float32 rounded to bfloat16 and back: the value a torch operation in bfloat16 keeps */
-static inline __m512 bf16_value(__m512 f) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_bf16(f)), 16));
+/* the upper halves of 16 bfloat16-valued floats */
+static inline __m256i pack_bf16(__m512 v) {
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
 }
 
+/* f rounded to bfloat16 into p[0..n) (n < 16 masked) */
 static inline void store_bf16(bf16 *p, __m512 f, int n) {
+    __m256i v = pack_bf16(bf16_value(f));
     if (n >= 16)
-        _mm256_storeu_si256((__m256i *)p, round_bf16(f));
+        _mm256_storeu_si256((__m256i *)p, v);
     else
-        _mm256_mask_storeu_epi16(p, (__mmask16)((1u << n) - 1), round_bf16(f));
+        _mm256_mask_storeu_epi16(p, (__mmask16)((1u << n) - 1), v);
 }
 
 /* ---------------------------------------------------------------------------------------

@@ -23,13 +23,9 @@ _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 
 def runs(t: torch.Tensor) -> bool:
-    """Whether these kernels take t: bfloat16 on the CPU, native kernels available."""
-    return t.dtype is torch.bfloat16 and t.is_cpu and native.available()
-
-
-def unit_stride(*tensors: torch.Tensor | None) -> bool:
-    """Whether each tensor (None: absent) has a unit stride in its last dimension."""
-    return all(t is None or t.stride(-1) == 1 for t in tensors)
+    """Whether these kernels take t: bfloat16 on the CPU with a unit stride in its last
+    dimension, native kernels available."""
+    return t.dtype is torch.bfloat16 and t.is_cpu and t.stride(-1) == 1 and native.available()
 
 
 @functools.cache
