@@ -6,7 +6,10 @@ a cos/sin table built as transformers builds it the CPU path is bit-identical.
 The Triton kernel loads into float32 but rounds cos/sin, each product and the
 sum to q's dtype just as those torch ops do, so it gives the same bits too.
 (Under TRITON_INTERPRET, float32 -> bfloat16 casts truncate instead of
-rounding to nearest, so there bfloat16 results can be an ulp off.)
+rounding to nearest, so there bfloat16 results can be an ulp off.) ``rotate_`` on a
+bfloat16 CPU tensor is one native call (kernels/native/decode_ops.c, where
+``native.available()``) rounding each product and the sum as its torch ops do: the same
+bits.
 """
 from __future__ import annotations
 

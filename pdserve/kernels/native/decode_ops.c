@@ -6,22 +6,29 @@
  * Each repeats the torch path's arithmetic in its order, rounding to bfloat16 where torch
  * rounds (round to nearest even, as torch's conversion; not VCVTNEPS2BF16, which flushes
  * subnormals):
- *   rms_norm   sum = bf16(x + res); v = float32 sum of sum^2 in the order of torch's
- *              cascade_sum; out = bf16(bf16(sum * (1 / sqrt(v / n + eps)))
- *              * w). Bit-identical to the torch path where torch's sum runs that kernel.
+ *   rms_norm   sum = bf16(x + res); v = the float32 sum of sum^2 in the order of torch's
+ *              cascade_sum (below); out = bf16(bf16(sum * (1 / sqrt(v / n + eps))) * w).
+ *              Bit-identical to the torch path (torch 2.13; a torch whose sum changes
+ *              order would differ by a rounding now and then: the tests would say).
  *   rotate     x[j] = bf16(bf16(x[j] * cos[j]) + bf16(x[j + D/2 mod D] * sin[j])), sin with
  *              rotate_half's sign folded in (RotaryTables). Bit-identical.
  *   silu_mul   out = bf16(bf16(g / (1 + exp(-g))) * u), exp as torch's vectorised one
- *              (SLEEF's expf u10 algorithm, reimplemented here).
+ *              (SLEEF's expf u10, reimplemented here). Bit-identical where torch runs
+ *              its 32-wide vectors (rows of a multiple of 32: every Llama's); past them
+ *              torch uses std::exp, and silu can differ by one bfloat16 rounding.
  *
- * No OpenMP below PARALLEL_MIN elements: at a decode step's sizes, waking the pool's
- * threads (10-20 us on a 2-core EPYC) costs more than the work.
+ * Rows split over torch's OpenMP threads from PARALLEL_MIN elements (8,192) up. Measured on
+ * a 2-core EPYC, both threads warm (benchmarks/RESULTS.md): at one row the team costs
+ * 0.3-0.9 us more than it saves; at 16 rows (9,216 to 24,576 elements) it saves 0.7 us of
+ * 3.7 (norm), 1.2 of 5.9 (rotary), 12.6 of 32.9 (silu * up); by 2,048 rows about half.
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
-#define PARALLEL_MIN (1 << 18)   /* elements; a 2,048-token prefill's norm is 1.2 M */
+#ifndef PARALLEL_MIN
+#define PARALLEL_MIN 8192        /* elements */
+#endif
 
 typedef uint16_t bf16;
 
