@@ -19,8 +19,8 @@
  *
  * Rows split over torch's OpenMP threads from PARALLEL_MIN elements (8,192) up. Measured on
  * a 2-core EPYC, both threads warm (benchmarks/RESULTS.md): at one row the team costs
- * 0.3-0.9 us more than it saves; at 16 rows (9,216 to 24,576 elements) it saves 0.7 us of
- * 3.7 (norm), 1.2 of 5.9 (rotary), 12.6 of 32.9 (silu * up); by 2,048 rows about half.
+ * 0.2 us more than it saves; at 16 rows (9,216 to 24,576 elements) it saves 0.9 us of 3.7
+ * (norm), 0.6 of 5.1 (rotary), 5.2 of 12.5 (silu * up); at 2,048 rows half (rotary 14 %).
  */
 #include <immintrin.h>
 #include <math.h>
