@@ -86,7 +86,7 @@ def rotate_(x: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
     a layer's q heads and k heads side by side (one call for both; x any strides with a
     unit last one): in place, they stay beside the layer's v in its fused qkv output.
     bfloat16 on the CPU: one native call (kernels/native/decode_ops.c), the same bits."""
-    if decode_ops.runs(x):
+    if decode_ops.runs(x) and tables.cos.dtype is torch.bfloat16:
         return decode_ops.rotate_(x, tables.cos, tables.sin)
     return _rotate_torch(x, tables)
 
