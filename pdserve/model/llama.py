@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from pdserve import kernels
+from pdserve.kernels.native import decode_ops
 from pdserve.model.attention import AttentionMetadata, PagedAttention
 from pdserve.model.config import ModelConfig
 from pdserve.model.cpu_linear import OneDNNLinear
@@ -143,6 +144,9 @@ class MLP(nn.Module):
             up = nn.functional.linear(x, w[i:], None if b is None else b[i:])
         else:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        if decode_ops.runs(gate) and up.stride(1) == 1:
+            # bfloat16 on the CPU: silu and the product in one native call, the same bits
+            return self.down_proj(decode_ops.silu_mul(gate, up))
         # gate is this call's own (a new tensor or a half of one): silu goes into it, and
         # the product too where gate is a whole tensor (same bits as silu(gate) * up). A
         # strided half takes the product into a new tensor: the int4 GEMM needs its input
