@@ -308,10 +308,9 @@ class Int4Linear(nn.Module):
         if why is None and device.type != "cpu":
             why = f"the native kernels run on the CPU, not {device.type}"
         if why is None:
-            try:  # built here if this machine has no build yet: at load, not at a request
-                native.library()
+            try:
                 self.packed = int4_gemm.pack(self.q, self.scale, self.zero - 8 * self.scale)
-            except (RuntimeError, ValueError) as e:
+            except ValueError as e:
                 why = str(e)
         if why is not None:
             if required:

@@ -20,6 +20,9 @@ lin = Int4Linear(torch.zeros(16, 32, dtype=torch.uint8), torch.ones(16, 1), torc
                  dtype=torch.bfloat16).pack()
 print("backend:", lin.backend)
 print(kernels_used([lin]))
+from pdserve import kernels  # a bfloat16 op with a native version serves either way
+x = torch.ones(2, 32, dtype=torch.bfloat16)
+print("norm:", kernels.rms_norm(x, torch.ones(32, dtype=torch.bfloat16), 1e-6).sum().item())
 """
 
 
@@ -51,8 +54,9 @@ def test_built_once_into_the_cache_and_reused(tmp_path):
 
 @pytest.mark.skipif(not native.available(), reason=f"native: {native.why_unavailable()}")
 def test_a_failing_compiler_is_reported_and_torchs_kernel_serves(tmp_path):
-    """A `cc` that fails (a broken toolchain): the layer logs the compiler's message and the
-    switch, and runs torch's kernel; nothing half-built is left in the cache."""
+    """A `cc` that fails (a broken toolchain): the compiler's message and the switch are
+    logged, torch's kernels serve (the int4 layer's and a norm's), and nothing half-built
+    is left in the cache."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     cc = bin_dir / "cc"
@@ -61,6 +65,6 @@ def test_a_failing_compiler_is_reported_and_torchs_kernel_serves(tmp_path):
     cc.chmod(cc.stat().st_mode | stat.S_IXUSR)
     out = run({"XDG_CACHE_HOME": str(tmp_path / "cache"),
                "PATH": f"{bin_dir}:{os.environ['PATH']}"})
-    assert "backend: torch" in out
+    assert "backend: torch" in out and "norm: 64.0" in out
     assert "cc exit 3" in out and "no room for the build" in out and f"{native.ENV}=0" in out
     assert not any((tmp_path / "cache" / "pdserve" / "native").iterdir())
