@@ -9,6 +9,7 @@ against the exact GEMM is that rounding's. Logits come out in float32.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import numpy as np
 import torch
@@ -23,10 +24,12 @@ GGUF_BLOCK_BYTES = 34   # Q8_0 in the file: f16 d, then 32 int8
 _P, _I = ctypes.c_void_p, ctypes.c_int
 
 
+@functools.cache   # once: the decode step calls both, and a lookup is a few microseconds
 def _mm():
     return function("q8_mm", [_P, _I, _I, _I, _I, _P, _P])
 
 
+@functools.cache
 def _rows():
     return function("q8_rows", [_P, _I, _I, _P, _I, _P, _I])
 
