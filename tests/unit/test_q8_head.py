@@ -156,6 +156,8 @@ def test_the_default_model_picks_the_path_and_decodes_as_its_dequantized_self(mo
         del llm
     firsts = [first_difference(a, b) for a, b in zip(outs[True], outs[False])]
     print(f"first differing position per prompt (None: equal): {firsts}")
-    # int8 hidden states move near-ties; a wrong kernel or lookup moves the first tokens
-    assert all(f is None or f >= 4 for f in firsts), firsts
-    assert firsts.count(None) >= len(firsts) // 2, firsts
+    # int8 hidden states move near-ties (with the int4 projections' int8 activations
+    # around them, from the second token on); a wrong kernel or lookup moves the first
+    # token of every prompt and leaves no prompt long on track
+    assert all(f is None or f >= 1 for f in firsts), firsts
+    assert sum(f is None or f >= 8 for f in firsts) >= len(firsts) // 2, firsts
