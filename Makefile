@@ -29,10 +29,11 @@ serve: $(VENV)/.installed
 	exec $(VENV)/bin/pdserve launch $(if $(MODEL),--model '$(MODEL)') $(ARGS)
 
 # Prometheus and etcd (Debian's packages) back tests/e2e/test_prometheus.py and
-# test_fleet.py; the scripts never fail.
+# test_fleet.py, a C compiler the native CPU kernels; the scripts never fail.
 test: $(VENV)/.installed
 	sh .ci/install-prometheus.sh
 	sh .ci/install-etcd.sh
+	sh .ci/install-cc.sh
 	$(PY) -m pytest
 
 clean:

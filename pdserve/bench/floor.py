@@ -57,15 +57,19 @@ def gguf_step_bytes(path: str | Path, itemsize: int | None = None) -> int:
 
 
 def step_weight_bytes(model, dtype) -> tuple[int, int]:
-    """(int4 bytes, dense bytes) a loaded model's decode step reads: every projection and
-    the LM head, as ``step_bytes`` counts them from a file. Dense layers count ``in x out``
-    weights of ``dtype``, whatever their layout (oneDNN's too)."""
+    """(quantized bytes, dense bytes) a loaded model's decode step reads: every projection
+    and the LM head, as ``step_bytes`` counts them from a file. int4 layers and a Q8_0 LM
+    head (model/q8_head.py) count their packed bytes; dense layers ``in x out`` weights of
+    ``dtype``, whatever their layout (oneDNN's too)."""
+    from pdserve.model.q8_head import Q8Head
     from pdserve.model.quant import Int4Linear
 
     int4 = dense = 0
     for m in model.modules():
         if isinstance(m, Int4Linear):
             int4 += m.nbytes
+        elif isinstance(m, Q8Head):
+            int4 += m.table.nbytes
         elif hasattr(m, "in_features"):
             dense += m.in_features * m.out_features * dtype.itemsize
     return int4, dense

@@ -2,10 +2,15 @@
 and a torch reference each.
 
 ``backend=None`` picks Triton for CUDA tensors and torch otherwise; the torch
-references are the CPU serving path and match transformers bit for bit, but for a bfloat16
-``prefill_attention`` where the native CPU kernels run (``kernels.native``): that one runs
-a C kernel, as accurate against float32 as SDPA's bfloat16 but not its bits
-(attention_prefill's docstring).
+references are the CPU serving path and match transformers bit for bit. On the CPU in
+bfloat16, ``rms_norm`` (backend None) and ``rotate_`` run their torch path's arithmetic as
+one native call each where ``native.available()`` (kernels/native/decode_ops.py, with the
+model's silu * up): the same bits, without the 4-9 torch operations' dispatch each took.
+``prefill_attention`` and ``paged_prefill_attention`` (backend None) run a native C kernel
+there too (kernels/native/prefill_attention.c), as accurate against float32 as SDPA's
+bfloat16 but not its bits (attention_prefill's docstring).
+``backend="torch"`` and ``PDSERVE_NATIVE_KERNELS=0`` keep torch's operations; float32
+always does.
 Triton is optional: without it everything runs on torch.
 
 Every function checks its arguments and says what was wrong. The ones the model calls in

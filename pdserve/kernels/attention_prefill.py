@@ -15,19 +15,17 @@ causal mask otherwise), so each sequence gets the bits transformers gives it
 on its own, whatever else is in the batch. The Triton kernel computes as the
 decode kernel does (float32, tf32 tensor cores for bf16/fp16 inputs).
 
-One exception on the CPU: bfloat16 (both functions) runs the native kernel
-(kernels/native/prefill_attention.c) where ``native.available()``, about 5x faster than
-SDPA at 1024 tokens: flash-style, Q.K^T and P.V on AVX512-BF16 with float32 accumulation,
+One exception on the CPU: bfloat16 (both functions, ``backend=None``) runs the native
+kernel (kernels/native/prefill_attention.c) where ``native.available()``, about 5x faster
+than SDPA at 1024 tokens: flash-style, Q.K^T and P.V on AVX512-BF16 with float32 accumulation,
 float32 online softmax, P rounded to bfloat16 for P.V. Not SDPA's bits, but the same
 error against float32 (about one bfloat16 rounding of the output; benchmarks/RESULTS.md).
 A query's output does not depend on which other queries share its call, so a prompt
-prefilled in chunks over its cached pages gets the bits it gets in one piece. float32
-keeps SDPA, so float32 greedy output stays token-exact against transformers.
+prefilled in chunks over its cached pages gets the bits it gets in one piece.
+``backend="torch"`` and float32 keep SDPA, so float32 greedy output stays token-exact
+against transformers.
 """
 from __future__ import annotations
-
-import functools
-import logging
 
 import torch
 
@@ -52,8 +50,6 @@ from pdserve.kernels._dispatch import (
     triton,
 )
 from pdserve.kernels.native import prefill_attention as native_prefill
-
-log = logging.getLogger(__name__)
 
 _LOG2E = 1.4426950408889634
 # Offsets read per step of the kernel's search for a tile's sequence: a constant, so one
@@ -80,7 +76,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     check_gqa(q.shape[1], k.shape[1])
     scale = check_scale(scale)
     if pick_backend(backend, q.device) == "torch":
-        return _prefill_torch(q, k, v, cu_seqlens, scale)
+        return _prefill_torch(q, k, v, cu_seqlens, scale, native=backend is None)
     k, v = last_dim_contiguous(k), last_dim_contiguous(v)
     cu = cu_seqlens.contiguous()
     # K/V rows are token rows: "page" = token, offset stride 0, block size 1.
@@ -116,7 +112,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     scale = check_scale(scale)
     if pick_backend(backend, q.device) == "torch":
         return _paged_prefill_torch(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
-                                    scale)
+                                    scale, native=backend is None)
     strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     return _prefill_triton(q, k_cache, v_cache, cu_seqlens_q.contiguous(), seq_lens.contiguous(),
                            block_tables.contiguous(), num_seqs, scale, paged=True,
@@ -124,10 +120,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 def _prefill_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                   scale: float) -> torch.Tensor:
+                   scale: float, native: bool = False) -> torch.Tensor:
     cu = cu_seqlens.tolist()
     check_cu_values("cu_seqlens", cu, q.shape[0])
-    if _use_native(q, k):
+    if native and _native_runs(q, k):
         return native_prefill.prefill_attention(last_dim_contiguous(q), last_dim_contiguous(k),
                                                 last_dim_contiguous(v), cu_seqlens.cpu(), scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
@@ -141,31 +137,18 @@ def _prefill_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
     return out
 
 
-def _use_native(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """bfloat16 on the CPU goes to the native kernel where it runs and takes the shapes.
-    ``native.why_unavailable()`` is asked each time: a caller that turns the kernels off
-    (``PDSERVE_NATIVE_KERNELS=0`` and a cache_clear, as benchmarks/quant_greedy.py does)
-    gets SDPA from the next call."""
+def _native_runs(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """bfloat16 on the CPU, where the native kernels run (asked on every call: a caller
+    that turns them off mid-process gets SDPA from the next one) and take the shapes."""
     return (q.dtype == torch.bfloat16 and q.device.type == "cpu"
             and native_prefill.supports(q.shape[-1], q.shape[-2], k.shape[-2])
-            and native.why_unavailable() is None and _native_built())
-
-
-@functools.cache
-def _native_built() -> bool:
-    """The library, built here if this machine has none yet (once); a failed build keeps
-    torch's SDPA, with the compiler's message logged."""
-    try:
-        native.library()
-    except RuntimeError as e:
-        log.warning("bfloat16 prefill attention: torch's SDPA, not the native kernel: %s", e)
-        return False
-    return True
+            and native.available())
 
 
 def _paged_prefill_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                         block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+                         block_tables: torch.Tensor, scale: float, native: bool = False
+                         ) -> torch.Tensor:
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     check_cu_values("cu_seqlens_q", cu, q.shape[0])
     block_size = k_cache.shape[1]
@@ -181,7 +164,7 @@ def _paged_prefill_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         if num_blocks[i] > block_tables.shape[1]:
             raise ValueError(f"sequence {i} needs {num_blocks[i]} blocks for {kv_len} tokens, "
                              f"but block_tables has {block_tables.shape[1]} columns")
-    if _use_native(q, k_cache):
+    if native and _native_runs(q, k_cache):
         # C reads the pages unchecked: every id a sequence reads must exist
         used = torch.arange(block_tables.shape[1])[None, :] < torch.tensor(num_blocks)[:, None]
         bad = used & ((block_tables < 0) | (block_tables >= k_cache.shape[0]))

@@ -3,7 +3,10 @@
 The torch reference is transformers' LlamaRMSNorm line for line (normalise in
 float32, round to the input dtype, then multiply by the weight in that dtype),
 so the CPU path is bit-identical to it. The Triton kernel keeps those two
-roundings and differs only in the order of the sum of squares.
+roundings and differs only in the order of the sum of squares. A bfloat16 CPU call with
+``backend=None`` runs the same arithmetic in one native call (kernels/native/decode_ops.c,
+where ``native.available()``), the sum of squares in the order of torch's own sum: the
+torch path's bits, the residual add included.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from pdserve.kernels._dispatch import (
     tl,
     triton,
 )
+from pdserve.kernels.native import decode_ops
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -31,8 +35,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     returns (norm(x + residual), x + residual), the sum taken in x's dtype, as a
     transformers decoder layer does. Inputs are not modified, except that with
     ``add_in_place`` the torch path writes the sum into ``residual`` (and returns it):
-    for a caller that no longer needs the old one. Any row stride works. ``check``: False
-    skips the argument checks (the package docstring).
+    for a caller that no longer needs the old one (the native path too). Any row stride
+    works. ``check``: False skips the argument checks (the package docstring).
     """
     if check:
         dims: dict[str, tuple[int, str]] = {}
@@ -44,6 +48,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             check_same_dtype("residual", residual, "x", x)
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
             raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+    if backend is None and decode_ops.runs(x) and weight.stride(0) == 1 and (
+            residual is None or residual.stride(1) == 1):
+        # bfloat16 on the CPU: one native call for the torch path's 4-9 operations, same bits
+        if residual is None:
+            return decode_ops.rms_norm(x, weight, eps)
+        new_residual = residual if add_in_place else torch.empty_like(x)
+        return decode_ops.rms_norm(x, weight, eps, residual, new_residual), new_residual
     if pick_backend(backend, x.device) == "torch":
         if residual is None:
             return _rms_norm_torch(x, weight, eps)

@@ -6,7 +6,10 @@ a cos/sin table built as transformers builds it the CPU path is bit-identical.
 The Triton kernel loads into float32 but rounds cos/sin, each product and the
 sum to q's dtype just as those torch ops do, so it gives the same bits too.
 (Under TRITON_INTERPRET, float32 -> bfloat16 casts truncate instead of
-rounding to nearest, so there bfloat16 results can be an ulp off.)
+rounding to nearest, so there bfloat16 results can be an ulp off.) ``rotate_`` on a
+bfloat16 CPU tensor is one native call (kernels/native/decode_ops.c, where
+``native.available()``) rounding each product and the sum as its torch ops do: the same
+bits.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from pdserve.kernels._dispatch import (
     tl,
     triton,
 )
+from pdserve.kernels.native import decode_ops
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
@@ -80,7 +84,14 @@ def rotary_tables(positions: torch.Tensor, cos_sin_cache: torch.Tensor,
 def rotate_(x: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
     """x [T, N, D] rotated by its tokens' positions, in place (x is returned). N may hold
     a layer's q heads and k heads side by side (one call for both; x any strides with a
-    unit last one): in place, they stay beside the layer's v in its fused qkv output."""
+    unit last one): in place, they stay beside the layer's v in its fused qkv output.
+    bfloat16 on the CPU: one native call (kernels/native/decode_ops.c), the same bits."""
+    if decode_ops.runs(x) and tables.cos.dtype is torch.bfloat16:
+        return decode_ops.rotate_(x, tables.cos, tables.sin)
+    return _rotate_torch(x, tables)
+
+
+def _rotate_torch(x: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
     # roll, not index_select: the same copy, 16x faster at a prefill's 2,048 tokens
     rotated = x.roll(x.shape[-1] // 2, -1).mul_(tables.sin)              # [T, N, D]
     return x.mul_(tables.cos).add_(rotated)  # x * cos + that: the sum commutes, same bits

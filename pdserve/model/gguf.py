@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     import torch
 
     from pdserve.model.config import ModelConfig
+    from pdserve.model.q8_head import Q8Embedding
     from pdserve.model.quant import Int4Linear
 
 log = logging.getLogger(__name__)
@@ -190,18 +191,22 @@ def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(w.shape))                         # [H, 2, D/2, ...]
 
 
-def iter_tensors(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, int4: bool = False
-                 ) -> Iterator[tuple[str | None, str, torch.Tensor | Int4Linear | None]]:
+def iter_tensors(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, int4: bool = False,
+                 q8: bool = False
+                 ) -> Iterator[tuple[str | None, str, torch.Tensor | Int4Linear | Q8Embedding
+                                     | None]]:
     """Yields (Hugging Face name or None, GGUF name, tensor in ``dtype`` or None). With
     ``int4``, a Q4_0/Q4_1/Q4_K projection comes as an unpacked Int4Linear (model/quant.py),
-    and one log line at the end says what stayed int4 and what was dequantized why."""
+    and one log line at the end says what stayed int4 and what was dequantized why. With
+    ``q8`` (a CPU model), a Q8_0 embedding or LM head comes as a Q8Embedding
+    (model/q8_head.py) where ``q8_head.why_not`` allows, and that line says so too."""
     import torch  # here, not above: the router reads a GGUF's config and imports no torch
 
-    from pdserve.model import quant
+    from pdserve.model import q8_head, quant
 
     gguf = _gguf_module()
     permuted = ARCHITECTURES[cfg.model_type][1]
-    kept, types, dequantized = [], set(), {}
+    kept, types, dequantized, kept_q8 = [], set(), {}, []
     for t in _progress(reader(path).tensors, f"loading {Path(path).name}"):
         name = hf_name(t.name)
         if t.name in _IN_CONFIG:
@@ -210,7 +215,15 @@ def iter_tensors(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, int4: b
             yield None, t.name, None
             continue
         qtype = t.tensor_type.name
-        why_not = quant.keeps(name, qtype) if int4 else "off"
+        if q8 and name in q8_head.NAMES:
+            why_not = q8_head.why_not(name, qtype, dtype)
+            if why_not is None:
+                table = q8_head.Q8Embedding.from_gguf(t.data, dtype)
+                kept_q8.append((t.name, table))
+                yield name, t.name, table
+                continue
+        else:
+            why_not = quant.keeps(name, qtype) if int4 else "off"
         if why_not is None:
             try:
                 lin = quant.Int4Linear.from_gguf(t.data, qtype, dtype)
@@ -235,7 +248,8 @@ def iter_tensors(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, int4: b
             tensor = unpermute_rows(tensor, cfg.num_key_value_heads)
         yield name, t.name, tensor.to(dtype)
     if int4:
-        log.info("%s", quant.summary(kept, types, dtype, dequantized))
+        log.info("%s%s", quant.summary(kept, types, dtype, dequantized),
+                 q8_head.summary(kept_q8, dtype, cfg.tie_word_embeddings))
 
 
 def identity_hash(path: str | Path) -> str:

@@ -14,9 +14,11 @@ import torch
 from torch import nn
 
 from pdserve import kernels
+from pdserve.kernels.native import decode_ops
 from pdserve.model.attention import AttentionMetadata, PagedAttention
 from pdserve.model.config import ModelConfig
 from pdserve.model.cpu_linear import OneDNNLinear
+from pdserve.model.q8_head import Q8Embedding, Q8Head
 from pdserve.model.quant import Int4Linear, kernels_used
 from pdserve.model.rope import cos_sin_cache
 
@@ -143,6 +145,9 @@ class MLP(nn.Module):
             up = nn.functional.linear(x, w[i:], None if b is None else b[i:])
         else:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        if decode_ops.runs(gate) and up.stride(1) == 1:
+            # bfloat16 on the CPU: silu and the product in one native call, the same bits
+            return self.down_proj(decode_ops.silu_mul(gate, up))
         # gate is this call's own (a new tensor or a half of one): silu goes into it, and
         # the product too where gate is a whole tensor (same bits as silu(gate) * up). A
         # strided half takes the product into a new tensor: the int4 GEMM needs its input
@@ -198,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
-        device = self.model.embed_tokens.weight.device
+        device = self.model.norm.weight.device
         int4 = [m.pack(device) for m in self.modules() if isinstance(m, Int4Linear)]
         if int4:
             log.info("%s", kernels_used(int4))
@@ -218,8 +223,14 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = onednn(self.lm_head)
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        """A tied head is the embedding: its weight, or a Q8_0 embedding's bytes."""
+        if not self.config.tie_word_embeddings:
+            return
+        embed = self.model.embed_tokens
+        if isinstance(embed, Q8Embedding):
+            self.lm_head = Q8Head(embed)
+        else:
+            self.lm_head.weight = embed.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_caches: list[KVCache] | None,

@@ -16,6 +16,7 @@ from pdserve.model.identity import (  # noqa: F401 (re-exported: the nodes' name
     weight_files,
 )
 from pdserve.model.llama import LlamaForCausalLM
+from pdserve.model.q8_head import Q8Embedding, Q8Head
 from pdserve.model.quant import Int4Linear, plan
 
 DTYPES = {name: getattr(torch, name) for name in MODEL_DTYPES}
@@ -80,7 +81,8 @@ def load_model(model_path: str | Path, dtype: str | torch.dtype = "float32",
     """Loads a Hugging Face checkpoint folder or a .gguf file. ``quantization``
     (EngineConfig's): "none" dequantizes every weight into ``dtype``; "auto" and "int4"
     keep a GGUF's Q4_0/Q4_1/Q4_K projections in their blocks where model/quant.py's ``plan``
-    allows (ValueError where "int4" or "int8" cannot be had)."""
+    allows (ValueError where "int4" or "int8" cannot be had), and on the CPU its Q8_0
+    embedding (and LM head) where model/q8_head.py's ``why_not`` allows."""
     model_path = Path(model_path)
     cfg = load_config(model_path)
     torch_dtype = resolve_dtype(dtype, cfg, device)
@@ -92,15 +94,19 @@ def load_model(model_path: str | Path, dtype: str | torch.dtype = "float32",
         expected.pop("lm_head.weight", None)
     if model_path.is_file():
         from pdserve.model import gguf
-        tensors = gguf.iter_tensors(model_path, cfg, torch_dtype, int4)
+        tensors = gguf.iter_tensors(model_path, cfg, torch_dtype, int4,
+                                    q8=int4 and torch.device(device).type == "cpu")
     else:
         tensors = _safetensors(model_path, expected, torch_dtype, device)
     state: dict[str, torch.Tensor] = {}
     kept: dict[str, Int4Linear] = {}   # module name → its int4 weight
+    tables: dict[str, Q8Embedding] = {}  # module name → its Q8_0 weight (model/q8_head.py)
     unexpected = []
     for key, file_key, tensor in tensors:
         if key in expected and isinstance(tensor, Int4Linear):
             kept[key.removesuffix(".weight")] = tensor
+        elif key in expected and isinstance(tensor, Q8Embedding):
+            tables[key.removesuffix(".weight")] = tensor
         elif key in expected:
             state[key] = tensor.to(device)
         else:
@@ -108,7 +114,7 @@ def load_model(model_path: str | Path, dtype: str | torch.dtype = "float32",
     if quantization == "int4" and not kept:
         raise ValueError(f"quantization 'int4': {model_path} has no Q4_0, Q4_1 or Q4_K projection "
                          "weights to keep; use 'auto' or 'none'")
-    missing = sorted(set(expected) - set(state) - {f"{k}.weight" for k in kept})
+    missing = sorted(set(expected) - set(state) - {f"{k}.weight" for k in [*kept, *tables]})
     if missing:
         raise ModelLoadError(f"checkpoint {model_path} lacks {len(missing)} weights the "
                              f"{cfg.architecture} needs, e.g. {missing[:5]}")
@@ -116,7 +122,8 @@ def load_model(model_path: str | Path, dtype: str | torch.dtype = "float32",
         raise ModelLoadError(f"checkpoint {model_path} has {len(unexpected)} weights a "
                              f"{cfg.architecture} does not use, e.g. {unexpected[:5]}")
     shapes = {**{k: tuple(t.shape) for k, t in state.items()},
-              **{f"{k}.weight": (m.out_features, m.in_features) for k, m in kept.items()}}
+              **{f"{k}.weight": (m.out_features, m.in_features) for k, m in kept.items()},
+              **{f"{k}.weight": (t.num_embeddings, t.embedding_dim) for k, t in tables.items()}}
     for key, shape in shapes.items():
         want = tuple(expected[key].shape)
         if shape != want:
@@ -125,6 +132,10 @@ def load_model(model_path: str | Path, dtype: str | torch.dtype = "float32",
         lin.bias = state.pop(f"{name}.bias", None)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, lin)
+    for name, table in tables.items():
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr,
+                Q8Head(table) if name == "lm_head" else table)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     model.init_rope(device)

@@ -50,9 +50,10 @@ On CUDA the same blocks go to the Triton W4A16 kernel (kernels/quant_linear.py: 
 same ``w = scale * (q - 8) + zero``, in any of the float dtypes), packed by ``pack``.
 
 Which tensors: the projections (q, k, v, o, gate, up, down) of type Q4_0, Q4_1 or Q4_K.
-The embedding is dequantized (a lookup needs rows), and with it a tied LM head; Q8_0 and
-the other K-quants are dequantized (no torch kernel takes a scale per 32 int8 weights;
-Q5/Q6 have more than 4 bits).
+The embedding is dequantized (a lookup needs rows), and with it a tied LM head, except a
+Q8_0 one in bfloat16 on the CPU, which model/q8_head.py keeps as stored for pdserve's native
+kernels (the loader asks it, not ``keeps``); other Q8_0 weights and the other K-quants are
+dequantized (no torch kernel takes a scale per 32 int8 weights; Q5/Q6 have more than 4 bits).
 """
 from __future__ import annotations
 
@@ -308,10 +309,9 @@ class Int4Linear(nn.Module):
         if why is None and device.type != "cpu":
             why = f"the native kernels run on the CPU, not {device.type}"
         if why is None:
-            try:  # built here if this machine has no build yet: at load, not at a request
-                native.library()
+            try:
                 self.packed = int4_gemm.pack(self.q, self.scale, self.zero - 8 * self.scale)
-            except (RuntimeError, ValueError) as e:
+            except ValueError as e:
                 why = str(e)
         if why is not None:
             if required:

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import attention_prefill, native, paged_prefill_attention, prefill_attention
+from pdserve.kernels import native, paged_prefill_attention, prefill_attention
 from pdserve.kernels.native import prefill_attention as native_prefill
 
 WHY = native.why_unavailable()
@@ -104,7 +104,6 @@ def test_p_in_float32(lens):
 def test_prefill_attention_takes_it_for_bfloat16_only(monkeypatch):
     lens, scale = [40, 0, 70], 0.125
     q, k, v = fused_qkv(lens, 9, 3, 64)
-    assert attention_prefill._native_built()
     want = native_prefill.prefill_attention(q, k, v, cu(lens), scale)
     assert torch.equal(prefill_attention(q, k, v, cu(lens), scale), want)
     # float32 keeps SDPA's bits (token-exact greedy output against transformers)
@@ -115,8 +114,11 @@ def test_prefill_attention_takes_it_for_bfloat16_only(monkeypatch):
     q, k, v = fused_qkv(lens, 4, 2, 40)
     assert not native_prefill.supports(40, 4, 2)
     assert torch.equal(prefill_attention(q, k, v, cu(lens), scale), sdpa(q, k, v, lens, scale))
-    # turned off (PDSERVE_NATIVE_KERNELS=0 read anew): SDPA from the next call
+    # backend="torch" asks for SDPA; turned off (PDSERVE_NATIVE_KERNELS=0 read anew): SDPA
+    # from the next call
     q, k, v = fused_qkv(lens, 9, 3, 64)
+    assert torch.equal(prefill_attention(q, k, v, cu(lens), scale, backend="torch"),
+                       sdpa(q, k, v, lens, scale))
     monkeypatch.setattr(native, "why_unavailable", lambda: "off for this test")
     assert torch.equal(prefill_attention(q, k, v, cu(lens), scale), sdpa(q, k, v, lens, scale))
 

@@ -9,9 +9,10 @@ library links the same ``libgomp.so.1`` torch has loaded, so its OpenMP threads 
 torch's: same pool, same thread count (``torch.set_num_threads``).
 
 They run where ``why_unavailable()`` is None: an x86-64 CPU with AVX512-VNNI and
-AVX512-BF16, a C compiler, and ``PDSERVE_NATIVE_KERNELS`` not set to 0. Elsewhere the
-callers keep torch's kernels, and say so once at start-up (``describe``): never a silent
-difference in what runs.
+AVX512-BF16, a C compiler that built the library, and ``PDSERVE_NATIVE_KERNELS`` not set
+to 0. Elsewhere the callers keep torch's kernels, and say so once at start-up
+(``describe``): never a silent difference in what runs, and never a request that fails
+because a build did.
 """
 from __future__ import annotations
 
@@ -48,9 +49,7 @@ def _cpu() -> tuple[str, list[str]]:
     return model, flags
 
 
-@functools.cache
-def why_unavailable() -> str | None:
-    """None if the native kernels can be built and run here, else why not (one phrase)."""
+def _static_reason() -> str | None:
     if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "off", "no"):
         return f"{ENV}=0"
     if platform.machine() not in ("x86_64", "AMD64"):
@@ -62,6 +61,21 @@ def why_unavailable() -> str | None:
     if shutil.which("cc") is None:
         return "no C compiler (cc) on PATH"
     return None
+
+
+@functools.cache
+def why_unavailable() -> str | None:
+    """None if the native kernels run here, else why not (one phrase). The first call
+    builds the library if this machine has none cached: a build that fails makes them
+    unavailable, with the compiler's message, logged once, and the torch paths serve."""
+    why = _static_reason()
+    if why is None:
+        try:
+            _load()
+        except (OSError, RuntimeError) as e:
+            log.error("%s", e)
+            why = str(e)
+    return why
 
 
 def available() -> bool:
@@ -103,18 +117,21 @@ def _build(target: Path) -> None:
 
 
 @functools.cache
-def library() -> ctypes.CDLL:
-    """The shared library, built if this machine has none cached yet. Import torch first
-    (its libgomp). Raises RuntimeError where ``why_unavailable()`` says why, or where the
-    build failed (the compiler's message)."""
-    why = why_unavailable()
-    if why is not None:
-        raise RuntimeError(f"pdserve's native CPU kernels cannot run here: {why}")
+def _load() -> ctypes.CDLL:
     target = _cache_dir() / f"pdserve-native-{_key()}.so"
     if not target.exists():
         log.info("building pdserve's native CPU kernels into %s", target)
         _build(target)
     return ctypes.CDLL(str(target))
+
+
+def library() -> ctypes.CDLL:
+    """The shared library (import torch first: its libgomp). Raises RuntimeError saying
+    why where ``why_unavailable()`` is not None."""
+    why = why_unavailable()
+    if why is not None:
+        raise RuntimeError(f"pdserve's native CPU kernels cannot run here: {why}")
+    return _load()
 
 
 def function(name: str, argtypes: list, restype=ctypes.c_int):

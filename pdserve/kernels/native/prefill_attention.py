@@ -1,10 +1,12 @@
 """Causal attention of prompts in bfloat16 on AVX512-BF16 (prefill_attention.c).
 
 The CPU path of ``kernels.prefill_attention`` and ``kernels.paged_prefill_attention`` for
-bfloat16: flash-style (online softmax in float32, blocks above the diagonal skipped), Q.K^T
-and P.V on ``_mm512_dpbf16_ps`` with float32 accumulation. P is rounded to bfloat16 for P.V (``p_bf16=True``, the default) or
-kept in float32 (``p_bf16=False``); the error of each against float32 is in
-benchmarks/RESULTS.md and bounded in tests/unit/test_native_prefill_attention.py.
+bfloat16 (``backend=None``): flash-style (online softmax in float32, blocks above the
+diagonal skipped), Q.K^T and P.V on ``_mm512_dpbf16_ps`` with float32 accumulation. P is
+rounded to bfloat16 for P.V (``p_bf16=True``, the default: the same error against float32
+as torch's bfloat16 SDPA) or kept in float32 (``p_bf16=False``: a third less mean error,
+25-35% more time); figures in benchmarks/RESULTS.md, the bound in
+tests/unit/test_native_prefill_attention.py.
 """
 from __future__ import annotations
 

@@ -9,12 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels import (
-    attention_prefill,
-    paged_decode_attention,
-    paged_prefill_attention,
-    prefill_attention,
-)
+from pdserve.kernels import paged_decode_attention, paged_prefill_attention, prefill_attention
 
 BF16_TOL = dict(atol=3e-2, rtol=3e-2)  # bf16 output ulp at |x| < 4, plus P rounding in SDPA
 F32_TOL = dict(atol=2e-5, rtol=1e-5)
@@ -234,10 +229,8 @@ class _Attn(torch.nn.Module):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_references_are_bitwise_transformers_sdpa(dtype, monkeypatch):
+def test_references_are_bitwise_transformers_sdpa(dtype):
     hf = pytest.importorskip("transformers.integrations.sdpa_attention")
-    # bfloat16 prefill runs the native kernel where it can (its own tests); SDPA here
-    monkeypatch.setattr(attention_prefill, "_native_built", lambda: False)
     num_heads, num_kv_heads, head_dim, scale = 8, 2, 64, 0.125
     ks, vs, gen = random_seqs([37], num_heads, num_kv_heads, head_dim, dtype)
     q = torch.randn(37, num_heads, head_dim, generator=gen).to(dtype)
@@ -246,7 +239,8 @@ def test_references_are_bitwise_transformers_sdpa(dtype, monkeypatch):
         return x[None].transpose(1, 2)
     expected, _ = hf.sdpa_attention_forward(_Attn(4), to_hf(q), to_hf(ks[0]), to_hf(vs[0]), None,
                                             scaling=scale)  # [1, S, H, D]
-    out = prefill_attention(q, ks[0], vs[0], cu([37]), scale)
+    # backend None runs bfloat16 on the native kernel where it can (its own tests)
+    out = prefill_attention(q, ks[0], vs[0], cu([37]), scale, backend="torch")
     assert torch.equal(out, expected[0])
 
     k_cache, tables = paged(ks, 16)
