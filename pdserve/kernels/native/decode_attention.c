@@ -1,0 +1,310 @@
+/* Decode attention on the CPU straight from the paged KV cache (kernels/attention_decode.py's
+ * paged_decode_attention for bfloat16, float16 and float32 caches).
+ *
+ * One query token per sequence; its K/V are read where they lie, page by page through the
+ * block table, with no copy into a contiguous buffer. A task is one (sequence, kv head) and
+ * a range of its positions: it reads each position's K and V once for the GROUP query heads
+ * that share them (GQA) and keeps, per query head, an online softmax (running max m, sum l)
+ * and a float32 accumulator over tiles of 16 positions. Loads convert to float32 (exact from
+ * bfloat16 and float16), every product and sum is float32, the output is rounded once to
+ * the cache's dtype (nearest even).
+ *
+ * Threads: a batch of few (sequence, kv head) pairs (batch 1 has 3 on SmolLM2) splits a
+ * long context into chunks whose partial (m, l, acc) are combined afterwards
+ * (flash-decoding), so both cores get work. A step with little work runs on the calling
+ * thread alone: waking OpenMP's pool costs 10-20 us on a shared machine, more than the
+ * attention of a short batch (DA_PARALLEL_WORK, measured in benchmarks/RESULTS.md).
+ *
+ * The new tokens' K/V can be stored into their slots by the same call (slots >= 0; -1
+ * skips), before anything is read: a decode step then makes one call per layer instead of
+ * two index_copy_ and the attention.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { DA_F32 = 0, DA_BF16 = 1, DA_F16 = 2 };
+
+#define DA_TILE 16          /* positions per softmax update: one 512-bit vector of scores */
+#define DA_MAX_GROUP 16     /* query heads per kv head */
+#define DA_MAX_DV 16        /* head_dim / 16: head_dim up to 256 */
+#define DA_MIN_CHUNK 128    /* positions, at least, in a split context's chunk */
+/* positions x kv heads a call attends over, below which it runs on one thread */
+#define DA_PARALLEL_WORK 4096
+
+typedef struct {
+    const char *q;                  /* [B, H, D], strides q_s, q_h (elements), last dim 1 */
+    int64_t q_s, q_h;
+    const char *k, *v;              /* [num_blocks, block_size, KVH, D] contiguous */
+    const void *tables;             /* [B, max_blocks], row stride bt_s */
+    int64_t bt_s;
+    int tables64;
+    char *out;                      /* [B, H, D] contiguous */
+    int H, KVH, D, bs, dtype;
+    float scale;
+} da_args;
+
+static inline int64_t da_index(const void *p, int64_t i, int is64) {
+    return is64 ? ((const int64_t *)p)[i] : ((const int32_t *)p)[i];
+}
+
+static inline __attribute__((always_inline)) __m512 da_load(const char *p, const int dtype) {
+    if (dtype == DA_BF16) {
+        __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+    }
+    if (dtype == DA_F16)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_loadu_ps(p);
+}
+
+static inline void da_store(char *p, __m512 x, int dtype) {
+    if (dtype == DA_BF16)
+        _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(x));
+    else if (dtype == DA_F16)
+        _mm256_storeu_si256((__m256i *)p,
+                            _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    else
+        _mm512_storeu_ps(p, x);
+}
+
+/* e^x for x <= 0 (Cephes' expf: a degree-6 polynomial on |r| <= ln2 / 2, 2^n by scalef),
+ * within 2 ulp; below -87 it gives about 1e-38, which the callers mask or which vanishes in
+ * a sum of terms >= 1 */
+static inline __m512 da_exp(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Positions [t0, t1) of sequence b, kv head kvh: per query head g of the group, m[g], l[g]
+ * and acc[g * D ..] (unnormalised). DTYPE and DV (= D / 16) are constants at each call site
+ * (da_run's switch), so the loops over the head dimension unroll. */
+static inline __attribute__((always_inline)) void da_chunk(
+        const da_args *a, int64_t b, int kvh, int t0, int t1, const int DTYPE, const int DV,
+        float *m, float *l, float *acc_out) {
+    const int G = a->H / a->KVH, D = DV * 16;
+    const int esize = DTYPE == DA_F32 ? 4 : 2;
+    const int64_t row = (int64_t)a->KVH * D, page = (int64_t)a->bs * row;
+    __m512 q[DA_MAX_GROUP][DA_MAX_DV], acc[DA_MAX_GROUP][DA_MAX_DV];
+    for (int g = 0; g < G; g++) {
+        const char *qp = a->q + (b * a->q_s + (int64_t)(kvh * G + g) * a->q_h) * esize;
+        for (int c = 0; c < DV; c++) {
+            q[g][c] = _mm512_mul_ps(da_load(qp + c * 16 * esize, DTYPE),
+                                    _mm512_set1_ps(a->scale));
+            acc[g][c] = _mm512_setzero_ps();
+        }
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    const char *table = (const char *)a->tables + b * a->bt_s * (a->tables64 ? 8 : 4);
+    float s[DA_MAX_GROUP][DA_TILE];
+    int64_t off[DA_TILE];
+    for (int t = t0; t < t1; t += DA_TILE) {
+        const int n = t1 - t < DA_TILE ? t1 - t : DA_TILE;
+        for (int i = 0; i < n; i++) {  /* this tile's rows: (page, offset, head) -> bytes */
+            int64_t blk = da_index(table, (t + i) / a->bs, a->tables64);
+            off[i] = (blk * page + (int64_t)((t + i) % a->bs) * row + (int64_t)kvh * D) * esize;
+        }
+        for (int i = 0; i < n; i++) {  /* scores: q . k for each head of the group */
+            const char *kp = a->k + off[i];
+            __m512 k[DA_MAX_DV];
+            for (int c = 0; c < DV; c++) k[c] = da_load(kp + c * 16 * esize, DTYPE);
+            for (int g = 0; g < G; g++) {
+                __m512 d = _mm512_mul_ps(q[g][0], k[0]);
+                for (int c = 1; c < DV; c++) d = _mm512_fmadd_ps(q[g][c], k[c], d);
+                s[g][i] = _mm512_reduce_add_ps(d);
+            }
+        }
+        const __mmask16 valid = (__mmask16)((1u << n) - 1);
+        for (int g = 0; g < G; g++) {  /* online softmax: s becomes p = e^(s - m) */
+            __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, s[g]);
+            float mx = _mm512_reduce_max_ps(sv);
+            float m_new = m[g] > mx ? m[g] : mx;
+            float alpha = expf(m[g] - m_new);  /* 0 on the first tile: m[g] = -inf */
+            __m512 p = _mm512_maskz_mov_ps(valid, da_exp(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
+            l[g] = l[g] * alpha + _mm512_reduce_add_ps(p);
+            m[g] = m_new;
+            if (alpha != 1.0f)
+                for (int c = 0; c < DV; c++)
+                    acc[g][c] = _mm512_mul_ps(acc[g][c], _mm512_set1_ps(alpha));
+            _mm512_storeu_ps(s[g], p);
+        }
+        for (int i = 0; i < n; i++) {  /* acc += p . v, each V row read once for the group */
+            const char *vp = a->v + off[i];
+            for (int c = 0; c < DV; c++) {
+                __m512 v = da_load(vp + c * 16 * esize, DTYPE);
+                for (int g = 0; g < G; g++)
+                    acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[g][i]), v, acc[g][c]);
+            }
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < DV; c++) _mm512_storeu_ps(acc_out + g * D + c * 16, acc[g][c]);
+}
+
+/* out[b, kvh * G + g] = acc / l for each head of the group, rounded once */
+static void da_write(const da_args *a, int64_t b, int kvh, const float *l, const float *acc) {
+    const int G = a->H / a->KVH, D = a->D, esize = a->dtype == DA_F32 ? 4 : 2;
+    for (int g = 0; g < G; g++) {
+        char *o = a->out + ((b * a->H + kvh * G + g) * (int64_t)D) * esize;
+        __m512 inv = _mm512_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
+        for (int c = 0; c < D / 16; c++)
+            da_store(o + c * 16 * esize, _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + c * 16), inv),
+                     a->dtype);
+    }
+}
+
+typedef struct { int b, kvh, t0, t1; } da_task;
+
+#define DA_CASE(DT, DV_) da_chunk(a, tk->b, tk->kvh, tk->t0, tk->t1, DT, DV_, m, l, acc)
+
+static void da_run(const da_args *a, const da_task *tk, float *m, float *l, float *acc) {
+    const int dv = a->D / 16;
+    switch (a->dtype * 4 + (dv == 4 ? 0 : dv == 8 ? 1 : 2)) {
+    case DA_BF16 * 4 + 0: DA_CASE(DA_BF16, 4); break;
+    case DA_BF16 * 4 + 1: DA_CASE(DA_BF16, 8); break;
+    case DA_BF16 * 4 + 2: DA_CASE(DA_BF16, dv); break;
+    case DA_F16 * 4 + 0: DA_CASE(DA_F16, 4); break;
+    case DA_F16 * 4 + 1: DA_CASE(DA_F16, 8); break;
+    case DA_F16 * 4 + 2: DA_CASE(DA_F16, dv); break;
+    case DA_F32 * 4 + 0: DA_CASE(DA_F32, 4); break;
+    case DA_F32 * 4 + 1: DA_CASE(DA_F32, 8); break;
+    default: DA_CASE(DA_F32, dv); break;
+    }
+}
+
+/* The new tokens' K and V (token t's head h at k_new + t * kn_s + h * kn_h elements, head
+ * dims contiguous) into cache slot slots[t]; -1 skips */
+static void da_store_new(const da_args *a, int T, const char *k_new, int64_t kn_s,
+                         int64_t kn_h, const char *v_new, int64_t vn_s, int64_t vn_h,
+                         const int64_t *slots) {
+    const int esize = a->dtype == DA_F32 ? 4 : 2;
+    const size_t bytes = (size_t)a->D * esize;
+    for (int t = 0; t < T; t++) {
+        if (slots[t] < 0) continue;
+        for (int h = 0; h < a->KVH; h++) {
+            int64_t dst = ((slots[t] * a->KVH + h) * (int64_t)a->D) * esize;
+            memcpy((char *)a->k + dst, k_new + (t * kn_s + h * kn_h) * esize, bytes);
+            memcpy((char *)a->v + dst, v_new + (t * vn_s + h * vn_h) * esize, bytes);
+        }
+    }
+}
+
+/* Attention of num_seqs query tokens q [B, H, D] over their first seq_lens[b] cached
+ * positions; out [B, H, D] contiguous, q's dtype (the cache's). dtype: 0 float32,
+ * 1 bfloat16, 2 float16. block_tables int32 or int64 (tables64), seq_lens likewise
+ * (lens64). D a multiple of 16 up to 256, H / KVH up to 16; the caller checks (and that
+ * every page a sequence uses lies in the cache). k_new: NULL, or the new tokens' K/V to
+ * store first (da_store_new). Returns 0, or -1 if the scratch could not be allocated. */
+int pdserve_decode_attention(const void *q, int64_t q_s, int64_t q_h,
+                             void *k_cache, void *v_cache, int block_size, int num_kv_heads,
+                             int head_dim, const void *block_tables, int64_t bt_s,
+                             int tables64, const void *seq_lens, int lens64, void *out,
+                             int num_seqs, int num_heads, float scale, int dtype,
+                             const void *k_new, int64_t kn_s, int64_t kn_h,
+                             const void *v_new, int64_t vn_s, int64_t vn_h,
+                             const int64_t *slots) {
+    const da_args a = {(const char *)q, q_s, q_h, (const char *)k_cache, (const char *)v_cache,
+                       block_tables, bt_s, tables64, (char *)out, num_heads, num_kv_heads,
+                       head_dim, block_size, dtype, scale};
+    if (k_new)
+        da_store_new(&a, num_seqs, k_new, kn_s, kn_h, v_new, vn_s, vn_h, slots);
+    const int G = num_heads / num_kv_heads, D = head_dim, esize = dtype == DA_F32 ? 4 : 2;
+    int64_t work = 0, max_len = 0;
+    for (int b = 0; b < num_seqs; b++) {
+        int64_t n = da_index(seq_lens, b, lens64);
+        work += n;
+        if (n > max_len) max_len = n;
+    }
+    work *= num_kv_heads;
+    const int threads = omp_get_max_threads();
+    const int parallel = work >= DA_PARALLEL_WORK && threads > 1;
+    /* chunks per sequence: enough tasks for 4 a thread when pairs are few, each chunk at
+     * least DA_MIN_CHUNK positions (a multiple of the tile) */
+    int split = 1;
+    const int pairs = num_seqs * num_kv_heads;
+    if (parallel && pairs < 4 * threads) {
+        split = (4 * threads + pairs - 1) / pairs;
+        int most = (int)((max_len + DA_MIN_CHUNK - 1) / DA_MIN_CHUNK);
+        if (split > most) split = most;
+        if (split < 1) split = 1;
+    }
+    const int64_t per_task = (int64_t)G * (D + 2);  /* m, l, acc of a split chunk */
+    size_t ntasks = (size_t)pairs * split;
+    char *scratch = malloc(ntasks * sizeof(da_task) +
+                           (split > 1 ? ntasks * per_task * sizeof(float) : 0) + 64);
+    if (!scratch) return -1;
+    da_task *tasks = (da_task *)scratch;
+    float *parts = (float *)(tasks + ntasks);
+    int count = 0;
+    for (int b = 0; b < num_seqs; b++) {
+        int len = (int)da_index(seq_lens, b, lens64);
+        if (len == 0) {  /* batch padding: zeros */
+            memset((char *)out + (size_t)b * num_heads * D * esize, 0,
+                   (size_t)num_heads * D * esize);
+            continue;
+        }
+        int chunk = (len + split - 1) / split;
+        chunk = (chunk + DA_TILE - 1) / DA_TILE * DA_TILE;
+        for (int h = 0; h < num_kv_heads; h++)
+            for (int t0 = 0; t0 < len; t0 += chunk)
+                tasks[count++] = (da_task){b, h, t0, t0 + chunk < len ? t0 + chunk : len};
+    }
+#pragma omp parallel for schedule(dynamic, 1) if (parallel)
+    for (int i = 0; i < count; i++) {
+        const da_task *tk = &tasks[i];
+        float m[DA_MAX_GROUP], l[DA_MAX_GROUP], buf[DA_MAX_GROUP * DA_MAX_DV * 16];
+        if (split == 1) {
+            da_run(&a, tk, m, l, buf);
+            da_write(&a, tk->b, tk->kvh, l, buf);
+        } else {
+            float *p = parts + i * per_task;
+            da_run(&a, tk, p, p + G, p + 2 * G);
+        }
+    }
+    if (split > 1) {  /* combine each pair's chunks (consecutive tasks): rescale to one max */
+        float l[DA_MAX_GROUP], acc[DA_MAX_GROUP * DA_MAX_DV * 16];
+        for (int i = 0; i < count;) {
+            int j = i;
+            while (j < count && tasks[j].b == tasks[i].b && tasks[j].kvh == tasks[i].kvh) j++;
+            for (int g = 0; g < G; g++) {
+                float mx = -INFINITY;
+                for (int c = i; c < j; c++) {
+                    float mc = parts[c * per_task + g];
+                    if (mc > mx) mx = mc;
+                }
+                float sum = 0.0f;
+                for (int e = 0; e < D; e++) acc[g * D + e] = 0.0f;
+                for (int c = i; c < j; c++) {
+                    const float *p = parts + c * per_task;
+                    float w = expf(p[g] - mx);
+                    sum += p[G + g] * w;
+                    __m512 vw = _mm512_set1_ps(w);
+                    for (int e = 0; e < D; e += 16)
+                        _mm512_storeu_ps(acc + g * D + e,
+                                         _mm512_fmadd_ps(_mm512_loadu_ps(p + 2 * G + g * D + e),
+                                                         vw, _mm512_loadu_ps(acc + g * D + e)));
+                }
+                l[g] = sum;
+            }
+            da_write(&a, tasks[i].b, tasks[i].kvh, l, acc);
+            i = j;
+        }
+    }
+    free(scratch);
+    return 0;
+}
