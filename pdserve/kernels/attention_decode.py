@@ -83,8 +83,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     ``native`` (torch backend): the C kernel that reads the pages itself
     (``kernels.native.decode_attention``; ``gather``, ``window`` and ``kv`` unused). None:
-    for bfloat16 and float16 where it runs (``native_decode_why_not``), torch's SDPA
-    otherwise (float32: transformers' bits); False: SDPA; True: the kernel, raising where
+    for bfloat16 and float16 where it runs (``native_decode_why_not``) and no ``window`` is
+    given, torch's SDPA otherwise (float32: transformers' bits); False: SDPA; True: the
+    kernel (a window then stays as it was), raising where
     it cannot run (unchecked with ``check=False``: the caller asked ``native_decode_why_not``).
     ``new_kv``: (k, v [num_seqs, num_kv_heads, head_dim], slot_mapping [num_seqs], -1
     skips): the new tokens' K/V, stored into their slots first, as ``store_kv`` would; the
@@ -106,7 +107,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if new_kv is not None:
             _check_new_kv(new_kv, k_cache, v_cache, dims)
     torch_backend = pick_backend(backend, q.device) == "torch"
-    if torch_backend and _use_native(native, q, k_cache, check):
+    if torch_backend and _use_native(native if window is None else bool(native), q, k_cache,
+                                     check):
         if check:
             native_decode.check_pages(k_cache, block_tables, seq_lens)
         if new_kv is not None:
