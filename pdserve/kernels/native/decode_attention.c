@@ -33,7 +33,9 @@ enum { DA_F32 = 0, DA_BF16 = 1, DA_F16 = 2 };
 #define DA_MAX_DV 16        /* head_dim / 16: head_dim up to 256 */
 #define DA_MIN_CHUNK 128    /* positions, at least, in a split context's chunk */
 /* positions x kv heads a call attends over, below which it runs on one thread */
+#ifndef DA_PARALLEL_WORK
 #define DA_PARALLEL_WORK 4096
+#endif
 
 typedef struct {
     const char *q;                  /* [B, H, D], strides q_s, q_h (elements), last dim 1 */
@@ -90,100 +92,159 @@ static inline __m512 da_exp(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* Positions [t0, t1) of sequence b, kv head kvh: per query head g of the group, m[g], l[g]
- * and acc[g * D ..] (unnormalised). DTYPE and DV (= D / 16) are constants at each call site
- * (da_run's switch), so the loops over the head dimension unroll. */
+/* r[i] = the sum of v[i]'s 16 lanes, i < 16: a transposing tree, 15 adds and 30 shuffles
+ * for 16 dot products instead of 16 reductions of about 10 instructions each */
+static inline __m512 da_hsum16(const __m512 *v) {
+    __m512 t[8], u[4];
+    for (int k = 0; k < 8; k++)  /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
+                             _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; k++)  /* per 128-bit lane: that lane's sums of v[4k .. 4k + 3] */
+        u[k] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * k], t[2 * k + 1], 0x44),
+                             _mm512_shuffle_ps(t[2 * k], t[2 * k + 1], 0xEE));
+    __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44),
+                              _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+    __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44),
+                              _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
+/* Positions [t0, t1) of sequence b, every kv head, reading each page's K and V rows in
+ * order (a page is [block_size, KVH, D]: one stream, not KVH strided ones). qf: the
+ * sequence's queries, float32 and scaled, [H, D]. Per query head h: m[h], l[h] and
+ * acc[h * D ..] (unnormalised). DTYPE, DV (= D / 16) and G (query heads per kv head) are
+ * constants at the common call sites (da_run's switch): the loops over them unroll and
+ * the accumulators and queries stay in registers. */
 static inline __attribute__((always_inline)) void da_chunk(
-        const da_args *a, int64_t b, int kvh, int t0, int t1, const int DTYPE, const int DV,
-        float *m, float *l, float *acc_out) {
-    const int G = a->H / a->KVH, D = DV * 16;
+        const da_args *a, int64_t b, int t0, int t1, const float *qf, const int DTYPE,
+        const int DV, const int G, float *m, float *l, float *acc) {
+    const int H = a->H, KVH = a->KVH, D = DV * 16;
     const int esize = DTYPE == DA_F32 ? 4 : 2;
-    const int64_t row = (int64_t)a->KVH * D, page = (int64_t)a->bs * row;
-    __m512 q[DA_MAX_GROUP][DA_MAX_DV], acc[DA_MAX_GROUP][DA_MAX_DV];
-    for (int g = 0; g < G; g++) {
-        const char *qp = a->q + (b * a->q_s + (int64_t)(kvh * G + g) * a->q_h) * esize;
-        for (int c = 0; c < DV; c++) {
-            q[g][c] = _mm512_mul_ps(da_load(qp + c * 16 * esize, DTYPE),
-                                    _mm512_set1_ps(a->scale));
-            acc[g][c] = _mm512_setzero_ps();
-        }
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
+    const int64_t row = (int64_t)KVH * D, page = (int64_t)a->bs * row;
+    for (int h = 0; h < H; h++) {
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
     }
+    memset(acc, 0, sizeof(float) * H * D);
     const char *table = (const char *)a->tables + b * a->bt_s * (a->tables64 ? 8 : 4);
-    float s[DA_MAX_GROUP][DA_TILE];
+    __m512 dots[DA_MAX_GROUP][DA_TILE];
+    float p[DA_MAX_GROUP][DA_TILE];
     int64_t off[DA_TILE];
     for (int t = t0; t < t1; t += DA_TILE) {
         const int n = t1 - t < DA_TILE ? t1 - t : DA_TILE;
-        for (int i = 0; i < n; i++) {  /* this tile's rows: (page, offset, head) -> bytes */
+        for (int i = 0; i < n; i++) {  /* this tile's rows: (page, offset) -> bytes */
             int64_t blk = da_index(table, (t + i) / a->bs, a->tables64);
-            off[i] = (blk * page + (int64_t)((t + i) % a->bs) * row + (int64_t)kvh * D) * esize;
-        }
-        for (int i = 0; i < n; i++) {  /* scores: q . k for each head of the group */
-            const char *kp = a->k + off[i];
-            __m512 k[DA_MAX_DV];
-            for (int c = 0; c < DV; c++) k[c] = da_load(kp + c * 16 * esize, DTYPE);
-            for (int g = 0; g < G; g++) {
-                __m512 d = _mm512_mul_ps(q[g][0], k[0]);
-                for (int c = 1; c < DV; c++) d = _mm512_fmadd_ps(q[g][c], k[c], d);
-                s[g][i] = _mm512_reduce_add_ps(d);
-            }
+            off[i] = (blk * page + (int64_t)((t + i) % a->bs) * row) * esize;
         }
         const __mmask16 valid = (__mmask16)((1u << n) - 1);
-        for (int g = 0; g < G; g++) {  /* online softmax: s becomes p = e^(s - m) */
-            __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, s[g]);
-            float mx = _mm512_reduce_max_ps(sv);
-            float m_new = m[g] > mx ? m[g] : mx;
-            float alpha = expf(m[g] - m_new);  /* 0 on the first tile: m[g] = -inf */
-            __m512 p = _mm512_maskz_mov_ps(valid, da_exp(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
-            l[g] = l[g] * alpha + _mm512_reduce_add_ps(p);
-            m[g] = m_new;
-            if (alpha != 1.0f)
-                for (int c = 0; c < DV; c++)
-                    acc[g][c] = _mm512_mul_ps(acc[g][c], _mm512_set1_ps(alpha));
-            _mm512_storeu_ps(s[g], p);
-        }
-        for (int i = 0; i < n; i++) {  /* acc += p . v, each V row read once for the group */
-            const char *vp = a->v + off[i];
-            for (int c = 0; c < DV; c++) {
-                __m512 v = da_load(vp + c * 16 * esize, DTYPE);
-                for (int g = 0; g < G; g++)
-                    acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[g][i]), v, acc[g][c]);
+        /* the next tile's K and V rows, one page or two anywhere in memory: the hardware
+         * prefetchers only learn a stream after its first misses, and a page is one short
+         * stream (a few KiB) */
+        for (int i = t + DA_TILE; i < t1 && i < t + 2 * DA_TILE; i++) {
+            int64_t blk = da_index(table, i / a->bs, a->tables64);
+            const char *kp = a->k + (blk * page + (int64_t)(i % a->bs) * row) * esize;
+            const char *vp = a->v + (kp - a->k);
+            for (int64_t x = 0; x < row * esize; x += 64) {
+                _mm_prefetch(kp + x, _MM_HINT_T0);
+                _mm_prefetch(vp + x, _MM_HINT_T0);
             }
         }
+        for (int kvh = 0; kvh < KVH; kvh++) {
+            const int64_t head = (int64_t)kvh * D * esize;
+            const float *qk = qf + (int64_t)kvh * G * D;
+            __m512 q[DA_MAX_GROUP][DA_MAX_DV];
+            for (int g = 0; g < G; g++)
+                for (int c = 0; c < DV; c++) q[g][c] = _mm512_loadu_ps(qk + g * D + c * 16);
+            for (int i = 0; i < DA_TILE; i++) {  /* q . k, lane-wise, per head of the group */
+                __m512 k[DA_MAX_DV];
+                if (i < n)
+                    for (int c = 0; c < DV; c++)
+                        k[c] = da_load(a->k + off[i] + head + c * 16 * esize, DTYPE);
+                else
+                    for (int c = 0; c < DV; c++) k[c] = _mm512_setzero_ps();
+                for (int g = 0; g < G; g++) {
+                    __m512 d = _mm512_mul_ps(q[g][0], k[0]);
+                    for (int c = 1; c < DV; c++) d = _mm512_fmadd_ps(q[g][c], k[c], d);
+                    dots[g][i] = d;
+                }
+            }
+            for (int g = 0; g < G; g++) {  /* online softmax: scores become e^(s - m) */
+                const int h = kvh * G + g;
+                __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid,
+                                               da_hsum16(dots[g]));
+                float mx = _mm512_reduce_max_ps(sv);
+                float m_new = m[h] > mx ? m[h] : mx;
+                float alpha = expf(m[h] - m_new);  /* 0 on the first tile: m[h] = -inf */
+                __m512 e = _mm512_maskz_mov_ps(
+                    valid, da_exp(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
+                l[h] = l[h] * alpha + _mm512_reduce_add_ps(e);
+                m[h] = m_new;
+                if (alpha != 1.0f)
+                    for (int c = 0; c < DV; c++)
+                        _mm512_storeu_ps(acc + h * D + c * 16,
+                                         _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + c * 16),
+                                                       _mm512_set1_ps(alpha)));
+                _mm512_storeu_ps(p[g], e);
+            }
+            /* acc += p . v, each V row read once for the group */
+            float *acc_k = acc + (int64_t)kvh * G * D;
+            __m512 r[DA_MAX_GROUP][DA_MAX_DV];
+            for (int g = 0; g < G; g++)
+                for (int c = 0; c < DV; c++) r[g][c] = _mm512_loadu_ps(acc_k + g * D + c * 16);
+            for (int i = 0; i < n; i++) {
+                __m512 v[DA_MAX_DV];
+                for (int c = 0; c < DV; c++)
+                    v[c] = da_load(a->v + off[i] + head + c * 16 * esize, DTYPE);
+                for (int g = 0; g < G; g++) {
+                    __m512 pg = _mm512_set1_ps(p[g][i]);
+                    for (int c = 0; c < DV; c++) r[g][c] = _mm512_fmadd_ps(pg, v[c], r[g][c]);
+                }
+            }
+            for (int g = 0; g < G; g++)
+                for (int c = 0; c < DV; c++) _mm512_storeu_ps(acc_k + g * D + c * 16, r[g][c]);
+        }
     }
-    for (int g = 0; g < G; g++)
-        for (int c = 0; c < DV; c++) _mm512_storeu_ps(acc_out + g * D + c * 16, acc[g][c]);
 }
 
-/* out[b, kvh * G + g] = acc / l for each head of the group, rounded once */
-static void da_write(const da_args *a, int64_t b, int kvh, const float *l, const float *acc) {
-    const int G = a->H / a->KVH, D = a->D, esize = a->dtype == DA_F32 ? 4 : 2;
-    for (int g = 0; g < G; g++) {
-        char *o = a->out + ((b * a->H + kvh * G + g) * (int64_t)D) * esize;
-        __m512 inv = _mm512_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
+/* out[b] = acc / l for every query head, rounded once */
+static void da_write(const da_args *a, int64_t b, const float *l, const float *acc) {
+    const int D = a->D, esize = a->dtype == DA_F32 ? 4 : 2;
+    for (int h = 0; h < a->H; h++) {
+        char *o = a->out + ((b * a->H + h) * (int64_t)D) * esize;
+        __m512 inv = _mm512_set1_ps(l[h] > 0.0f ? 1.0f / l[h] : 0.0f);
         for (int c = 0; c < D / 16; c++)
-            da_store(o + c * 16 * esize, _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + c * 16), inv),
+            da_store(o + c * 16 * esize, _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + c * 16), inv),
                      a->dtype);
     }
 }
 
-typedef struct { int b, kvh, t0, t1; } da_task;
+typedef struct { int b, t0, t1; } da_task;
 
-#define DA_CASE(DT, DV_) da_chunk(a, tk->b, tk->kvh, tk->t0, tk->t1, DT, DV_, m, l, acc)
+/* The common shapes get their own copy of da_chunk (bfloat16 and float16; head_dim 64 and
+ * 128; groups of 1 to 4 and 8): every other one runs the generic copy of its dtype. */
+#define DA_CHUNK(DT, DV_, G_) da_chunk(a, tk->b, tk->t0, tk->t1, qf, DT, DV_, G_, m, l, acc)
+#define DA_GROUPS(DT, DV_)                                                            \
+    switch (g) {                                                                      \
+    case 1: DA_CHUNK(DT, DV_, 1); return;                                             \
+    case 2: DA_CHUNK(DT, DV_, 2); return;                                             \
+    case 3: DA_CHUNK(DT, DV_, 3); return;                                             \
+    case 4: DA_CHUNK(DT, DV_, 4); return;                                             \
+    case 8: DA_CHUNK(DT, DV_, 8); return;                                             \
+    }
 
-static void da_run(const da_args *a, const da_task *tk, float *m, float *l, float *acc) {
-    const int dv = a->D / 16;
-    switch (a->dtype * 4 + (dv == 4 ? 0 : dv == 8 ? 1 : 2)) {
-    case DA_BF16 * 4 + 0: DA_CASE(DA_BF16, 4); break;
-    case DA_BF16 * 4 + 1: DA_CASE(DA_BF16, 8); break;
-    case DA_BF16 * 4 + 2: DA_CASE(DA_BF16, dv); break;
-    case DA_F16 * 4 + 0: DA_CASE(DA_F16, 4); break;
-    case DA_F16 * 4 + 1: DA_CASE(DA_F16, 8); break;
-    case DA_F16 * 4 + 2: DA_CASE(DA_F16, dv); break;
-    case DA_F32 * 4 + 0: DA_CASE(DA_F32, 4); break;
-    case DA_F32 * 4 + 1: DA_CASE(DA_F32, 8); break;
-    default: DA_CASE(DA_F32, dv); break;
+static void da_run(const da_args *a, const da_task *tk, const float *qf, float *m, float *l,
+                   float *acc) {
+    const int dv = a->D / 16, g = a->H / a->KVH;
+    if (a->dtype == DA_BF16) {
+        if (dv == 4) DA_GROUPS(DA_BF16, 4)
+        if (dv == 8) DA_GROUPS(DA_BF16, 8)
+        DA_CHUNK(DA_BF16, dv, g);
+    } else if (a->dtype == DA_F16) {
+        if (dv == 4) DA_GROUPS(DA_F16, 4)
+        if (dv == 8) DA_GROUPS(DA_F16, 8)
+        DA_CHUNK(DA_F16, dv, g);
+    } else {
+        DA_CHUNK(DA_F32, dv, g);
     }
 }
 
@@ -223,7 +284,7 @@ int pdserve_decode_attention(const void *q, int64_t q_s, int64_t q_h,
                        head_dim, block_size, dtype, scale};
     if (k_new)
         da_store_new(&a, num_seqs, k_new, kn_s, kn_h, v_new, vn_s, vn_h, slots);
-    const int G = num_heads / num_kv_heads, D = head_dim, esize = dtype == DA_F32 ? 4 : 2;
+    const int H = num_heads, D = head_dim, esize = dtype == DA_F32 ? 4 : 2;
     int64_t work = 0, max_len = 0;
     for (int b = 0; b < num_seqs; b++) {
         int64_t n = da_index(seq_lens, b, lens64);
@@ -233,75 +294,76 @@ int pdserve_decode_attention(const void *q, int64_t q_s, int64_t q_h,
     work *= num_kv_heads;
     const int threads = omp_get_max_threads();
     const int parallel = work >= DA_PARALLEL_WORK && threads > 1;
-    /* chunks per sequence: enough tasks for 4 a thread when pairs are few, each chunk at
-     * least DA_MIN_CHUNK positions (a multiple of the tile) */
+    /* chunks per sequence: enough tasks for 4 a thread when sequences are few, each chunk
+     * at least DA_MIN_CHUNK positions */
     int split = 1;
-    const int pairs = num_seqs * num_kv_heads;
-    if (parallel && pairs < 4 * threads) {
-        split = (4 * threads + pairs - 1) / pairs;
+    if (parallel && num_seqs < 4 * threads) {
+        split = (4 * threads + num_seqs - 1) / num_seqs;
         int most = (int)((max_len + DA_MIN_CHUNK - 1) / DA_MIN_CHUNK);
         if (split > most) split = most;
         if (split < 1) split = 1;
     }
-    const int64_t per_task = (int64_t)G * (D + 2);  /* m, l, acc of a split chunk */
-    size_t ntasks = (size_t)pairs * split;
-    char *scratch = malloc(ntasks * sizeof(da_task) +
-                           (split > 1 ? ntasks * per_task * sizeof(float) : 0) + 64);
+    const int64_t per_task = (int64_t)H * (D + 2);  /* m, l, acc */
+    const size_t ntasks = (size_t)num_seqs * split;
+    char *scratch = malloc(ntasks * (sizeof(da_task) + per_task * sizeof(float)) +
+                           ((size_t)num_seqs * H * D + (size_t)H * (D + 1)) * sizeof(float)
+                           + 128);
     if (!scratch) return -1;
-    da_task *tasks = (da_task *)scratch;
-    float *parts = (float *)(tasks + ntasks);
+    float *parts = (float *)scratch;
+    float *qf = parts + ntasks * per_task;
+    float *l = qf + (size_t)num_seqs * H * D, *acc = l + H;  /* combining chunks */
+    da_task *tasks = (da_task *)(acc + (size_t)H * D);
     int count = 0;
     for (int b = 0; b < num_seqs; b++) {
         int len = (int)da_index(seq_lens, b, lens64);
         if (len == 0) {  /* batch padding: zeros */
-            memset((char *)out + (size_t)b * num_heads * D * esize, 0,
-                   (size_t)num_heads * D * esize);
+            memset((char *)out + (size_t)b * H * D * esize, 0, (size_t)H * D * esize);
             continue;
+        }
+        for (int h = 0; h < H; h++) {  /* the queries in float32, scaled */
+            const char *qp = (const char *)q + (b * q_s + h * q_h) * esize;
+            for (int c = 0; c < D; c += 16)
+                _mm512_storeu_ps(qf + ((int64_t)b * H + h) * D + c,
+                                 _mm512_mul_ps(da_load(qp + c * esize, dtype),
+                                               _mm512_set1_ps(scale)));
         }
         int chunk = (len + split - 1) / split;
         chunk = (chunk + DA_TILE - 1) / DA_TILE * DA_TILE;
-        for (int h = 0; h < num_kv_heads; h++)
-            for (int t0 = 0; t0 < len; t0 += chunk)
-                tasks[count++] = (da_task){b, h, t0, t0 + chunk < len ? t0 + chunk : len};
+        for (int t0 = 0; t0 < len; t0 += chunk)
+            tasks[count++] = (da_task){b, t0, t0 + chunk < len ? t0 + chunk : len};
     }
+    const int whole = split == 1;
 #pragma omp parallel for schedule(dynamic, 1) if (parallel)
     for (int i = 0; i < count; i++) {
         const da_task *tk = &tasks[i];
-        float m[DA_MAX_GROUP], l[DA_MAX_GROUP], buf[DA_MAX_GROUP * DA_MAX_DV * 16];
-        if (split == 1) {
-            da_run(&a, tk, m, l, buf);
-            da_write(&a, tk->b, tk->kvh, l, buf);
-        } else {
-            float *p = parts + i * per_task;
-            da_run(&a, tk, p, p + G, p + 2 * G);
-        }
+        float *p = parts + i * per_task;
+        da_run(&a, tk, qf + (int64_t)tk->b * H * D, p, p + H, p + 2 * H);
+        if (whole) da_write(&a, tk->b, p + H, p + 2 * H);
     }
-    if (split > 1) {  /* combine each pair's chunks (consecutive tasks): rescale to one max */
-        float l[DA_MAX_GROUP], acc[DA_MAX_GROUP * DA_MAX_DV * 16];
+    if (!whole) {  /* combine each sequence's chunks (consecutive tasks): one max for all */
         for (int i = 0; i < count;) {
             int j = i;
-            while (j < count && tasks[j].b == tasks[i].b && tasks[j].kvh == tasks[i].kvh) j++;
-            for (int g = 0; g < G; g++) {
-                float mx = -INFINITY;
+            while (j < count && tasks[j].b == tasks[i].b) j++;
+            for (int h = 0; h < H; h++) {
+                float mx = -INFINITY, sum = 0.0f;
                 for (int c = i; c < j; c++) {
-                    float mc = parts[c * per_task + g];
+                    float mc = parts[c * per_task + h];
                     if (mc > mx) mx = mc;
                 }
-                float sum = 0.0f;
-                for (int e = 0; e < D; e++) acc[g * D + e] = 0.0f;
+                memset(acc + h * D, 0, sizeof(float) * D);
                 for (int c = i; c < j; c++) {
                     const float *p = parts + c * per_task;
-                    float w = expf(p[g] - mx);
-                    sum += p[G + g] * w;
+                    float w = expf(p[h] - mx);
+                    sum += p[H + h] * w;
                     __m512 vw = _mm512_set1_ps(w);
                     for (int e = 0; e < D; e += 16)
-                        _mm512_storeu_ps(acc + g * D + e,
-                                         _mm512_fmadd_ps(_mm512_loadu_ps(p + 2 * G + g * D + e),
-                                                         vw, _mm512_loadu_ps(acc + g * D + e)));
+                        _mm512_storeu_ps(acc + h * D + e,
+                                         _mm512_fmadd_ps(_mm512_loadu_ps(p + 2 * H + h * D + e),
+                                                         vw, _mm512_loadu_ps(acc + h * D + e)));
                 }
-                l[g] = sum;
+                l[h] = sum;
             }
-            da_write(&a, tasks[i].b, tasks[i].kvh, l, acc);
+            da_write(&a, tasks[i].b, l, acc);
             i = j;
         }
     }
