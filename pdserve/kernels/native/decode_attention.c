@@ -2,18 +2,19 @@
  * paged_decode_attention for bfloat16, float16 and float32 caches).
  *
  * One query token per sequence; its K/V are read where they lie, page by page through the
- * block table, with no copy into a contiguous buffer. A task is one (sequence, kv head) and
- * a range of its positions: it reads each position's K and V once for the GROUP query heads
- * that share them (GQA) and keeps, per query head, an online softmax (running max m, sum l)
- * and a float32 accumulator over tiles of 16 positions. Loads convert to float32 (exact from
- * bfloat16 and float16), every product and sum is float32, the output is rounded once to
- * the cache's dtype (nearest even).
+ * block table, with no copy into a contiguous buffer. A task is one sequence and a range of
+ * its positions, every kv head: a page ([block_size, KVH, D]) is read in order, as one
+ * stream, each K and V row once for the query heads that share it (GQA). Per query head it
+ * keeps an online softmax (running max m, sum l) and a float32 accumulator over tiles of 16
+ * positions. Loads convert to float32 (exact from bfloat16 and float16), every product and
+ * sum is float32 (e^x: a polynomial within 2 ulp), the output is rounded once to the
+ * cache's dtype (nearest even).
  *
- * Threads: a batch of few (sequence, kv head) pairs (batch 1 has 3 on SmolLM2) splits a
- * long context into chunks whose partial (m, l, acc) are combined afterwards
- * (flash-decoding), so both cores get work. A step with little work runs on the calling
- * thread alone: waking OpenMP's pool costs 10-20 us on a shared machine, more than the
- * attention of a short batch (DA_PARALLEL_WORK, measured in benchmarks/RESULTS.md).
+ * Threads: a batch of few sequences (batch 1) splits a long context into chunks whose
+ * partial (m, l, acc) are combined afterwards (flash-decoding), so both cores get work. A
+ * step with little work runs on the calling
+ * thread alone: waking OpenMP's pool can cost 10-20 us on a shared machine, and gains
+ * nothing on a short batch's attention (DA_PARALLEL_WORK).
  *
  * The new tokens' K/V can be stored into their slots by the same call (slots >= 0; -1
  * skips), before anything is read: a decode step then makes one call per layer instead of
@@ -32,9 +33,11 @@ enum { DA_F32 = 0, DA_BF16 = 1, DA_F16 = 2 };
 #define DA_MAX_GROUP 16     /* query heads per kv head */
 #define DA_MAX_DV 16        /* head_dim / 16: head_dim up to 256 */
 #define DA_MIN_CHUNK 128    /* positions, at least, in a split context's chunk */
-/* positions x kv heads a call attends over, below which it runs on one thread */
+/* positions x kv heads a call attends over, below which it runs on one thread. Measured
+ * on the 2-core EPYC, each call after a bfloat16 linear (as in a layer; benchmarks/
+ * RESULTS.md): at 192-384 both take the same time, at 768 two threads save 3.4 us of 12 */
 #ifndef DA_PARALLEL_WORK
-#define DA_PARALLEL_WORK 4096
+#define DA_PARALLEL_WORK 512
 #endif
 
 typedef struct {
