@@ -43,7 +43,7 @@ LENS = {1: [[37]], 16: [[0, 1, 2, 15, 16, 17, 33, 64, 100, 129, 255, 256, 257, 3
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("group", [1, 3, 4, 5, 8])  # 5: the generic copy
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("batch", [1, 16])
 def test_native_matches_the_torch_path(dtype, group, head_dim, batch):
