@@ -13,7 +13,10 @@ In float32, when every sequence has the batch's longest length (a batch of
 one, say) that is bit for bit what transformers computes; padding changes the
 blocking inside SDPA, so shorter sequences can differ by an ulp (about 1e-7).
 bfloat16 and float16 are computed in float32 and rounded once, like the
-Triton kernel, not in the input dtype as transformers does: torch's CPU SDPA
+Triton kernel, not in the input dtype as transformers does. On the CPU they go to the
+native kernel over the pages where it runs (``native``; kernels/native/decode_attention.c:
+the window and SDPA below take 2.2-2.6 times as long a layer, benchmarks/RESULTS.md), and
+the SDPA path serves float32 and CPUs without it. There torch's CPU SDPA
 kernel runs 5-8 times slower in bfloat16 than in float32 at a decode step's
 shapes (0.32 ms against 1.83 a layer for 16 sequences of 320 tokens, AVX512-BF16
 EPYC; benchmarks/RESULTS.md), and the float32 copies cost a fraction of that. A decode
