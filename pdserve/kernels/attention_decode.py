@@ -118,6 +118,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             k, v, slots = new_kv
             new_kv = (last_dim_contiguous(k), last_dim_contiguous(v),
                       slots if slots.dtype == torch.int64 else slots.long())
+            if check:
+                new_kv = (*new_kv[:2], new_kv[2].contiguous())
         return native_decode.decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
                                               scale, new_kv)
     if new_kv is not None:

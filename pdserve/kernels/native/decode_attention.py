@@ -75,28 +75,33 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                      ) -> torch.Tensor:
     """kernels.paged_decode_attention's contract on CPU tensors, checked by the caller
-    (``why_not`` and ``check_pages`` included): q [B, H, D] of the cache's dtype, last dim
-    contiguous; returns [B, H, D] in that dtype. ``new_kv``: (k, v [B, KVH, D] with a
-    contiguous last dim, slot_mapping int64 [B], -1 skips), stored into the cache first as
-    ``store_kv`` would."""
+    (``why_not`` and ``check_pages`` included): q [B, H, D] of the cache's dtype, any
+    strides; returns [B, H, D] in that dtype, contiguous. ``new_kv``: (k, v [B, KVH, D]
+    with a contiguous last dim, slot_mapping int64 [B], contiguous, -1 skips), stored into
+    the cache first as ``store_kv`` would. (Every Python call here is counted: at batch 1
+    the wrapper costs about as much as the kernel.)"""
     num_seqs, num_heads, head_dim = q.shape
     out = torch.empty(q.shape, dtype=q.dtype)                       # [B, H, D]
     if num_seqs == 0:
         return out
-    if q.stride(2) != 1:
+    q_strides = q.stride()
+    if q_strides[2] != 1:
         q = q.contiguous()
+        q_strides = q.stride()
     tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
-    lens = seq_lens.contiguous()
+    if seq_lens.stride(0) != 1:
+        seq_lens = seq_lens.contiguous()
     if new_kv is None:
         store = (None, 0, 0, None, 0, 0, None)
     else:
         k, v, slots = new_kv
-        store = (k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
-                 v.stride(1), slots.data_ptr())
-    if _fn()(q.data_ptr(), q.stride(0), q.stride(1),
-             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], k_cache.shape[2],
-             head_dim, tables.data_ptr(), tables.stride(0), tables.dtype == torch.int64,
-             lens.data_ptr(), lens.dtype == torch.int64, out.data_ptr(), num_seqs, num_heads,
-             scale, DTYPES[q.dtype], *store):
+        (k_s, k_h, _), (v_s, v_h, _) = k.stride(), v.stride()
+        store = (k.data_ptr(), k_s, k_h, v.data_ptr(), v_s, v_h, slots.data_ptr())
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if _fn()(q.data_ptr(), q_strides[0], q_strides[1],
+             k_cache.data_ptr(), v_cache.data_ptr(), block_size, num_kv_heads, head_dim,
+             tables.data_ptr(), tables.stride(0), tables.dtype == torch.int64,
+             seq_lens.data_ptr(), seq_lens.dtype == torch.int64, out.data_ptr(), num_seqs,
+             num_heads, scale, DTYPES[q.dtype], *store):
         raise MemoryError("pdserve_decode_attention: no memory for its task list")
     return out
