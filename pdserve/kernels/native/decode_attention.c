@@ -8,7 +8,8 @@
  * keeps an online softmax (running max m, sum l) and a float32 accumulator over tiles of 16
  * positions. Loads convert to float32 (exact from bfloat16 and float16), every product and
  * sum is float32 (e^x: a polynomial within 2 ulp), the output is rounded once to the
- * cache's dtype (nearest even).
+ * cache's dtype (nearest even). bfloat16's q . k runs on AVX512-BF16's dot product, which
+ * counts subnormal inputs (below 1e-38) as zeros.
  *
  * Threads: a batch of few sequences (batch 1) splits a long context into chunks whose
  * partial (m, l, acc) are combined afterwards (flash-decoding), so both cores get work. A
@@ -114,13 +115,15 @@ static inline __m512 da_hsum16(const __m512 *v) {
 
 /* Positions [t0, t1) of sequence b, every kv head, reading each page's K and V rows in
  * order (a page is [block_size, KVH, D]: one stream, not KVH strided ones). qf: the
- * sequence's queries, float32 and scaled, [H, D]. Per query head h: m[h], l[h] and
+ * sequence's queries [H, D], float32 and scaled; qb: bfloat16 ones as given, whose scores
+ * are scaled (a bfloat16 cache: q . k by _mm512_dpbf16_ps, pairs of exact products summed in
+ * float32, with no conversion of K). Per query head h: m[h], l[h] and
  * acc[h * D ..] (unnormalised). DTYPE, DV (= D / 16) and G (query heads per kv head) are
  * constants at the common call sites (da_run's switch): the loops over them unroll and
  * the accumulators and queries stay in registers. */
 static inline __attribute__((always_inline)) void da_chunk(
-        const da_args *a, int64_t b, int t0, int t1, const float *qf, const int DTYPE,
-        const int DV, const int G, float *m, float *l, float *acc) {
+        const da_args *a, int64_t b, int t0, int t1, const float *qf, const uint16_t *qb,
+        const int DTYPE, const int DV, const int G, float *m, float *l, float *acc) {
     const int H = a->H, KVH = a->KVH, D = DV * 16;
     const int esize = DTYPE == DA_F32 ? 4 : 2;
     const int64_t row = (int64_t)KVH * D, page = (int64_t)a->bs * row;
@@ -154,27 +157,53 @@ static inline __attribute__((always_inline)) void da_chunk(
         }
         for (int kvh = 0; kvh < KVH; kvh++) {
             const int64_t head = (int64_t)kvh * D * esize;
-            const float *qk = qf + (int64_t)kvh * G * D;
-            __m512 q[DA_MAX_GROUP][DA_MAX_DV];
-            for (int g = 0; g < G; g++)
-                for (int c = 0; c < DV; c++) q[g][c] = _mm512_loadu_ps(qk + g * D + c * 16);
-            for (int i = 0; i < DA_TILE; i++) {  /* q . k, lane-wise, per head of the group */
-                __m512 k[DA_MAX_DV];
-                if (i < n)
-                    for (int c = 0; c < DV; c++)
-                        k[c] = da_load(a->k + off[i] + head + c * 16 * esize, DTYPE);
-                else
-                    for (int c = 0; c < DV; c++) k[c] = _mm512_setzero_ps();
-                for (int g = 0; g < G; g++) {
-                    __m512 d = _mm512_mul_ps(q[g][0], k[0]);
-                    for (int c = 1; c < DV; c++) d = _mm512_fmadd_ps(q[g][c], k[c], d);
-                    dots[g][i] = d;
+            if (DTYPE == DA_BF16) {  /* q . k in pairs of bfloat16 (exact products) */
+                const uint16_t *qk = qb + (int64_t)kvh * G * D;
+                const int DW = (DV + 1) / 2;  /* 32 bf16 a vector; an odd DV's last is half */
+                const __mmask32 last = DV % 2 ? 0xFFFFu : 0xFFFFFFFFu;
+                __m512i q[DA_MAX_GROUP][DA_MAX_DV / 2];
+                for (int g = 0; g < G; g++)
+                    for (int c = 0; c < DW; c++)
+                        q[g][c] = _mm512_maskz_loadu_epi16(c == DW - 1 ? last : 0xFFFFFFFFu,
+                                                           qk + g * D + c * 32);
+                for (int i = 0; i < DA_TILE; i++) {
+                    __m512i k[DA_MAX_DV / 2];
+                    for (int c = 0; c < DW; c++)
+                        k[c] = i < n ? _mm512_maskz_loadu_epi16(
+                                           c == DW - 1 ? last : 0xFFFFFFFFu,
+                                           a->k + off[i] + head + c * 64)
+                                     : _mm512_setzero_si512();
+                    for (int g = 0; g < G; g++) {
+                        __m512 d = _mm512_setzero_ps();
+                        for (int c = 0; c < DW; c++)
+                            d = _mm512_dpbf16_ps(d, (__m512bh)q[g][c], (__m512bh)k[c]);
+                        dots[g][i] = d;
+                    }
+                }
+            } else {  /* float16, float32: q . k in float32 */
+                const float *qk = qf + (int64_t)kvh * G * D;
+                __m512 q[DA_MAX_GROUP][DA_MAX_DV];
+                for (int g = 0; g < G; g++)
+                    for (int c = 0; c < DV; c++) q[g][c] = _mm512_loadu_ps(qk + g * D + c * 16);
+                for (int i = 0; i < DA_TILE; i++) {  /* q . k, lane-wise, per head of the group */
+                    __m512 k[DA_MAX_DV];
+                    if (i < n)
+                        for (int c = 0; c < DV; c++)
+                            k[c] = da_load(a->k + off[i] + head + c * 16 * esize, DTYPE);
+                    else
+                        for (int c = 0; c < DV; c++) k[c] = _mm512_setzero_ps();
+                    for (int g = 0; g < G; g++) {
+                        __m512 d = _mm512_mul_ps(q[g][0], k[0]);
+                        for (int c = 1; c < DV; c++) d = _mm512_fmadd_ps(q[g][c], k[c], d);
+                        dots[g][i] = d;
+                    }
                 }
             }
             for (int g = 0; g < G; g++) {  /* online softmax: scores become e^(s - m) */
                 const int h = kvh * G + g;
-                __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid,
-                                               da_hsum16(dots[g]));
+                __m512 sv = da_hsum16(dots[g]);
+                if (DTYPE == DA_BF16) sv = _mm512_mul_ps(sv, _mm512_set1_ps(a->scale));
+                sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sv);
                 float mx = _mm512_reduce_max_ps(sv);
                 float m_new = m[h] > mx ? m[h] : mx;
                 float alpha = expf(m[h] - m_new);  /* 0 on the first tile: m[h] = -inf */
@@ -225,7 +254,8 @@ typedef struct { int b, t0, t1; } da_task;
 
 /* The common shapes get their own copy of da_chunk (bfloat16 and float16; head_dim 64 and
  * 128; groups of 1 to 4 and 8): every other one runs the generic copy of its dtype. */
-#define DA_CHUNK(DT, DV_, G_) da_chunk(a, tk->b, tk->t0, tk->t1, qf, DT, DV_, G_, m, l, acc)
+#define DA_CHUNK(DT, DV_, G_) \
+    da_chunk(a, tk->b, tk->t0, tk->t1, qf, qb, DT, DV_, G_, m, l, acc)
 #define DA_GROUPS(DT, DV_)                                                            \
     switch (g) {                                                                      \
     case 1: DA_CHUNK(DT, DV_, 1); return;                                             \
@@ -235,8 +265,8 @@ typedef struct { int b, t0, t1; } da_task;
     case 8: DA_CHUNK(DT, DV_, 8); return;                                             \
     }
 
-static void da_run(const da_args *a, const da_task *tk, const float *qf, float *m, float *l,
-                   float *acc) {
+static void da_run(const da_args *a, const da_task *tk, const float *qf, const uint16_t *qb,
+                   float *m, float *l, float *acc) {
     const int dv = a->D / 16, g = a->H / a->KVH;
     if (a->dtype == DA_BF16) {
         if (dv == 4) DA_GROUPS(DA_BF16, 4)
@@ -314,6 +344,7 @@ int pdserve_decode_attention(const void *q, int64_t q_s, int64_t q_h,
     if (!scratch) return -1;
     float *parts = (float *)scratch;
     float *qf = parts + ntasks * per_task;
+    uint16_t *qb = (uint16_t *)qf;  /* bfloat16 queries, in the same place */
     float *l = qf + (size_t)num_seqs * H * D, *acc = l + H;  /* combining chunks */
     da_task *tasks = (da_task *)(acc + (size_t)H * D);
     int count = 0;
@@ -323,9 +354,13 @@ int pdserve_decode_attention(const void *q, int64_t q_s, int64_t q_h,
             memset((char *)out + (size_t)b * H * D * esize, 0, (size_t)H * D * esize);
             continue;
         }
-        for (int h = 0; h < H; h++) {  /* the queries in float32, scaled */
+        for (int h = 0; h < H; h++) {  /* the queries: bfloat16 as they are, else float32 */
             const char *qp = (const char *)q + (b * q_s + h * q_h) * esize;
-            for (int c = 0; c < D; c += 16)
+            if (dtype == DA_BF16) {
+                memcpy(qb + ((int64_t)b * H + h) * D, qp, (size_t)D * 2);
+                continue;
+            }
+            for (int c = 0; c < D; c += 16)  /* scaled here; bfloat16's scores are scaled */
                 _mm512_storeu_ps(qf + ((int64_t)b * H + h) * D + c,
                                  _mm512_mul_ps(da_load(qp + c * esize, dtype),
                                                _mm512_set1_ps(scale)));
@@ -340,7 +375,8 @@ int pdserve_decode_attention(const void *q, int64_t q_s, int64_t q_h,
     for (int i = 0; i < count; i++) {
         const da_task *tk = &tasks[i];
         float *p = parts + i * per_task;
-        da_run(&a, tk, qf + (int64_t)tk->b * H * D, p, p + H, p + 2 * H);
+        da_run(&a, tk, qf + (int64_t)tk->b * H * D, qb + (int64_t)tk->b * H * D, p, p + H,
+               p + 2 * H);
         if (whole) da_write(&a, tk->b, p + H, p + 2 * H);
     }
     if (!whole) {  /* combine each sequence's chunks (consecutive tasks): one max for all */
