@@ -157,3 +157,15 @@ def test_an_engine_decodes_with_it(tiny_model, monkeypatch):
     assert not reference.runner.native_decode
     assert "SDPA" in reference.runner.describe_decode_attention()
     assert tokens == want
+
+
+def test_int64_indices_and_a_strided_query():
+    """q a view of a fused qkv output (strided), int64 block tables and lengths."""
+    q, k_cache, v_cache, tables, lens = paged_case([3, 50, 17], 9, 3, 64, torch.bfloat16)
+    qkv = torch.randn(3, 15, 64).bfloat16()
+    qkv[:, :9] = q
+    view = qkv[:, :9]                                                 # [B, H, D], strided
+    got = paged_decode_attention(view, k_cache, v_cache, tables.long(), lens.long(), 0.125,
+                                 native=True)
+    want = paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, native=False)
+    assert_one_ulp(got, want)
