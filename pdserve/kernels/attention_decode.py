@@ -15,7 +15,7 @@ blocking inside SDPA, so shorter sequences can differ by an ulp (about 1e-7).
 bfloat16 and float16 are computed in float32 and rounded once, like the
 Triton kernel, not in the input dtype as transformers does. On the CPU they go to the
 native kernel over the pages where it runs (``native``; kernels/native/decode_attention.c:
-the window and SDPA below take 2.2-2.6 times as long a layer, benchmarks/RESULTS.md), and
+the window and SDPA below take 1.9-2.9 times as long a layer, benchmarks/RESULTS.md), and
 the SDPA path serves float32 and CPUs without it. There torch's CPU SDPA
 kernel runs 5-8 times slower in bfloat16 than in float32 at a decode step's
 shapes (0.32 ms against 1.83 a layer for 16 sequences of 320 tokens, AVX512-BF16
@@ -88,8 +88,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (``kernels.native.decode_attention``; ``gather``, ``window`` and ``kv`` unused). None:
     for bfloat16 and float16 where it runs (``native_decode_why_not``) and no ``window`` is
     given, torch's SDPA otherwise (float32: transformers' bits); False: SDPA; True: the
-    kernel (a window then stays as it was), raising where
-    it cannot run (unchecked with ``check=False``: the caller asked ``native_decode_why_not``).
+    kernel (a window then stays as it was), raising where it cannot run (not asked with
+    ``check=False``: the caller asked ``native_decode_why_not`` once).
     ``new_kv``: (k, v [num_seqs, num_kv_heads, head_dim], slot_mapping [num_seqs], -1
     skips): the new tokens' K/V, stored into their slots first, as ``store_kv`` would; the
     native kernel does it in the same call.
