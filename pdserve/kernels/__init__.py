@@ -21,6 +21,7 @@ from pdserve.kernels.attention_decode import (
     DecodeWindow,
     WindowFill,
     decode_gather,
+    native_decode_why_not,
     paged_decode_attention,
 )
 from pdserve.kernels.attention_prefill import paged_prefill_attention, prefill_attention
@@ -37,6 +38,7 @@ __all__ = [
     "apply_rotary",
     "decode_gather",
     "gather_kv",
+    "native_decode_why_not",
     "paged_decode_attention",
     "paged_prefill_attention",
     "prefill_attention",
