@@ -3,7 +3,8 @@ rates under load).
 
 1. torch's SDPA at a decode step's shapes (one query token per sequence over its context,
    GQA), per layer: in the input dtype, and through float32 copies rounded back (what
-   kernels/attention_decode.py's torch path does for bfloat16 and float16).
+   kernels/attention_decode.py's SDPA path does for bfloat16 and float16 where the native
+   kernel does not run; benchmarks/decode_attention_native.py compares the two).
 2. The default model's engine in-process (an Engine as a decode node holds it) with
    ``--batch`` sequences of ``--prompt-len`` random tokens, prefilled (all added at once:
    the prefill's seconds and prompt tokens a second are printed too), then ``--steps``

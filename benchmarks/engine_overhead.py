@@ -99,7 +99,7 @@ def main() -> None:
     print(f"model: {engine.model_dir.name} ({cfg.num_hidden_layers} layers, hidden "
           f"{cfg.hidden_size}, {args.dtype}); batch {args.batch} x {args.prompt_len}-token "
           f"prompts; torch threads {torch.get_num_threads()}; {platform.processor() or 'cpu'}; "
-          f"decode windows {'off' if engine.runner.decode_windows is None else 'on'}; "
+          f"decode attention {engine.runner.describe_decode_attention()}; "
           f"linear layers {engine.runner.linear}")
     print(f"engine decode step : {e:8.3f} ms (median of {args.rounds} rounds x {args.steps})")
     print(f"bare model forward : {b:8.3f} ms")

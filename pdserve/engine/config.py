@@ -56,9 +56,9 @@ class EngineConfig:
                                        "earlier prompts computed.")
     # engine/decode_window.py
     decode_window_memory_gb: float | None = flag(
-        None, "CPU decode steps keep the batch's context contiguous across steps in at "
-        "most this much memory, instead of gathering it from the KV pages in every layer; "
-        "0: off.", min=0,
+        None, "CPU decode steps that run torch's SDPA (float32, or without the native "
+        "kernels) keep the batch's context contiguous across steps in at most this much "
+        "memory, instead of gathering it from the KV pages in every layer; 0: off.", min=0,
         default_text="half of the KV cache's positions (float32: half its size)")
     # model/cpu_linear.py
     cpu_linear: str = flag(

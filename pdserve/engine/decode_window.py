@@ -17,7 +17,9 @@ float32 (twice a bfloat16 cache's bytes: SDPA computes in float32 anyway, and co
 the window every layer of every step cost more than the attention); past ``budget_bytes``
 the step gathers as before.
 
-Only CPU decode steps use them (the GPU's Triton kernel reads the pages itself). The
+Only CPU decode steps that call SDPA use them: float32 ones, and bfloat16/float16 ones
+where the native decode attention does not run (it reads the pages itself, as the GPU's
+Triton kernel does; ModelRunner then builds no windows). The
 pages stay the source of truth: a step appends only when its batch holds the same
 sequence objects in the same order, each one token further (or the same step again)
 on the same pages under the window's positions, after a forward that completed;

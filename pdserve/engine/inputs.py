@@ -27,10 +27,13 @@ class ModelInputs:
 
 def build_model_inputs(token_chunks: list[list[int]], start_positions: list[int],
                        block_tables: list[list[int]], sample_mask: list[bool],
-                       block_size: int, device: torch.device | str = "cpu") -> ModelInputs:
+                       block_size: int, device: torch.device | str = "cpu",
+                       native_decode: bool = False) -> ModelInputs:
     """Inputs for B sequences: sequence i feeds ``token_chunks[i]`` at positions
     ``start_positions[i]...``, its KV pages are ``block_tables[i]``, and
-    ``sample_mask[i]`` says whether its last token is sampled."""
+    ``sample_mask[i]`` says whether its last token is sampled. ``native_decode``: a CPU
+    decode step runs the native decode attention (AttentionMetadata.decode_native), which
+    needs no gather."""
     num_seqs = len(token_chunks)
     q_lens = np.fromiter((len(c) for c in token_chunks), dtype=np.int64, count=num_seqs)
     starts = np.asarray(start_positions, dtype=np.int64)
@@ -66,6 +69,8 @@ def build_model_inputs(token_chunks: list[list[int]], start_positions: list[int]
         return torch.from_numpy(a).to(device=device, dtype=dtype)
 
     seq_lens_t, tables_t = t(seq_lens, torch.int32), t(tables, torch.int32)
+    on_cpu = seq_lens_t.device.type == "cpu"
+    native = kind == DECODE and on_cpu and native_decode
     meta = AttentionMetadata(
         kind=kind,
         cu_seqlens_q=t(cu, torch.int32),
@@ -73,8 +78,9 @@ def build_model_inputs(token_chunks: list[list[int]], start_positions: list[int]
         slot_mapping=t(slots, torch.int64),
         block_tables=tables_t,
         all_slots=True,  # every token is fed into a block of its table
+        decode_native=native,
         decode_gather=(kernels.decode_gather(tables_t, seq_lens_t, block_size)
-                       if kind == DECODE and seq_lens_t.device.type == "cpu" else None),
+                       if kind == DECODE and on_cpu and not native else None),
     )
     return ModelInputs(t(input_ids, torch.int64), t(positions, torch.int64), meta,
                        t(logits_indices, torch.int64), sample_rows)

@@ -9,12 +9,14 @@ from typing import Callable
 
 import torch
 
+from pdserve import kernels
 from pdserve.engine import logprobs
 from pdserve.engine.decode_window import DecodeWindows
 from pdserve.engine.host_memory import SparseStorage, lazy_buffer
 from pdserve.engine.inputs import ModelInputs, build_model_inputs
 from pdserve.engine.sampler import make_generator, sample
 from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.kernels import native
 from pdserve.model.cpu_linear import bound_onednn_caches, resolve_cpu_linear
 from pdserve.model.llama import LlamaForCausalLM
 
@@ -106,9 +108,27 @@ class ModelRunner:
                  torch.zeros(shape, dtype=dtype, device=self.device))
                 for _ in range(cfg.num_hidden_layers)
             ]
+        # On the CPU, bfloat16 and float16 caches: decode attention in C over the pages,
+        # which leaves the windows nothing to do (kernels/native/decode_attention.py)
+        self.native_decode_why_not = (
+            kernels.native_decode_why_not(dtype, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, cfg.head_dim, self.device)
+            if self.device.type == "cpu" else "not on the CPU")
+        self.native_decode = self.native_decode_why_not is None
+        if self.native_decode and compute == "model":
+            native.library()  # built (or its failure raised) now, not in the first step
         self.decode_windows = (DecodeWindows(self.kv_caches, block_size, decode_window_bytes)
                                if self.device.type == "cpu" and decode_window_bytes > 0
-                               else None)
+                               and not self.native_decode else None)
+
+    def describe_decode_attention(self) -> str:
+        """Which decode attention runs, for the start-up log."""
+        if self.device.type != "cpu":
+            return "Triton paged kernel" if self.device.type == "cuda" else "torch reference"
+        if self.native_decode:
+            return "native C kernel over the KV pages"
+        how = "float32 decode windows" if self.decode_windows is not None else "gathered pages"
+        return f"torch SDPA over {how} (native kernel not used: {self.native_decode_why_not})"
 
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:
         chunks, starts, tables, mask = [], [], [], []
@@ -118,7 +138,8 @@ class ModelRunner:
             starts.append(start)
             tables.append(seq.block_table)
             mask.append(batch.samples(i))
-        inputs = build_model_inputs(chunks, starts, tables, mask, self.block_size, self.device)
+        inputs = build_model_inputs(chunks, starts, tables, mask, self.block_size, self.device,
+                                    native_decode=self.native_decode)
         return replace(inputs, seqs=tuple(batch.seqs))
 
     @torch.inference_mode()

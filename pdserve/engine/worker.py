@@ -77,6 +77,7 @@ class Worker:
                                   window_default_bytes(num_blocks * per_block, self.dtype)
                                   if window_gb is None else int(window_gb * 2**30),
                                   config.cpu_linear)
+        log.info("decode attention: %s", self.runner.describe_decode_attention())
 
     def _simulated(self, config: EngineConfig, kv_storage) -> None:
         """No weights: the checkpoint's config gives the token space, the profile the KV

@@ -6,11 +6,12 @@ references are the CPU serving path and match transformers bit for bit. On the C
 bfloat16, ``rms_norm`` (backend None) and ``rotate_`` run their torch path's arithmetic as
 one native call each where ``native.available()`` (kernels/native/decode_ops.py, with the
 model's silu * up): the same bits, without the 4-9 torch operations' dispatch each took.
-``prefill_attention`` and ``paged_prefill_attention`` (backend None) run a native C kernel
-there too (kernels/native/prefill_attention.c), as accurate against float32 as SDPA's
-bfloat16 but not its bits (attention_prefill's docstring).
 ``backend="torch"`` and ``PDSERVE_NATIVE_KERNELS=0`` keep torch's operations; float32
-always does.
+always does. The attention functions take ``native`` instead (None: the C kernel where it
+runs, False: SDPA, True: the C kernel or an error): ``paged_decode_attention`` and
+``prefill_attention`` / ``paged_prefill_attention`` (kernels/native/prefill_attention.c,
+bfloat16) run their own arithmetic, as accurate against float32 as SDPA's but not its bits
+(each module's docstring).
 Triton is optional: without it everything runs on torch.
 
 Every function checks its arguments and says what was wrong. The ones the model calls in
@@ -24,6 +25,7 @@ from pdserve.kernels.attention_decode import (
     DecodeWindow,
     WindowFill,
     decode_gather,
+    native_decode_why_not,
     paged_decode_attention,
 )
 from pdserve.kernels.attention_prefill import paged_prefill_attention, prefill_attention
@@ -40,6 +42,7 @@ __all__ = [
     "apply_rotary",
     "decode_gather",
     "gather_kv",
+    "native_decode_why_not",
     "paged_decode_attention",
     "paged_prefill_attention",
     "prefill_attention",

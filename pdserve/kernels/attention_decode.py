@@ -13,7 +13,10 @@ In float32, when every sequence has the batch's longest length (a batch of
 one, say) that is bit for bit what transformers computes; padding changes the
 blocking inside SDPA, so shorter sequences can differ by an ulp (about 1e-7).
 bfloat16 and float16 are computed in float32 and rounded once, like the
-Triton kernel, not in the input dtype as transformers does: torch's CPU SDPA
+Triton kernel, not in the input dtype as transformers does. On the CPU they go to the
+native kernel over the pages where it runs (``native``; kernels/native/decode_attention.c:
+the window and SDPA below take 1.9-2.9 times as long a layer, benchmarks/RESULTS.md), and
+the SDPA path serves float32 and CPUs without it. There torch's CPU SDPA
 kernel runs 5-8 times slower in bfloat16 than in float32 at a decode step's
 shapes (0.32 ms against 1.83 a layer for 16 sequences of 320 tokens, AVX512-BF16
 EPYC; benchmarks/RESULTS.md), and the float32 copies cost a fraction of that. A decode
@@ -46,6 +49,8 @@ from pdserve.kernels._dispatch import (
     tl,
     triton,
 )
+from pdserve.kernels.kv_cache import store_kv
+from pdserve.kernels.native import decode_attention as native_decode
 
 _LOG2E = 1.4426950408889634
 
@@ -55,7 +60,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            backend: str | None = None,
                            gather: DecodeGather | None = None,
                            window: DecodeWindow | None = None,
-                           kv: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
+                           kv: torch.Tensor | None = None, native: bool | None = None,
+                           new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                           check: bool = True) -> torch.Tensor:
     """Attention of each sequence's newest token over its first ``seq_lens[i]`` cached tokens.
 
     q [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size,
@@ -77,6 +84,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     new tokens' K and V as they were stored, which a window that appends (``WindowFill``'s
     ``rows``) takes from here rather than reading its cache slots back.
 
+    ``native`` (torch backend): the C kernel that reads the pages itself
+    (``kernels.native.decode_attention``; ``gather``, ``window`` and ``kv`` unused). None:
+    for bfloat16 and float16 where it runs (``native_decode_why_not``) and no ``window`` is
+    given, torch's SDPA otherwise (float32: transformers' bits); False: SDPA; True: the
+    kernel (a window then stays as it was), raising where it cannot run (not asked with
+    ``check=False``: the caller asked ``native_decode_why_not`` once).
+    ``new_kv``: (k, v [num_seqs, num_kv_heads, head_dim], slot_mapping [num_seqs], -1
+    skips): the new tokens' K/V, stored into their slots first, as ``store_kv`` would; the
+    native kernel does it in the same call.
+
     ``check``: False skips the argument checks, the window's too (the package docstring).
     """
     if check:
@@ -90,7 +107,24 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         check_contiguous("k_cache", k_cache)
         check_contiguous("v_cache", v_cache)
         scale = check_scale(scale)
-    if pick_backend(backend, q.device) == "torch":
+        if new_kv is not None:
+            _check_new_kv(new_kv, k_cache, v_cache, dims)
+    torch_backend = pick_backend(backend, q.device) == "torch"
+    if torch_backend and _use_native(native if window is None else bool(native), q, k_cache,
+                                     check):
+        if check:
+            native_decode.check_pages(k_cache, block_tables, seq_lens)
+        if new_kv is not None:
+            k, v, slots = new_kv
+            new_kv = (last_dim_contiguous(k), last_dim_contiguous(v),
+                      slots if slots.dtype == torch.int64 else slots.long())
+            if check:
+                new_kv = (*new_kv[:2], new_kv[2].contiguous())
+        return native_decode.decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                              scale, new_kv)
+    if new_kv is not None:
+        store_kv(*new_kv[:2], k_cache, v_cache, new_kv[2], check=False)
+    if torch_backend:
         if gather is None:
             gather = decode_gather(block_tables, seq_lens, k_cache.shape[1])
         if window is not None and check:
@@ -98,6 +132,50 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return _decode_torch(q, k_cache, v_cache, gather, scale, window, kv)
     return _decode_triton(q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(),
                           scale)
+
+
+def native_decode_why_not(dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                          head_dim: int, device: torch.device | str) -> str | None:
+    """None if ``paged_decode_attention(native=None)`` runs the native kernel for a cache of
+    ``dtype`` on ``device``, else why not (one phrase, for the start-up log)."""
+    if dtype == torch.float32:
+        return "float32 keeps torch's SDPA (transformers' bits)"
+    return native_decode.why_not(dtype, num_heads, num_kv_heads, head_dim, device)
+
+
+def _use_native(native: bool | None, q: torch.Tensor, k_cache: torch.Tensor,
+                check: bool) -> bool:
+    if native is False:
+        return False
+    if native and not check:
+        return True
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    if native is None:
+        return native_decode_why_not(q.dtype, q.shape[1], num_kv_heads, head_dim,
+                                     q.device) is None
+    why = native_decode.why_not(q.dtype, q.shape[1], num_kv_heads, head_dim, q.device)
+    if why is not None:
+        raise RuntimeError(f"native decode attention cannot run: {why}")
+    return True
+
+
+def _check_new_kv(new_kv: object, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  dims: dict[str, tuple[int, str]]) -> None:
+    if not isinstance(new_kv, tuple) or len(new_kv) != 3:
+        raise ValueError("new_kv must be a tuple (k, v, slot_mapping)")
+    k, v, slots = new_kv
+    check_tensor("k", k, "[num_seqs, num_kv_heads, head_dim]", FLOAT_DTYPES, dims,
+                 k_cache.device)
+    check_tensor("v", v, "[num_seqs, num_kv_heads, head_dim]", FLOAT_DTYPES, dims,
+                 k_cache.device)
+    check_tensor("slot_mapping", slots, "[num_seqs]", INDEX_DTYPES, dims, k_cache.device)
+    check_same_dtype("k", k, "k_cache", k_cache)
+    check_same_dtype("v", v, "v_cache", v_cache)
+    slots = slots.long()
+    if slots.numel() and (int(slots.min()) < -1 or int(slots.max()) >= k_cache.shape[0]
+                          * k_cache.shape[1]):
+        raise IndexError(f"slot_mapping must hold -1 or slots below the cache's "
+                         f"{k_cache.shape[0] * k_cache.shape[1]}")
 
 
 @dataclass(frozen=True)

@@ -15,21 +15,20 @@ causal mask otherwise), so each sequence gets the bits transformers gives it
 on its own, whatever else is in the batch. The Triton kernel computes as the
 decode kernel does (float32, tf32 tensor cores for bf16/fp16 inputs).
 
-One exception on the CPU: bfloat16 (both functions, ``backend=None``) runs the native
+One exception on the CPU: bfloat16 (both functions, ``native=None``) runs the native
 kernel (kernels/native/prefill_attention.c) where ``native.available()``, about 5x faster
 than SDPA at 1024 tokens: flash-style, Q.K^T and P.V on AVX512-BF16 with float32 accumulation,
 float32 online softmax, P rounded to bfloat16 for P.V. Not SDPA's bits, but the same
 error against float32 (about one bfloat16 rounding of the output; benchmarks/RESULTS.md).
 A query's output does not depend on which other queries share its call, so a prompt
 prefilled in chunks over its cached pages gets the bits it gets in one piece.
-``backend="torch"`` and float32 keep SDPA, so float32 greedy output stays token-exact
-against transformers.
+``native=False`` and float32 keep SDPA, so float32 greedy output stays token-exact against
+transformers.
 """
 from __future__ import annotations
 
 import torch
 
-from pdserve.kernels import native
 from pdserve.kernels._dispatch import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -59,12 +58,16 @@ _SEQ_CHUNK = 64
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cu_seqlens: torch.Tensor, scale: float,
-                      backend: str | None = None) -> torch.Tensor:
+                      backend: str | None = None, native: bool | None = None) -> torch.Tensor:
     """Causal attention within each of several sequences packed back to back.
 
     q [T, num_heads, head_dim]; k, v [T, num_kv_heads, head_dim] (any strides);
     cu_seqlens int32/int64 [num_seqs + 1], sequence i is tokens
     cu_seqlens[i]:cu_seqlens[i+1]. Returns [T, num_heads, head_dim] in q's dtype.
+
+    ``native`` (torch backend): the C kernel (``kernels.native.prefill_attention``). None:
+    for bfloat16 where it runs (``native_prefill_why_not``), torch's SDPA otherwise (float32:
+    transformers' bits); False: SDPA; True: the kernel, raising where it cannot run.
     """
     dims: dict[str, tuple[int, str]] = {}
     check_tensor("q", q, "[T, num_heads, head_dim]", FLOAT_DTYPES, dims)
@@ -76,7 +79,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     check_gqa(q.shape[1], k.shape[1])
     scale = check_scale(scale)
     if pick_backend(backend, q.device) == "torch":
-        return _prefill_torch(q, k, v, cu_seqlens, scale, native=backend is None)
+        return _prefill_torch(q, k, v, cu_seqlens, scale, _use_native(native, q, k))
     k, v = last_dim_contiguous(k), last_dim_contiguous(v)
     cu = cu_seqlens.contiguous()
     # K/V rows are token rows: "page" = token, offset stride 0, block size 1.
@@ -88,7 +91,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                             block_tables: torch.Tensor, scale: float,
-                            backend: str | None = None) -> torch.Tensor:
+                            backend: str | None = None, native: bool | None = None
+                            ) -> torch.Tensor:
     """Causal attention of new tokens over their sequence's whole paged KV cache.
 
     Sequence i's ``q_len = cu_seqlens_q[i+1] - cu_seqlens_q[i]`` queries are the
@@ -97,6 +101,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     q [T, num_heads, head_dim] (any strides); k_cache, v_cache [num_blocks,
     block_size, num_kv_heads, head_dim] (contiguous); block_tables int32/int64
     [num_seqs, max_blocks_per_seq]. Returns [T, num_heads, head_dim].
+    ``native``: as ``prefill_attention``'s.
     """
     dims: dict[str, tuple[int, str]] = {}
     check_tensor("q", q, "[T, num_heads, head_dim]", FLOAT_DTYPES, dims)
@@ -112,7 +117,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     scale = check_scale(scale)
     if pick_backend(backend, q.device) == "torch":
         return _paged_prefill_torch(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
-                                    scale, native=backend is None)
+                                    scale, _use_native(native, q, k_cache))
     strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     return _prefill_triton(q, k_cache, v_cache, cu_seqlens_q.contiguous(), seq_lens.contiguous(),
                            block_tables.contiguous(), num_seqs, scale, paged=True,
@@ -120,10 +125,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 def _prefill_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                   scale: float, native: bool = False) -> torch.Tensor:
+                   scale: float, use_native: bool = False) -> torch.Tensor:
     cu = cu_seqlens.tolist()
     check_cu_values("cu_seqlens", cu, q.shape[0])
-    if native and _native_runs(q, k):
+    if use_native:
         return native_prefill.prefill_attention(last_dim_contiguous(q), last_dim_contiguous(k),
                                                 last_dim_contiguous(v), cu_seqlens.cpu(), scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
@@ -137,17 +142,32 @@ def _prefill_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
     return out
 
 
-def _native_runs(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """bfloat16 on the CPU, where the native kernels run (asked on every call: a caller
-    that turns them off mid-process gets SDPA from the next one) and take the shapes."""
-    return (q.dtype == torch.bfloat16 and q.device.type == "cpu"
-            and native_prefill.supports(q.shape[-1], q.shape[-2], k.shape[-2])
-            and native.available())
+def native_prefill_why_not(dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                           head_dim: int, device: torch.device | str) -> str | None:
+    """None if ``prefill_attention(native=None)`` (and the paged one) runs the native kernel
+    for ``dtype`` on ``device``, else why not (one phrase, for a start-up log)."""
+    if dtype == torch.float32:
+        return "float32 keeps torch's SDPA (transformers' bits)"
+    return native_prefill.why_not(dtype, num_heads, num_kv_heads, head_dim, device)
+
+
+def _use_native(native: bool | None, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Asked on every call: a caller that turns the kernels off mid-process
+    (``PDSERVE_NATIVE_KERNELS=0`` and a cache_clear) gets SDPA from the next one."""
+    if native is False:
+        return False
+    args = (q.dtype, q.shape[-2], k.shape[-2], q.shape[-1], q.device)
+    if native is None:
+        return native_prefill_why_not(*args) is None
+    why = native_prefill.why_not(*args)
+    if why is not None:
+        raise RuntimeError(f"native prefill attention cannot run: {why}")
+    return True
 
 
 def _paged_prefill_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                         block_tables: torch.Tensor, scale: float, native: bool = False
+                         block_tables: torch.Tensor, scale: float, use_native: bool = False
                          ) -> torch.Tensor:
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     check_cu_values("cu_seqlens_q", cu, q.shape[0])
@@ -164,7 +184,7 @@ def _paged_prefill_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         if num_blocks[i] > block_tables.shape[1]:
             raise ValueError(f"sequence {i} needs {num_blocks[i]} blocks for {kv_len} tokens, "
                              f"but block_tables has {block_tables.shape[1]} columns")
-    if native and _native_runs(q, k_cache):
+    if use_native:
         # C reads the pages unchecked: every id a sequence reads must exist
         used = torch.arange(block_tables.shape[1])[None, :] < torch.tensor(num_blocks)[:, None]
         bad = used & ((block_tables < 0) | (block_tables >= k_cache.shape[0]))

@@ -25,6 +25,9 @@ class AttentionMetadata:
     seq_lens: torch.Tensor       # int32 [B]: tokens each sequence attends to (cached + new)
     slot_mapping: torch.Tensor   # int64 [T]: cache slot of each new token, -1 to skip
     block_tables: torch.Tensor   # int32 [B, max_blocks]
+    # DECODE on the CPU: the native kernel reads the pages and stores the new K/V itself
+    # (kernels.native.decode_attention); no gather, no windows
+    decode_native: bool = False
     # DECODE on the CPU: the torch decode attention's page list and mask, once per step
     decode_gather: kernels.DecodeGather | None = None
     # DECODE on the CPU: each layer's window of the batch's context, kept across steps
@@ -56,8 +59,12 @@ class PagedAttention(torch.nn.Module):
                 raise ValueError("attention without a KV cache can only run a fresh prefill")
             return kernels.prefill_attention(q, k, v, meta.cu_seqlens_q, self.scale)
         k_cache, v_cache = kv_cache
-        # The model and the step's inputs built every argument of the two calls made in
-        # every layer of every step: not checked again (kernels' docstring)
+        # The model and the step's inputs built every argument of the calls made in every
+        # layer of every step: not checked again (kernels' docstring)
+        if meta.decode_native:  # stores the new K/V and attends in one call
+            return kernels.paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
+                native=True, new_kv=(k, v, meta.slot_mapping), check=False)
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, all_slots=meta.all_slots,
                          check=False)
         if meta.kind == PREFILL:

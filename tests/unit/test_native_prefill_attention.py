@@ -110,14 +110,16 @@ def test_prefill_attention_takes_it_for_bfloat16_only(monkeypatch):
     q32, k32, v32 = q.float(), k.float(), v.float()
     assert torch.equal(prefill_attention(q32, k32, v32, cu(lens), scale),
                        sdpa(q32, k32, v32, lens, scale))
+    with pytest.raises(RuntimeError, match="it takes bfloat16"):
+        prefill_attention(q32, k32, v32, cu(lens), scale, native=True)
     # a head_dim the kernel does not take keeps SDPA
     q, k, v = fused_qkv(lens, 4, 2, 40)
-    assert not native_prefill.supports(40, 4, 2)
+    assert "head_dim 40" in native_prefill.why_not(torch.bfloat16, 4, 2, 40)
     assert torch.equal(prefill_attention(q, k, v, cu(lens), scale), sdpa(q, k, v, lens, scale))
-    # backend="torch" asks for SDPA; turned off (PDSERVE_NATIVE_KERNELS=0 read anew): SDPA
-    # from the next call
+    # native=False asks for SDPA; turned off (PDSERVE_NATIVE_KERNELS=0 read anew): SDPA from
+    # the next call
     q, k, v = fused_qkv(lens, 9, 3, 64)
-    assert torch.equal(prefill_attention(q, k, v, cu(lens), scale, backend="torch"),
+    assert torch.equal(prefill_attention(q, k, v, cu(lens), scale, native=False),
                        sdpa(q, k, v, lens, scale))
     monkeypatch.setattr(native, "why_unavailable", lambda: "off for this test")
     assert torch.equal(prefill_attention(q, k, v, cu(lens), scale), sdpa(q, k, v, lens, scale))

@@ -14,6 +14,7 @@ import ctypes
 
 import torch
 
+from pdserve.kernels import native
 from pdserve.kernels.native import function
 
 MAX_HEAD_DIM = 256
@@ -27,17 +28,29 @@ def _attention():
                      _I, _I, _I, ctypes.c_float, _I])
 
 
-def supports(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
-    """Whether the kernel takes these shapes (else the caller keeps torch's SDPA)."""
-    return head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM and num_heads % num_kv_heads == 0
+def why_not(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+            device: torch.device | str = "cpu") -> str | None:
+    """None if the kernel can serve these shapes, else why not (one phrase)."""
+    why = native.why_unavailable()
+    if why is not None:
+        return f"native kernels unavailable: {why}"
+    if torch.device(device).type != "cpu":
+        return f"tensors on {torch.device(device).type}"
+    if dtype != torch.bfloat16:
+        return f"dtype {str(dtype).removeprefix('torch.')} (it takes bfloat16)"
+    if head_dim % 16 or head_dim > MAX_HEAD_DIM:
+        return f"head_dim {head_dim} (it takes multiples of 16 up to {MAX_HEAD_DIM})"
+    if num_heads % num_kv_heads:
+        return f"{num_heads} query heads over {num_kv_heads} kv heads"
+    return None
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                       scale: float, p_bf16: bool = True) -> torch.Tensor:
     """Fresh prompts: q [T, H, D], k/v [T, KVH, D] bfloat16 with unit stride along D (any
     token and head strides: views of the fused qkv projection), cu_seqlens [num_seqs + 1]
-    → [T, H, D] bfloat16. The caller has checked shapes, dtypes and offsets (``supports``
-    holds)."""
+    → [T, H, D] bfloat16. The caller has checked shapes, dtypes and offsets (``why_not``
+    is None)."""
     assert q.dtype == k.dtype == v.dtype == torch.bfloat16
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
     return _run(q, k, (k.stride(0), k.stride(1)), v, (v.stride(0), v.stride(1)), cu_seqlens,

@@ -172,7 +172,8 @@ def test_decode_window_refilled_then_appended_gives_the_bits_of_the_gather(dtype
         gather = decode_gather(tables, seq_lens, block)
         windowed = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125,
                                           gather=gather, window=DecodeWindow(win, fill), kv=kv)
-        return windowed, paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125)
+        return windowed, paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125,
+                                                native=False)  # SDPA, the window's too
 
     windowed, gathered = both(lens, WindowFill(pages=pages.flatten()))
     assert torch.equal(windowed, gathered)
@@ -239,8 +240,8 @@ def test_references_are_bitwise_transformers_sdpa(dtype):
         return x[None].transpose(1, 2)
     expected, _ = hf.sdpa_attention_forward(_Attn(4), to_hf(q), to_hf(ks[0]), to_hf(vs[0]), None,
                                             scaling=scale)  # [1, S, H, D]
-    # backend None runs bfloat16 on the native kernel where it can (its own tests)
-    out = prefill_attention(q, ks[0], vs[0], cu([37]), scale, backend="torch")
+    out = prefill_attention(q, ks[0], vs[0], cu([37]), scale,
+                            native=False)  # SDPA (bf16: native kernel's tests)
     assert torch.equal(out, expected[0])
 
     k_cache, tables = paged(ks, 16)
@@ -248,7 +249,8 @@ def test_references_are_bitwise_transformers_sdpa(dtype):
     expected, _ = hf.sdpa_attention_forward(_Attn(4), to_hf(q[-1:]), to_hf(ks[0]), to_hf(vs[0]),
                                             None, scaling=scale)
     out = paged_decode_attention(q[-1:], k_cache, v_cache, tables,
-                                 torch.tensor([37], dtype=torch.int32), scale)
+                                 torch.tensor([37], dtype=torch.int32), scale,
+                                 native=False)  # SDPA (bf16: native kernel's tests)
     if dtype == torch.float32:
         assert torch.equal(out, expected[0])
     else:  # decode computes bfloat16 in float32 (attention_decode's docstring)

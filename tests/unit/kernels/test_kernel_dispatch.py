@@ -68,9 +68,9 @@ def test_import_without_triton():
 def test_public_names():
     assert sorted(kernels.__all__) == sorted([
         "DecodeGather", "DecodeWindow", "RotaryTables", "WindowFill", "apply_rotary",
-        "decode_gather", "gather_kv", "paged_decode_attention", "paged_prefill_attention",
-        "prefill_attention", "quant_linear", "rms_norm", "rotary_tables", "rotate_",
-        "scatter_kv", "store_kv"])
+        "decode_gather", "gather_kv", "native_decode_why_not", "paged_decode_attention",
+        "paged_prefill_attention", "prefill_attention", "quant_linear", "rms_norm",
+        "rotary_tables", "rotate_", "scatter_kv", "store_kv"])
 
 
 def test_check_false_is_the_same_call_without_the_argument_checks(monkeypatch):
