@@ -8,10 +8,10 @@ one native call each where ``native.available()`` (kernels/native/decode_ops.py,
 model's silu * up): the same bits, without the 4-9 torch operations' dispatch each took.
 ``backend="torch"`` and ``PDSERVE_NATIVE_KERNELS=0`` keep torch's operations; float32
 always does. The attention functions take ``native`` instead (None: the C kernel where it
-runs, False: SDPA, True: the C kernel or an error): ``paged_decode_attention`` and
-``prefill_attention`` / ``paged_prefill_attention`` (kernels/native/prefill_attention.c,
-bfloat16) run their own arithmetic, as accurate against float32 as SDPA's but not its bits
-(each module's docstring).
+runs, False: SDPA, True: the C kernel or an error): ``paged_decode_attention``, and
+``prefill_attention`` / ``paged_prefill_attention`` in bfloat16
+(kernels/native/prefill_attention.c: as accurate against float32 as SDPA's bfloat16, not
+its bits); each module's docstring says what its kernel computes.
 Triton is optional: without it everything runs on torch.
 
 Every function checks its arguments and says what was wrong. The ones the model calls in
