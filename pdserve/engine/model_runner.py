@@ -115,6 +115,10 @@ class ModelRunner:
                                           cfg.num_key_value_heads, cfg.head_dim, self.device)
             if self.device.type == "cpu" else "not on the CPU")
         self.native_decode = self.native_decode_why_not is None
+        self.native_prefill_why_not = (
+            kernels.native_prefill_why_not(dtype, cfg.num_attention_heads,
+                                           cfg.num_key_value_heads, cfg.head_dim, self.device)
+            if self.device.type == "cpu" else "not on the CPU")
         if self.native_decode and compute == "model":
             native.library()  # built (or its failure raised) now, not in the first step
         self.decode_windows = (DecodeWindows(self.kv_caches, block_size, decode_window_bytes)
@@ -129,6 +133,14 @@ class ModelRunner:
             return "native C kernel over the KV pages"
         how = "float32 decode windows" if self.decode_windows is not None else "gathered pages"
         return f"torch SDPA over {how} (native kernel not used: {self.native_decode_why_not})"
+
+    def describe_prefill_attention(self) -> str:
+        """Which prefill attention runs on the CPU, for the start-up log."""
+        if self.device.type != "cpu":
+            return "Triton kernel" if self.device.type == "cuda" else "torch reference"
+        if self.native_prefill_why_not is None:
+            return "native C flash kernel (AVX512-BF16)"
+        return f"torch SDPA (native kernel not used: {self.native_prefill_why_not})"
 
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:
         chunks, starts, tables, mask = [], [], [], []

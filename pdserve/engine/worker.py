@@ -77,7 +77,9 @@ class Worker:
                                   window_default_bytes(num_blocks * per_block, self.dtype)
                                   if window_gb is None else int(window_gb * 2**30),
                                   config.cpu_linear)
-        log.info("decode attention: %s", self.runner.describe_decode_attention())
+        log.info("decode attention: %s; prefill attention: %s",
+                 self.runner.describe_decode_attention(),
+                 self.runner.describe_prefill_attention())
 
     def _simulated(self, config: EngineConfig, kv_storage) -> None:
         """No weights: the checkpoint's config gives the token space, the profile the KV

@@ -28,7 +28,11 @@ from pdserve.kernels.attention_decode import (
     native_decode_why_not,
     paged_decode_attention,
 )
-from pdserve.kernels.attention_prefill import paged_prefill_attention, prefill_attention
+from pdserve.kernels.attention_prefill import (
+    native_prefill_why_not,
+    paged_prefill_attention,
+    prefill_attention,
+)
 from pdserve.kernels.kv_cache import gather_kv, scatter_kv, store_kv
 from pdserve.kernels.norm import rms_norm
 from pdserve.kernels.quant_linear import quant_linear
@@ -43,6 +47,7 @@ __all__ = [
     "decode_gather",
     "gather_kv",
     "native_decode_why_not",
+    "native_prefill_why_not",
     "paged_decode_attention",
     "paged_prefill_attention",
     "prefill_attention",

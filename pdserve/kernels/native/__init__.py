@@ -4,7 +4,7 @@ Every ``*.c`` file in this folder is one part of one shared library, built with 
 system's C compiler (``cc -O3 -march=native -fopenmp``) and cached under
 ``$XDG_CACHE_HOME/pdserve/native`` (default ``~/.cache``), keyed by the sources, the
 compiler's version and this CPU's model and flags: a node builds it once per machine
-(about a second) and loads it afterwards. ctypes releases the GIL for the call. The
+(about 5 s on the 2-core dev machine) and loads it afterwards. ctypes releases the GIL for the call. The
 library links the same ``libgomp.so.1`` torch has loaded, so its OpenMP threads are
 torch's: same pool, same thread count (``torch.set_num_threads``).
 
