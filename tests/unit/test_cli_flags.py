@@ -93,3 +93,25 @@ def test_launch_refuses_a_node_arg_of_the_wrong_role(tiny_model):
         "launch", ["--model", str(tiny_model()), "--node-arg=--kv-bind=tcp://*:5600"])
     with pytest.raises(click.UsageError, match="--kv-bind"):
         launch_config(ctx, dict(ctx.params))
+
+
+@pytest.mark.parametrize("cores, args, colocated", [
+    (2, [], True),                                    # a small CPU machine: one node
+    (1, [], True),
+    (4, [], False),                                   # more cores: 1P1D as before
+    (2, ["--prefill", "1"], False),                   # a topology asked for is kept
+    (2, ["--decode", "2"], False),
+    (2, ["--colocated"], True),
+    (2, ["--compute", "none"], False),                # no model on the CPU: no contention
+    (2, ["--device", "cuda"], False),
+])
+def test_launch_picks_one_colocated_node_on_a_small_cpu_machine(tiny_model, monkeypatch, cores,
+                                                                args, colocated):
+    monkeypatch.setattr("pdserve.launch.os.cpu_count", lambda: cores)
+    ctx = main.commands["launch"].make_context("launch", ["--model", str(tiny_model()), *args])
+    cfg = launch_config(ctx, dict(ctx.params))
+    assert cfg.colocated == colocated
+    assert set(cfg.node_configs) == ({"colocated"} if colocated else {"prefill", "decode"})
+    # said in the ready table only when launch chose it
+    assert ("--prefill 1 --decode 1 starts them apart" in cfg.topology_why) == \
+        (colocated and not args)
