@@ -1,6 +1,7 @@
 """A node's memory with the default model (issue 34): RSS, PSS and USS of each process of
-``pdserve launch`` (1 prefill + 1 decode) once it is healthy and again after serving a few
-requests, for each --dtype/--quantization pair, one cluster after the other.
+``pdserve launch`` (1 prefill + 1 decode, or with --colocated one colocated node) once it
+is healthy and again after serving a few requests, for each --dtype/--quantization pair,
+one cluster after the other.
 
     python benchmarks/node_memory.py [--dtype float32 --quantization none]
         [--dtype bfloat16 --quantization auto] [--in-process] [--json OUT] [--compare OLD]
@@ -65,11 +66,12 @@ def serve(url: str, model: str, tokens: int) -> None:
 def node_figures(dtype: str, quant: str, a) -> dict[str, dict[str, float]]:
     """{"prefill-0 loaded": {"rss", "pss", "uss"}, ..., "decode-0 served": ...}."""
     extra = ["--kv-cache-memory-gb", str(a.kv_cache_memory_gb)] if a.kv_cache_memory_gb else []
-    args = ["--prefill", "1", "--decode", "1", "--threads", str(a.threads), "--dtype", dtype,
+    nodes = ["--colocated"] if a.colocated else ["--prefill", "1", "--decode", "1"]
+    args = [*nodes, "--threads", str(a.threads), "--dtype", dtype,
             "--quantization", quant, *extra, *(["--model", a.model] if a.model else [])]
     print(f"pdserve launch {' '.join(args)}", flush=True)
     with launched(*args) as cluster:
-        cluster.wait_nodes(2)
+        cluster.wait_nodes(1 if a.colocated else 2)
         time.sleep(2.0)  # the start-up's last work (first heartbeats) out of the figures
         pids = processes(cluster.proc.pid)
         import httpx
@@ -131,6 +133,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads a node")
     ap.add_argument("--tokens", type=int, default=32, help="max_tokens of each request")
     ap.add_argument("--kv-cache-memory-gb", type=float, help="default: the nodes' own")
+    ap.add_argument("--colocated", action="store_true",
+                    help="one colocated node (launch's default on 2 cores) instead of 1P1D")
     ap.add_argument("--in-process", action="store_true",
                     help="also the Engine alone, in a child process")
     ap.add_argument("--no-nodes", action="store_true", help="only --in-process")
