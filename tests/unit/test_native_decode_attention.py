@@ -122,6 +122,13 @@ def test_what_it_refuses():
     odd = paged_case([5], 4, 2, 24, torch.bfloat16)
     with pytest.raises(RuntimeError, match="head_dim 24"):
         paged_decode_attention(*odd, 0.125, native=True)
+    # a caller that skipped why_not (native=True, check=False) gets an error, not a write
+    # past the kernel's per-task arrays: 17 query heads over one kv head, head_dim 272
+    from pdserve.kernels.native.decode_attention import decode_attention
+    for shape in ((17, 1, 64), (2, 1, 272)):
+        wide = paged_case([5], *shape, torch.bfloat16)
+        with pytest.raises(ValueError, match="native decode attention"):
+            decode_attention(*wide, 0.125)
     # where it cannot run, the default is the torch path, not an error
     assert native_decode_why_not(torch.bfloat16, 4, 2, 24, "cpu") is not None
     assert torch.equal(paged_decode_attention(*odd, 0.125),

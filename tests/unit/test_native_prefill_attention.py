@@ -169,3 +169,14 @@ def test_paged_refuses_a_page_that_does_not_exist():
     with pytest.raises(ValueError, match=r"block_tables\[0, 1\]"):
         paged_prefill_attention(q, k_cache, k_cache, cu([20]),
                                 torch.tensor([20], dtype=torch.int32), tables, 0.125)
+
+
+def test_the_wrapper_refuses_what_the_kernel_would_misread():
+    """Checks, not asserts (``python -O`` drops those): float16, a head_dim the kernel's
+    buffers do not hold."""
+    from pdserve.kernels.native.prefill_attention import prefill_attention as native_call
+    cu = torch.tensor([0, 4])
+    for dtype, d in ((torch.float16, 64), (torch.bfloat16, 272), (torch.bfloat16, 24)):
+        q, k, v = (torch.randn(4, n, d).to(dtype) for n in (4, 2, 2))
+        with pytest.raises(ValueError, match="native prefill attention"):
+            native_call(q, k, v, cu, 0.125)

@@ -73,6 +73,9 @@ def test_shapes_the_kernel_cannot_take_are_refused():
     q, d = weights(16, 64)
     with pytest.raises(ValueError, match="multiple of 32"):
         q8_gemm.pack(q[:, :40], d[:, :2])
+    packed = q8_gemm.pack(q, d)
+    with pytest.raises(ValueError, match="weight of 16 x 64"):
+        q8_gemm.q8_mm(torch.randn(2, 96), packed, 16)   # K past the weight's: refused
     table = Q8Embedding(q8_gemm.pack(q, d), 16)
     with pytest.raises(IndexError, match="out of range"):
         table(torch.tensor([3, 16]))
@@ -161,3 +164,18 @@ def test_the_default_model_picks_the_path_and_decodes_as_its_dequantized_self(mo
     # token of every prompt and leaves no prompt long on track
     assert all(f is None or f >= 1 for f in firsts), firsts
     assert sum(f is None or f >= 8 for f in firsts) >= len(firsts) // 2, firsts
+
+
+def test_a_nan_in_a_row_makes_its_logits_nan_as_torchs_head_does():
+    """A NaN hidden state (a model gone wrong) must not come out as finite logits that the
+    sampler would pick from: its row's logits are NaN, the other rows' untouched."""
+    q, d = weights(64, 128, 5)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(5))
+    want = q8_gemm.q8_mm(x, q8_gemm.pack(q, d), 64)
+    for bad in (float("nan"), float("inf")):
+        for col in (0, 17, 127):   # wherever it sits in its group
+            y = x.clone()
+            y[1, col] = bad
+            got = q8_gemm.q8_mm(y, q8_gemm.pack(q, d), 64)
+            assert got[1].isnan().all(), (bad, col)
+            assert torch.equal(got[[0, 2]], want[[0, 2]])

@@ -71,3 +71,14 @@ def test_weight_is_the_blocks(dtype):
     assert got.dtype == dtype
     rtol = 1e-6 if dtype == torch.float32 else 2**-8  # float32: fma or not; bf16: a tie
     torch.testing.assert_close(got.float(), w.to(dtype).float(), rtol=rtol, atol=0)
+
+
+def test_what_the_call_refuses():
+    """Inputs the C kernel would read past (float16 read as float32, K past the weight's)
+    are refused before the call."""
+    q, d, m = weights(32, 64, 4)
+    packed = vnni_int4.pack(q, d, m)
+    for x, out_dtype in ((torch.randn(2, 64).half(), None), (torch.randn(2, 96), None),
+                         (torch.randn(2, 64), torch.float16)):
+        with pytest.raises(ValueError, match="int4_mm"):
+            vnni_int4.int4_mm(x, packed, 32, out_dtype)

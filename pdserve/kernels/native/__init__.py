@@ -4,8 +4,8 @@ Every ``*.c`` file in this folder is one part of one shared library, built with 
 system's C compiler (``cc -O3 -march=native -fopenmp``) and cached under
 ``$XDG_CACHE_HOME/pdserve/native`` (default ``~/.cache``), keyed by the sources, the
 compiler's version and this CPU's model and flags: a node builds it once per machine
-(about 5 s on the 2-core dev machine) and loads it afterwards. ctypes releases the GIL for the call. The
-library links the same ``libgomp.so.1`` torch has loaded, so its OpenMP threads are
+(about 5 s on the 2-core dev machine) and loads it afterwards. ctypes releases the GIL for
+the call. The library links the same ``libgomp.so.1`` torch has loaded, so its OpenMP threads are
 torch's: same pool, same thread count (``torch.set_num_threads``).
 
 They run where ``why_unavailable()`` is None: an x86-64 CPU with AVX512-VNNI and
@@ -33,6 +33,7 @@ ENV = "PDSERVE_NATIVE_KERNELS"      # 0: torch's kernels only (comparisons, a br
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+BUILD_TIMEOUT_S = 300   # a compiler that hangs must not hold a node's start-up for ever
 
 
 def _cpu() -> tuple[str, list[str]]:
@@ -72,7 +73,7 @@ def why_unavailable() -> str | None:
     if why is None:
         try:
             _load()
-        except (OSError, RuntimeError) as e:
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             log.error("%s", e)
             why = str(e)
     return why
@@ -91,7 +92,8 @@ def _key() -> str:
     h = hashlib.sha256()
     for src in SOURCES:
         h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
-    version = subprocess.run(["cc", "--version"], capture_output=True, text=True).stdout
+    version = subprocess.run(["cc", "--version"], capture_output=True, text=True,
+                             errors="replace", timeout=60).stdout
     model, flags = _cpu()
     h.update("\0".join([*CFLAGS, version, model, *flags]).encode())
     return h.hexdigest()[:20]
@@ -104,8 +106,13 @@ def _build(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run(["cc", *CFLAGS, "-o", tmp, *map(str, SOURCES)],
-                              capture_output=True, text=True)
+        try:
+            done = subprocess.run(["cc", *CFLAGS, "-o", tmp, *map(str, SOURCES)],
+                                  capture_output=True, text=True, errors="replace",
+                                  timeout=BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"building pdserve's native CPU kernels took over "
+                               f"{BUILD_TIMEOUT_S} s; set {ENV}=0 to serve without them")
         if done.returncode:
             raise RuntimeError(f"building pdserve's native CPU kernels failed (cc exit "
                                f"{done.returncode}; set {ENV}=0 to serve without them):\n"

@@ -320,6 +320,11 @@ int pdserve_decode_attention(const void *q, int64_t q_s, int64_t q_h,
                              const void *k_new, int64_t kn_s, int64_t kn_h,
                              const void *v_new, int64_t vn_s, int64_t vn_h,
                              const int64_t *slots) {
+    /* the shapes the per-task stack arrays hold (why_not's, checked here too: a caller
+     * that skipped it gets an error, not an overflow) */
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > DA_MAX_GROUP
+            || head_dim <= 0 || head_dim % 16 || head_dim > 16 * DA_MAX_DV)
+        return -2;
     const da_args a = {(const char *)q, q_s, q_h, (const char *)k_cache, (const char *)v_cache,
                        block_tables, bt_s, tables64, (char *)out, num_heads, num_kv_heads,
                        head_dim, block_size, dtype, scale};

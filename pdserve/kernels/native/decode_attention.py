@@ -98,10 +98,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         (k_s, k_h, _), (v_s, v_h, _) = k.stride(), v.stride()
         store = (k.data_ptr(), k_s, k_h, v.data_ptr(), v_s, v_h, slots.data_ptr())
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if _fn()(q.data_ptr(), q_strides[0], q_strides[1],
-             k_cache.data_ptr(), v_cache.data_ptr(), block_size, num_kv_heads, head_dim,
-             tables.data_ptr(), tables.stride(0), tables.dtype == torch.int64,
-             seq_lens.data_ptr(), seq_lens.dtype == torch.int64, out.data_ptr(), num_seqs,
-             num_heads, scale, DTYPES[q.dtype], *store):
+    rc = _fn()(q.data_ptr(), q_strides[0], q_strides[1],
+               k_cache.data_ptr(), v_cache.data_ptr(), block_size, num_kv_heads, head_dim,
+               tables.data_ptr(), tables.stride(0), tables.dtype == torch.int64,
+               seq_lens.data_ptr(), seq_lens.dtype == torch.int64, out.data_ptr(), num_seqs,
+               num_heads, scale, DTYPES[q.dtype], *store)
+    if rc == -2:
+        raise ValueError(f"native decode attention: "
+                         f"{why_not(q.dtype, num_heads, num_kv_heads, head_dim)}")
+    if rc:
         raise MemoryError("pdserve_decode_attention: no memory for its task list")
     return out

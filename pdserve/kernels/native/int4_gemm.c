@@ -44,7 +44,8 @@ static void quantize_rows(const void *x, int x_bf16, int M, int K, int8_t *xq, f
         __m512 a = load16(p, x_bf16), b = load16(p + 16 * size, x_bf16);
         float amax = _mm512_reduce_max_ps(
             _mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
-        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        /* below 1e-30 the group is zeros (127 / amax would overflow from 3.7e-37) */
+        float id = amax > 1e-30f ? 127.0f / amax : 0.0f;
         __m512 vid = _mm512_set1_ps(id);
         /* round half to even (MXCSR's default), as torch.round in the reference */
         _mm_storeu_si128((__m128i *)(xq + (size_t)i * GROUP),

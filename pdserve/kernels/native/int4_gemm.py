@@ -9,6 +9,7 @@ in int32 and the scales applied in float32.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -18,13 +19,16 @@ GROUP = 32
 BLOCK_ROWS = 16         # outputs per block: one per 512-bit int32 lane
 BLOCK_BYTES = 320       # per block of 16 outputs and group: 256 of nibbles, 32 of d, 32 of m
 
+FLOAT_DTYPES = (torch.bfloat16, torch.float32)   # activations and outputs it takes
 _P, _I = ctypes.c_void_p, ctypes.c_int
 
 
+@functools.cache  # declaring the signature costs more than a batch-1 call's arguments
 def _mm():
     return function("vnni_int4_mm", [_P, _I, _I, _I, _I, _P, _P, _I])
 
 
+@functools.cache
 def _weight():
     return function("vnni_int4_weight", [_P, _I, _I, _P, _I], None)
 
@@ -56,7 +60,15 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     """x [M, K] bfloat16 or float32, contiguous, @ the packed weight.T → [M, N] in
     ``out_dtype`` (default x's). The caller checks shapes (Int4Linear built both)."""
     rows, k = x.shape
-    out = torch.empty(rows, out_features, dtype=out_dtype or x.dtype)
+    out_dtype = out_dtype or x.dtype
+    if x.dtype not in FLOAT_DTYPES or out_dtype not in FLOAT_DTYPES or not x.is_cpu \
+            or k != packed.shape[1] * GROUP or out_features > packed.shape[0] * BLOCK_ROWS:
+        raise ValueError(f"int4_mm: x {str(x.dtype).removeprefix('torch.')} {list(x.shape)} "
+                         f"on {x.device.type} into {str(out_dtype).removeprefix('torch.')}, "
+                         f"for a weight of {packed.shape[0] * BLOCK_ROWS} x "
+                         f"{packed.shape[1] * GROUP}: it takes bfloat16 or float32 on the "
+                         f"CPU, K equal to the weight's")
+    out = torch.empty(rows, out_features, dtype=out_dtype)
     if rows and _mm()(x.data_ptr(), x.dtype == torch.bfloat16, rows, k, out_features,
                       packed.data_ptr(), out.data_ptr(), out.dtype == torch.bfloat16):
         raise MemoryError("vnni_int4_mm: no memory for the quantized activations")
@@ -78,7 +90,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     [M, G, 32] (integer values, float32), sx and sumx float32 [M, G]."""
     xg = x.float().view(x.shape[0], -1, GROUP)                       # [M, G, 32]
     amax = xg.abs().amax(-1)
-    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    inv = torch.where(amax > 1e-30, torch.tensor(127.0) / amax, torch.zeros(()))
     xq = torch.round(xg * inv[..., None])
     return xq, amax / 127.0, xg.sum(-1)
 

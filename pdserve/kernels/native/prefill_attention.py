@@ -11,6 +11,7 @@ tests/unit/test_native_prefill_attention.py.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -22,6 +23,7 @@ MAX_HEAD_DIM = 256
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
 
+@functools.cache
 def _attention():
     return function("bf16_prefill_attention",
                     [_P, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _L, _P, _I, _P, _P, _L, _I,
@@ -51,8 +53,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     token and head strides: views of the fused qkv projection), cu_seqlens [num_seqs + 1]
     → [T, H, D] bfloat16. The caller has checked shapes, dtypes and offsets (``why_not``
     is None)."""
-    assert q.dtype == k.dtype == v.dtype == torch.bfloat16
-    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
+    _check(q, k, v)
     return _run(q, k, (k.stride(0), k.stride(1)), v, (v.stride(0), v.stride(1)), cu_seqlens,
                 None, None, 0, scale, p_bf16)
 
@@ -65,11 +66,27 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     contract): q [T, H, D] unit stride along D, caches [num_blocks, block_size, KVH, D]
     contiguous, bfloat16. The caller has checked every length against the table and every
     page index the sequences use."""
-    assert q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
-    assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    _check(q, k_cache, v_cache)
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("native paged prefill attention: the caches must be contiguous")
     kvh, d = k_cache.shape[2], k_cache.shape[3]
     return _run(q, k_cache, (kvh * d, d), v_cache, (kvh * d, d), cu_seqlens_q, seq_lens,
                 block_tables, k_cache.shape[1], scale, p_bf16)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """What the C kernel relies on and ``why_not`` promised (not an assert: ``python -O``
+    must not turn a wrong call into a read past a buffer)."""
+    d = q.shape[-1]
+    if not (q.dtype == k.dtype == v.dtype == torch.bfloat16) \
+            or not (q.stride(-1) == k.stride(-1) == v.stride(-1) == 1) \
+            or d % 16 or d > MAX_HEAD_DIM or k.shape[-1] != d or v.shape[-1] != d \
+            or q.shape[-2] % k.shape[-2]:
+        raise ValueError(f"native prefill attention takes bfloat16 q, k, v with unit stride "
+                         f"along a head_dim that is a multiple of 16 up to {MAX_HEAD_DIM}, "
+                         f"and whole query groups per kv head; got q "
+                         f"{str(q.dtype).removeprefix('torch.')} {list(q.shape)}, k "
+                         f"{list(k.shape)}, v {list(v.shape)}")
 
 
 def _run(q, k, k_strides, v, v_strides, cu_seqlens, seq_lens, block_tables, block_size,

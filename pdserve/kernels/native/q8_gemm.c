@@ -28,6 +28,7 @@
  * pointers spilled to the stack, and 8-64 rows took 1.07-1.18 times as long.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -90,7 +91,8 @@ static void q8_quantize_rows(const void *x, int x_bf16, int M, int K, int8_t *xq
             __m512 a = q8_load16(p, x_bf16), b = q8_load16(p + 16 * size, x_bf16);
             float amax = _mm512_reduce_max_ps(
                 _mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
-            float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            /* below 1e-30 the group is zeros (127 / amax would overflow from 3.7e-37) */
+            float id = amax > 1e-30f ? 127.0f / amax : 0.0f;
             __m512 vid = _mm512_set1_ps(id);
             /* round half to even (MXCSR's default), as torch.round in the reference */
             __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, vid));
@@ -100,9 +102,16 @@ static void q8_quantize_rows(const void *x, int x_bf16, int M, int K, int8_t *xq
             _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(qb));
             for (int j = 0; j < 8; j++)
                 memcpy(xt + (((size_t)g * 8 + j) * mt + lane) * 4, q + 4 * j, 4);
-            sx[(size_t)r0 * G + (size_t)g * mt + lane] = amax / 127.0f;
-            corr[(size_t)r0 * G + (size_t)g * mt + lane] =
-                -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+            /* the correction from the bytes as stored (saturated): a NaN converts to
+             * INT_MIN, which must not reach the sum; a group holding a NaN or an infinity
+             * gets a NaN scale instead, so its logits are NaN as torch's head makes them */
+            int32_t sum = 0;
+            for (int j = 0; j < GROUP; j++)
+                sum += q[j];
+            float total = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+            sx[(size_t)r0 * G + (size_t)g * mt + lane] =
+                isfinite(total) ? amax / 127.0f : NAN;
+            corr[(size_t)r0 * G + (size_t)g * mt + lane] = -128 * sum;
         }
     }
 }

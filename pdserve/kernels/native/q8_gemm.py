@@ -73,6 +73,11 @@ def q8_mm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Ten
         x = x.float()
     x = x.contiguous()
     rows, k = x.shape
+    if not x.is_cpu or k != packed.shape[1] * GROUP \
+            or out_features > packed.shape[0] * BLOCK_ROWS:
+        raise ValueError(f"q8_mm: x {list(x.shape)} on {x.device.type} for a weight of "
+                         f"{packed.shape[0] * BLOCK_ROWS} x {packed.shape[1] * GROUP}: it "
+                         f"takes CPU rows of the weight's K")
     out = torch.empty(rows, out_features, dtype=torch.float32)
     if rows and _mm()(x.data_ptr(), x.dtype == torch.bfloat16, rows, k, out_features,
                       packed.data_ptr(), out.data_ptr()):
@@ -109,7 +114,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     [M, G, 32] (integer values, float32), sx float32 [M, G]."""
     xg = x.float().view(x.shape[0], -1, GROUP)                       # [M, G, 32]
     amax = xg.abs().amax(-1)
-    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    inv = torch.where(amax > 1e-30, torch.tensor(127.0) / amax, torch.zeros(()))
     return torch.round(xg * inv[..., None]), amax / 127.0
 
 
