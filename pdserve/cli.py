@@ -2,6 +2,7 @@
 config and hands it to the entry function of its role."""
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import replace
 
@@ -24,7 +25,7 @@ from pdserve.cli_config import (
 )
 from pdserve.common.cli_options import sampling_options
 from pdserve.common.config_fields import flags_of
-from pdserve.launch import LaunchConfig, auto_topology
+from pdserve.launch import LaunchConfig
 
 ARCHES = ("llama", "qwen2", "mistral")
 # Engine fields that launch does not take as engine flags: the router's flags of the same
@@ -186,6 +187,25 @@ def launch_cmd(ctx, **kw) -> None:
     from pdserve.launch import run_launch
 
     sys.exit(run_launch(launch_config(ctx, kw)))
+
+
+# At most this many cores, one colocated node serves more than 1P1D (on 2 cores: every
+# column of benchmarks/vs_anchors.py, batch-1 TPOT, 16 concurrent and long prompts; the
+# two nodes' threads contend for the same cores): launch's default there.
+COLOCATED_CORES = 2
+
+
+def auto_topology(cfg: LaunchConfig, topology_given: bool, device: str,
+                  cores: int | None = None) -> LaunchConfig:
+    """One colocated node when no --prefill, --decode or --colocated was given, the model
+    runs on this machine's CPU and it has at most COLOCATED_CORES cores; else ``cfg``."""
+    cores = cores or os.cpu_count() or 1
+    if topology_given or cfg.colocated or cfg.compute != "model" or device != "cpu" \
+            or cores > COLOCATED_CORES:
+        return cfg
+    return replace(cfg, colocated=True, topology_why=(
+        f"chosen for {cores} CPU cores: one colocated node serves more than separate "
+        f"prefill and decode nodes there; --prefill 1 --decode 1 starts them apart"))
 
 
 def launch_config(ctx: click.Context, kw: dict) -> LaunchConfig:

@@ -231,25 +231,6 @@ def _metrics_url(port: int | None, host: str) -> str:
     return f"http://{host}:{port}/metrics" if port else "off"
 
 
-# At most this many cores, one colocated node serves more than 1P1D (on 2 cores: every
-# column of benchmarks/vs_anchors.py, batch-1 TPOT, 16 concurrent and long prompts; the
-# two nodes' threads contend for the same cores): launch's default there.
-COLOCATED_CORES = 2
-
-
-def auto_topology(cfg: LaunchConfig, topology_given: bool, device: str,
-                  cores: int | None = None) -> LaunchConfig:
-    """One colocated node when no --prefill, --decode or --colocated was given, the model
-    runs on this machine's CPU and it has at most COLOCATED_CORES cores; else ``cfg``."""
-    cores = cores or os.cpu_count() or 1
-    if topology_given or cfg.colocated or cfg.compute != "model" or device != "cpu" \
-            or cores > COLOCATED_CORES:
-        return cfg
-    return replace(cfg, colocated=True, topology_why=(
-        f"chosen for {cores} CPU cores: one colocated node serves more than separate "
-        f"prefill and decode nodes there; --prefill 1 --decode 1 starts them apart"))
-
-
 def _roles(cfg: LaunchConfig) -> list[tuple[str, int]]:
     if cfg.colocated:
         return [("colocated", 0)]

@@ -333,9 +333,13 @@ def test_sigterm_drains_a_node_then_it_exits_cleanly(model, offline, tmp_path):
         async def go():
             first = [h.core.submit(S.GenerationRequest(p, greedy(80))) for p in ps]
             tasks = [asyncio.create_task(collect(s)) for s in first]
-            while min(len(f.out.token_ids) for f in h.core.requests.values()) < 2:
+            # SIGTERM while dd0 streams a request it has begun: waiting for every request's
+            # second token instead let dd0 finish all of its own first on a loaded machine
+            deadline = time.monotonic() + 60
+            while not any(len(h.core.requests[r].out.token_ids) >= 2
+                          for r in h.core.dispatch.placement.requests("dd0")):
+                assert time.monotonic() < deadline, "dd0 was given no request to stream"
                 await asyncio.sleep(0.005)
-            assert h.core.dispatch.placement.requests("dd0")
             h.procs["dd0"].terminate()  # SIGTERM
             while h.core.registry.nodes["dd0"].state != "draining":
                 await asyncio.sleep(0.005)

@@ -107,7 +107,7 @@ def test_launch_refuses_a_node_arg_of_the_wrong_role(tiny_model):
 ])
 def test_launch_picks_one_colocated_node_on_a_small_cpu_machine(tiny_model, monkeypatch, cores,
                                                                 args, colocated):
-    monkeypatch.setattr("pdserve.launch.os.cpu_count", lambda: cores)
+    monkeypatch.setattr("pdserve.cli.os.cpu_count", lambda: cores)
     ctx = main.commands["launch"].make_context("launch", ["--model", str(tiny_model()), *args])
     cfg = launch_config(ctx, dict(ctx.params))
     assert cfg.colocated == colocated

@@ -68,7 +68,8 @@ def test_import_without_triton():
 def test_public_names():
     assert sorted(kernels.__all__) == sorted([
         "DecodeGather", "DecodeWindow", "RotaryTables", "WindowFill", "apply_rotary",
-        "decode_gather", "gather_kv", "native_decode_why_not", "paged_decode_attention",
+        "decode_gather", "gather_kv", "native_decode_why_not", "native_prefill_why_not",
+        "paged_decode_attention",
         "paged_prefill_attention", "prefill_attention", "quant_linear", "rms_norm",
         "rotary_tables", "rotate_", "scatter_kv", "store_kv"])
 
