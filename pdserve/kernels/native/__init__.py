@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 ENV = "PDSERVE_NATIVE_KERNELS"      # 0: torch's kernels only (comparisons, a broken cc)
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))   # included by the sources
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 300   # a compiler that hangs must not hold a node's start-up for ever
 
@@ -61,6 +62,8 @@ def _static_reason() -> str | None:
         return f"this CPU lacks {', '.join(missing)}"
     if shutil.which("cc") is None:
         return "no C compiler (cc) on PATH"
+    if not SOURCES:
+        return f"the C sources are not installed beside {Path(__file__).name}"
     return None
 
 
@@ -90,7 +93,7 @@ def _cache_dir() -> Path:
 
 def _key() -> str:
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in (*SOURCES, *HEADERS):
         h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
     version = subprocess.run(["cc", "--version"], capture_output=True, text=True,
                              errors="replace", timeout=60).stdout
@@ -146,6 +149,30 @@ def function(name: str, argtypes: list, restype=ctypes.c_int):
     fn = getattr(library(), name)
     fn.argtypes, fn.restype = argtypes, restype
     return fn
+
+
+def attention_why_not(dtype, dtypes: tuple, num_heads: int, num_kv_heads: int,
+                      head_dim: int, device, max_head_dim: int,
+                      max_group: int | None = None) -> str | None:
+    """What the attention kernels share: None if one that takes ``dtypes``, head dims that
+    are multiples of 16 up to ``max_head_dim`` and at most ``max_group`` query heads per kv
+    head can serve these shapes on ``device``, else why not (one phrase)."""
+    import torch
+
+    why = why_unavailable()
+    if why is not None:
+        return f"native kernels unavailable: {why}"
+    if torch.device(device).type != "cpu":
+        return f"tensors on {torch.device(device).type}"
+    if dtype not in dtypes:
+        takes = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        return f"dtype {str(dtype).removeprefix('torch.')} (it takes {takes})"
+    if head_dim % 16 or head_dim > max_head_dim:
+        return f"head_dim {head_dim} (it takes multiples of 16 up to {max_head_dim})"
+    if num_heads % num_kv_heads or (max_group and num_heads // num_kv_heads > max_group):
+        most = f" (at most {max_group})" if max_group else ""
+        return f"{num_heads} query heads over {num_kv_heads} kv heads{most}"
+    return None
 
 
 def describe() -> str:

@@ -36,18 +36,8 @@ def _fn():
 def why_not(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
             device: torch.device | str = "cpu") -> str | None:
     """None if the kernel can serve these shapes, else why not (one phrase)."""
-    why = native.why_unavailable()
-    if why is not None:
-        return f"native kernels unavailable: {why}"
-    if torch.device(device).type != "cpu":
-        return f"tensors on {torch.device(device).type}"
-    if dtype not in DTYPES:
-        return f"dtype {str(dtype).removeprefix('torch.')}"
-    if head_dim % 16 or head_dim > MAX_HEAD_DIM:
-        return f"head_dim {head_dim} (it takes multiples of 16 up to {MAX_HEAD_DIM})"
-    if num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP:
-        return f"{num_heads} query heads over {num_kv_heads} kv heads (at most {MAX_GROUP})"
-    return None
+    return native.attention_why_not(dtype, tuple(DTYPES), num_heads, num_kv_heads, head_dim,
+                                    device, MAX_HEAD_DIM, MAX_GROUP)
 
 
 def check_pages(k_cache: torch.Tensor, block_tables: torch.Tensor,

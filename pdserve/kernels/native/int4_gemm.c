@@ -21,18 +21,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "native.h"
+
 #define GROUP 32
 #define NB 16
 #define BLOCK_BYTES 320
 #define MAX_TILE 8
-
-static inline __m512 load16(const void *x, int x_bf16) {
-    if (x_bf16) {
-        __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
-    }
-    return _mm512_loadu_ps(x);
-}
 
 /* x [M, K] (bfloat16 or float32) -> xq int8 [M, K], sx and sumx float32 [M, K / 32] */
 static void quantize_rows(const void *x, int x_bf16, int M, int K, int8_t *xq, float *sx,
@@ -41,7 +35,7 @@ static void quantize_rows(const void *x, int x_bf16, int M, int K, int8_t *xq, f
     const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int i = 0; i < M * G; i++) {
         const char *p = (const char *)x + (size_t)i * GROUP * size;
-        __m512 a = load16(p, x_bf16), b = load16(p + 16 * size, x_bf16);
+        __m512 a = nat_load16(p, x_bf16), b = nat_load16(p + 16 * size, x_bf16);
         float amax = _mm512_reduce_max_ps(
             _mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
         /* below 1e-30 the group is zeros (127 / amax would overflow from 3.7e-37) */
@@ -55,13 +49,6 @@ static void quantize_rows(const void *x, int x_bf16, int M, int K, int8_t *xq, f
         sx[i] = amax / 127.0f;
         sumx[i] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
     }
-}
-
-static inline void store16(void *out, __m512 v, int out_bf16) {
-    if (out_bf16)
-        _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(v));
-    else
-        _mm512_storeu_ps(out, v);
 }
 
 /* MT rows x one block of 16 outputs over all groups. MT is a constant at each call site,
@@ -97,7 +84,7 @@ static inline __attribute__((always_inline)) void tile(
             acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sumx[r * G + g]), acc[r]);
         }
     }
-    for (int r = 0; r < MT; r++) store16(out + r * out_row, acc[r], out_bf16);
+    for (int r = 0; r < MT; r++) nat_store16(out + r * out_row, acc[r], out_bf16);
 }
 
 /* out [M, N] = x [M, K] @ w.T, w packed as above ([N / 16, K / 32, 320] bytes). N a multiple
@@ -161,8 +148,8 @@ void vnni_int4_weight(const uint8_t *w, int K, int N, void *out, int out_bf16) {
                         row[4 * j + b] = d[n] * (float)q + m[n];
                     }
                 char *o = (char *)out + (((size_t)nb * NB + n) * K + (size_t)g * GROUP) * size;
-                store16(o, _mm512_loadu_ps(row), out_bf16);
-                store16(o + 16 * size, _mm512_loadu_ps(row + 16), out_bf16);
+                nat_store16(o, _mm512_loadu_ps(row), out_bf16);
+                nat_store16(o + 16 * size, _mm512_loadu_ps(row + 16), out_bf16);
             }
         }
     }

@@ -33,18 +33,8 @@ def _attention():
 def why_not(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
             device: torch.device | str = "cpu") -> str | None:
     """None if the kernel can serve these shapes, else why not (one phrase)."""
-    why = native.why_unavailable()
-    if why is not None:
-        return f"native kernels unavailable: {why}"
-    if torch.device(device).type != "cpu":
-        return f"tensors on {torch.device(device).type}"
-    if dtype != torch.bfloat16:
-        return f"dtype {str(dtype).removeprefix('torch.')} (it takes bfloat16)"
-    if head_dim % 16 or head_dim > MAX_HEAD_DIM:
-        return f"head_dim {head_dim} (it takes multiples of 16 up to {MAX_HEAD_DIM})"
-    if num_heads % num_kv_heads:
-        return f"{num_heads} query heads over {num_kv_heads} kv heads"
-    return None
+    return native.attention_why_not(dtype, (torch.bfloat16,), num_heads, num_kv_heads,
+                                    head_dim, device, MAX_HEAD_DIM)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,

@@ -33,26 +33,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "native.h"
+
 #define GROUP 32
 #define NB 16
 #define BLOCK_BYTES 544
 #define D_OFFSET 512
 #define MAX_TILE 8
-
-static inline __m512 q8_load16(const void *x, int x_bf16) {
-    if (x_bf16) {
-        __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
-    }
-    return _mm512_loadu_ps(x);
-}
-
-static inline void q8_store16(void *out, __m512 v, int out_bf16) {
-    if (out_bf16)
-        _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(v));
-    else
-        _mm512_storeu_ps(out, v);
-}
 
 /* The rows r0 .. r0 + MT - 1 one tile takes: tiles of 8 rows, then one of 4, 2 and 1 as M's
  * remainder has those bits (q8_mm's order). */
@@ -88,7 +75,7 @@ static void q8_quantize_rows(const void *x, int x_bf16, int M, int K, int8_t *xq
         int8_t *xt = xq + (size_t)r0 * K;
         for (int g = 0; g < G; g++) {
             const char *p = (const char *)x + ((size_t)r * K + (size_t)g * GROUP) * size;
-            __m512 a = q8_load16(p, x_bf16), b = q8_load16(p + 16 * size, x_bf16);
+            __m512 a = nat_load16(p, x_bf16), b = nat_load16(p + 16 * size, x_bf16);
             float amax = _mm512_reduce_max_ps(
                 _mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
             /* below 1e-30 the group is zeros (127 / amax would overflow from 3.7e-37) */
@@ -215,7 +202,7 @@ int q8_rows(const uint8_t *w, int K, int N, const int64_t *ids, int count, void 
             for (int h = 0; h < 2; h++) {
                 __m128i q = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(u + 16 * h)), flip);
                 __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d);
-                q8_store16(o + ((size_t)g * GROUP + 16 * h) * size, v, out_bf16);
+                nat_store16(o + ((size_t)g * GROUP + 16 * h) * size, v, out_bf16);
             }
         }
     }
