@@ -14,6 +14,9 @@ The floor: the weight bytes a step reads over the read bandwidth measured in the
 
     python benchmarks/decode_step.py [--configs float32:none,bfloat16:none,bfloat16:auto]
         [--threads 2] [--steps 64] [--rounds 2]
+
+A third field ``layers`` (``bfloat16:auto:layers``) turns the native decode step off
+(kernels/native/decode_step.py): the same kernels called layer by layer from Python.
 """
 from __future__ import annotations
 
@@ -73,7 +76,7 @@ def projections_ms(model, dtype, repeats: int = 15) -> tuple[float, float]:
     return statistics.median(layers) * 1e3, statistics.median(head) * 1e3
 
 
-def child(dtype_name: str, quant: str, threads: int, steps: int) -> None:
+def child(dtype_name: str, quant: str, path: str, threads: int, steps: int) -> None:
     import torch
 
     from pdserve.bench.floor import step_weight_bytes
@@ -86,6 +89,8 @@ def child(dtype_name: str, quant: str, threads: int, steps: int) -> None:
                                  kv_cache_memory_gb=1 / 16), detokenize=False)
     dtype = getattr(torch, dtype_name)
     runner, model = engine.runner, engine.model
+    if path == "layers":
+        model.native_step = None
     hidden_s, head_s, prepare_s = [], [], []
     runner._hidden = timed(runner._hidden, hidden_s)
     runner.prepare = timed(runner.prepare, prepare_s)
@@ -127,7 +132,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64, help="decode steps timed per child")
     ap.add_argument("--rounds", type=int, default=2, help="children per configuration")
     ap.add_argument("--top", action="store_true", help="print each one's commonest operations")
-    ap.add_argument("--child", nargs=2, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=3, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         return child(*a.child, a.threads, a.steps)
@@ -135,22 +140,23 @@ def main() -> None:
     from pdserve.bench.floor import floor_ms, read_bandwidth_gbs
 
     print(f"{datetime.now():%Y-%m-%d %H:%M}; {machine()}; threads {a.threads}")
-    configs = [tuple(c.split(":")) for c in a.configs.split(",")]
+    configs = [tuple((c + "::").split(":")[:3]) for c in a.configs.split(",")]
     runs = {c: [] for c in configs}
     bw = []
     for _ in range(a.rounds):
-        for dtype, quant in configs:
+        for dtype, quant, path in configs:
             bw.append(read_bandwidth_gbs(a.threads))
-            out = subprocess.run([sys.executable, __file__, "--child", dtype, quant,
+            out = subprocess.run([sys.executable, __file__, "--child", dtype, quant, path,
                                   "--threads", str(a.threads), "--steps", str(a.steps)],
                                  capture_output=True, text=True, check=True)
-            runs[dtype, quant].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            runs[dtype, quant, path].append(json.loads(out.stdout.strip().splitlines()[-1]))
     gbs = statistics.median(bw)
     print(f"read bandwidth {gbs:.1f} GB/s (torch.sum, 512 MiB; median of {len(bw)})")
-    print(f"{'dtype':>9} {'quant':>5} {'step ms':>7} {'min':>6} {'floor':>6} {'/floor':>6} "
+    print(f"{'dtype':>9} {'quant':>12} {'step ms':>7} {'min':>6} {'floor':>6} {'/floor':>6} "
           f"{'proj':>6} {'small':>6} {'head':>5} {'engine':>6} {'ops':>5} "
           f"{'matmul':>6} {'view':>5} {'sync':>4} {'other':>5}")
-    for (dtype, quant), rs in runs.items():
+    for (dtype, quant, path), rs in runs.items():
+        quant = f"{quant}:{path}" if path else quant
         med = {k: statistics.median(r[k] for r in rs) for k in
                ("step_ms", "hidden_ms", "head_ms", "weight_bytes")}
         layers_proj = statistics.median(r["proj_ms"][0] for r in rs)
@@ -160,7 +166,7 @@ def main() -> None:
         small = med["hidden_ms"] - layers_proj
         engine = med["step_ms"] - med["hidden_ms"] - med["head_ms"]
         split = rs[-1]["split"]
-        print(f"{dtype:>9} {quant:>5} {med['step_ms']:7.2f} {best:6.2f} {floor:6.2f} "
+        print(f"{dtype:>9} {quant:>12} {med['step_ms']:7.2f} {best:6.2f} {floor:6.2f} "
               f"{med['step_ms'] / floor:6.2f} {layers_proj + head_alone:6.2f} {small:6.2f} "
               f"{med['head_ms']:5.2f} {engine:6.2f} {rs[-1]['ops']:5d} {split['matmul']:6d} "
               f"{split['view']:5d} {split['sync']:4d} {split['other']:5d}", flush=True)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pdserve import kernels
-from pdserve.kernels.native import decode_ops
+from pdserve.kernels.native import decode_ops, decode_step
 from pdserve.model.attention import AttentionMetadata, PagedAttention
 from pdserve.model.config import ModelConfig
 from pdserve.model.cpu_linear import OneDNNLinear
@@ -191,6 +191,9 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.cos_sin: torch.Tensor | None = None  # [max_pos, D] float32, set by init_rope
+        # a decode step's layers in one native call, where every projection is native int4
+        # (set by fuse_projections; None: layer by layer)
+        self.native_step: decode_step.DecodeStep | None = None
 
     def init_rope(self, device: torch.device | str) -> None:
         cfg = self.config
@@ -207,6 +210,30 @@ class LlamaForCausalLM(nn.Module):
         int4 = [m.pack(device) for m in self.modules() if isinstance(m, Int4Linear)]
         if int4:
             log.info("%s", kernels_used(int4))
+            self.native_step, why = self._native_step()
+            log.info("decode step: %s", "every layer in one native call" if why is None
+                     else f"layer by layer ({why})")
+
+    def _native_step(self) -> tuple[decode_step.DecodeStep | None, str | None]:
+        """The native decode step over this model's weights, or None and why not."""
+        cfg, layers = self.config, []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(isinstance(m, Int4Linear) and m.backend == "native" and m.bias is None
+                       for m in projections):
+                return None, "not every projection is a bias-free int4 one on the native kernel"
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(w.dtype is not torch.bfloat16 or not w.is_contiguous() for w in norms):
+                return None, "the norms are not bfloat16"
+            layers.append(decode_step.LayerWeights(*(m.packed for m in projections), *norms))
+        shape = decode_step.Shape(cfg.hidden_size, cfg.num_attention_heads,
+                                  cfg.num_key_value_heads, cfg.head_dim,
+                                  cfg.intermediate_size, cfg.rms_norm_eps)
+        why = decode_step.why_not(shape)
+        if why is not None or self.model.norm.weight.dtype is not torch.bfloat16:
+            return None, why or "the final norm is not bfloat16"
+        return decode_step.DecodeStep(layers, self.model.norm.weight.detach(), shape), None
 
     def use_onednn(self) -> None:
         """Every projection and the LM head through oneDNN with reordered weights
@@ -241,6 +268,10 @@ class LlamaForCausalLM(nn.Module):
         starts shipping them while the later layers compute."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         rope = kernels.rotary_tables(positions, self.cos_sin, x.dtype)  # once, every layer's
+        if self.native_step is not None and meta.decode_native and on_layer is None \
+                and kv_caches is not None and rope is not None and x.is_contiguous():
+            return self.native_step(x, rope.cos, rope.sin, meta.block_tables, meta.seq_lens,
+                                    meta.slot_mapping, kv_caches)
         residual = None
         for i, layer in enumerate(self.model.layers):
             cache = kv_caches[i] if kv_caches is not None else None

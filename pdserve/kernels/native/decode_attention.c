@@ -28,11 +28,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { DA_F32 = 0, DA_BF16 = 1, DA_F16 = 2 };
+#include "native.h"
 
 #define DA_TILE 16          /* positions per softmax update: one 512-bit vector of scores */
-#define DA_MAX_GROUP 16     /* query heads per kv head */
-#define DA_MAX_DV 16        /* head_dim / 16: head_dim up to 256 */
 #define DA_MIN_CHUNK 128    /* positions, at least, in a split context's chunk */
 /* positions x kv heads a call attends over, below which it runs on one thread. Measured
  * on the 2-core EPYC, each call after a bfloat16 linear (as in a layer; benchmarks/
@@ -40,18 +38,6 @@ enum { DA_F32 = 0, DA_BF16 = 1, DA_F16 = 2 };
 #ifndef DA_PARALLEL_WORK
 #define DA_PARALLEL_WORK 512
 #endif
-
-typedef struct {
-    const char *q;                  /* [B, H, D], strides q_s, q_h (elements), last dim 1 */
-    int64_t q_s, q_h;
-    const char *k, *v;              /* [num_blocks, block_size, KVH, D] contiguous */
-    const void *tables;             /* [B, max_blocks], row stride bt_s */
-    int64_t bt_s;
-    int tables64;
-    char *out;                      /* [B, H, D] contiguous */
-    int H, KVH, D, bs, dtype;
-    float scale;
-} da_args;
 
 static inline int64_t da_index(const void *p, int64_t i, int is64) {
     return is64 ? ((const int64_t *)p)[i] : ((const int32_t *)p)[i];
@@ -239,7 +225,7 @@ static inline __attribute__((always_inline)) void da_chunk(
 }
 
 /* out[b] = acc / l for every query head, rounded once */
-static void da_write(const da_args *a, int64_t b, const float *l, const float *acc) {
+void pd_da_write(const da_args *a, int64_t b, const float *l, const float *acc) {
     const int D = a->D, esize = a->dtype == DA_F32 ? 4 : 2;
     for (int h = 0; h < a->H; h++) {
         char *o = a->out + ((b * a->H + h) * (int64_t)D) * esize;
@@ -249,8 +235,6 @@ static void da_write(const da_args *a, int64_t b, const float *l, const float *a
                      a->dtype);
     }
 }
-
-typedef struct { int b, t0, t1; } da_task;
 
 /* The common shapes get their own copy of da_chunk: bfloat16 (the CPU's serving dtype) at
  * head_dim 64 and 128 and groups of 1 to 4 and 8, float16 at those head_dims; every other
@@ -267,7 +251,7 @@ typedef struct { int b, t0, t1; } da_task;
     case 8: DA_CHUNK(DT, DV_, 8); return;                                             \
     }
 
-static void da_run(const da_args *a, const da_task *tk, const float *qf, const uint16_t *qb,
+void pd_da_run(const da_args *a, const da_task *tk, const float *qf, const uint16_t *qb,
                    float *m, float *l, float *acc) {
     const int dv = a->D / 16, g = a->H / a->KVH;
     if (a->dtype == DA_BF16) {
@@ -306,6 +290,71 @@ static void da_store_new(const da_args *a, int T, const char *k_new, int64_t kn_
     }
 }
 
+/* Chunks per sequence for a call over these lengths on `threads` threads: enough tasks for
+ * 4 a thread when sequences are few, each chunk at least DA_MIN_CHUNK positions; 1 (whole
+ * sequences) where the work is too little to go parallel (*parallel = 0). */
+int pd_da_split(int num_seqs, const void *seq_lens, int lens64, int KVH, int threads,
+                int *parallel) {
+    int64_t work = 0, max_len = 0;
+    for (int b = 0; b < num_seqs; b++) {
+        int64_t n = da_index(seq_lens, b, lens64);
+        work += n;
+        if (n > max_len) max_len = n;
+    }
+    work *= KVH;
+    *parallel = work >= DA_PARALLEL_WORK && threads > 1;
+    int split = 1;
+    if (*parallel && num_seqs < 4 * threads) {
+        split = (4 * threads + num_seqs - 1) / num_seqs;
+        int most = (int)((max_len + DA_MIN_CHUNK - 1) / DA_MIN_CHUNK);
+        if (split > most) split = most;
+        if (split < 1) split = 1;
+    }
+    return split;
+}
+
+/* Each sequence's chunks as tasks, in order (a sequence's are consecutive); a sequence of
+ * length 0 (batch padding) gets none. Returns the count (at most num_seqs * split). */
+int pd_da_tasks(int num_seqs, const void *seq_lens, int lens64, int split, da_task *tasks) {
+    int count = 0;
+    for (int b = 0; b < num_seqs; b++) {
+        int len = (int)da_index(seq_lens, b, lens64);
+        int chunk = (len + split - 1) / split;
+        chunk = (chunk + DA_TILE - 1) / DA_TILE * DA_TILE;
+        for (int t0 = 0; t0 < len; t0 += chunk)
+            tasks[count++] = (da_task){b, t0, t0 + chunk < len ? t0 + chunk : len};
+    }
+    return count;
+}
+
+/* Tasks [i, j), one sequence's chunks, combined (one max for all) and written. parts: each
+ * task's m [H], l [H], acc [H, D] at per_task floats apart; l and acc: [H] and [H, D] of
+ * scratch. */
+void pd_da_combine(const da_args *a, const da_task *tasks, int i, int j, const float *parts,
+                   int64_t per_task, float *l, float *acc) {
+    const int H = a->H, D = a->D;
+    for (int h = 0; h < H; h++) {
+        float mx = -INFINITY, sum = 0.0f;
+        for (int c = i; c < j; c++) {
+            float mc = parts[c * per_task + h];
+            if (mc > mx) mx = mc;
+        }
+        memset(acc + h * D, 0, sizeof(float) * D);
+        for (int c = i; c < j; c++) {
+            const float *p = parts + c * per_task;
+            float w = expf(p[h] - mx);
+            sum += p[H + h] * w;
+            __m512 vw = _mm512_set1_ps(w);
+            for (int e = 0; e < D; e += 16)
+                _mm512_storeu_ps(acc + h * D + e,
+                                 _mm512_fmadd_ps(_mm512_loadu_ps(p + 2 * H + h * D + e), vw,
+                                                 _mm512_loadu_ps(acc + h * D + e)));
+        }
+        l[h] = sum;
+    }
+    pd_da_write(a, tasks[i].b, l, acc);
+}
+
 /* Attention of num_seqs query tokens q [B, H, D] over their first seq_lens[b] cached
  * positions; out [B, H, D] contiguous, q's dtype (the cache's). dtype: 0 float32,
  * 1 bfloat16, 2 float16. block_tables int32 or int64 (tables64), seq_lens likewise
@@ -320,35 +369,16 @@ int pdserve_decode_attention(const void *q, int64_t q_s, int64_t q_h,
                              const void *k_new, int64_t kn_s, int64_t kn_h,
                              const void *v_new, int64_t vn_s, int64_t vn_h,
                              const int64_t *slots) {
-    /* the shapes the per-task stack arrays hold (why_not's, checked here too: a caller
-     * that skipped it gets an error, not an overflow) */
-    if (num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > DA_MAX_GROUP
-            || head_dim <= 0 || head_dim % 16 || head_dim > 16 * DA_MAX_DV)
-        return -2;
+    if (!pd_da_shape_ok(num_heads, num_kv_heads, head_dim)) return -2;
     const da_args a = {(const char *)q, q_s, q_h, (const char *)k_cache, (const char *)v_cache,
                        block_tables, bt_s, tables64, (char *)out, num_heads, num_kv_heads,
                        head_dim, block_size, dtype, scale};
     if (k_new)
         da_store_new(&a, num_seqs, k_new, kn_s, kn_h, v_new, vn_s, vn_h, slots);
     const int H = num_heads, D = head_dim, esize = dtype == DA_F32 ? 4 : 2;
-    int64_t work = 0, max_len = 0;
-    for (int b = 0; b < num_seqs; b++) {
-        int64_t n = da_index(seq_lens, b, lens64);
-        work += n;
-        if (n > max_len) max_len = n;
-    }
-    work *= num_kv_heads;
-    const int threads = omp_get_max_threads();
-    const int parallel = work >= DA_PARALLEL_WORK && threads > 1;
-    /* chunks per sequence: enough tasks for 4 a thread when sequences are few, each chunk
-     * at least DA_MIN_CHUNK positions */
-    int split = 1;
-    if (parallel && num_seqs < 4 * threads) {
-        split = (4 * threads + num_seqs - 1) / num_seqs;
-        int most = (int)((max_len + DA_MIN_CHUNK - 1) / DA_MIN_CHUNK);
-        if (split > most) split = most;
-        if (split < 1) split = 1;
-    }
+    int parallel;
+    const int split = pd_da_split(num_seqs, seq_lens, lens64, num_kv_heads,
+                                  omp_get_max_threads(), &parallel);
     const int64_t per_task = (int64_t)H * (D + 2);  /* m, l, acc */
     const size_t ntasks = (size_t)num_seqs * split;
     char *scratch = malloc(ntasks * (sizeof(da_task) + per_task * sizeof(float)) +
@@ -360,10 +390,8 @@ int pdserve_decode_attention(const void *q, int64_t q_s, int64_t q_h,
     uint16_t *qb = (uint16_t *)qf;  /* bfloat16 queries, in the same place */
     float *l = qf + (size_t)num_seqs * H * D, *acc = l + H;  /* combining chunks */
     da_task *tasks = (da_task *)(acc + (size_t)H * D);
-    int count = 0;
     for (int b = 0; b < num_seqs; b++) {
-        int len = (int)da_index(seq_lens, b, lens64);
-        if (len == 0) {  /* batch padding: zeros */
+        if (da_index(seq_lens, b, lens64) == 0) {  /* batch padding: zeros */
             memset((char *)out + (size_t)b * H * D * esize, 0, (size_t)H * D * esize);
             continue;
         }
@@ -378,47 +406,22 @@ int pdserve_decode_attention(const void *q, int64_t q_s, int64_t q_h,
                                  _mm512_mul_ps(da_load(qp + c * esize, dtype),
                                                _mm512_set1_ps(scale)));
         }
-        int chunk = (len + split - 1) / split;
-        chunk = (chunk + DA_TILE - 1) / DA_TILE * DA_TILE;
-        for (int t0 = 0; t0 < len; t0 += chunk)
-            tasks[count++] = (da_task){b, t0, t0 + chunk < len ? t0 + chunk : len};
     }
+    const int count = pd_da_tasks(num_seqs, seq_lens, lens64, split, tasks);
     const int whole = split == 1;
 #pragma omp parallel for schedule(dynamic, 1) if (parallel)
     for (int i = 0; i < count; i++) {
         const da_task *tk = &tasks[i];
         float *p = parts + i * per_task;
-        da_run(&a, tk, qf + (int64_t)tk->b * H * D, qb + (int64_t)tk->b * H * D, p, p + H,
-               p + 2 * H);
-        if (whole) da_write(&a, tk->b, p + H, p + 2 * H);
+        pd_da_run(&a, tk, qf + (int64_t)tk->b * H * D, qb + (int64_t)tk->b * H * D, p, p + H,
+                  p + 2 * H);
+        if (whole) pd_da_write(&a, tk->b, p + H, p + 2 * H);
     }
-    if (!whole) {  /* combine each sequence's chunks (consecutive tasks): one max for all */
-        for (int i = 0; i < count;) {
-            int j = i;
-            while (j < count && tasks[j].b == tasks[i].b) j++;
-            for (int h = 0; h < H; h++) {
-                float mx = -INFINITY, sum = 0.0f;
-                for (int c = i; c < j; c++) {
-                    float mc = parts[c * per_task + h];
-                    if (mc > mx) mx = mc;
-                }
-                memset(acc + h * D, 0, sizeof(float) * D);
-                for (int c = i; c < j; c++) {
-                    const float *p = parts + c * per_task;
-                    float w = expf(p[h] - mx);
-                    sum += p[H + h] * w;
-                    __m512 vw = _mm512_set1_ps(w);
-                    for (int e = 0; e < D; e += 16)
-                        _mm512_storeu_ps(acc + h * D + e,
-                                         _mm512_fmadd_ps(_mm512_loadu_ps(p + 2 * H + h * D + e),
-                                                         vw, _mm512_loadu_ps(acc + h * D + e)));
-                }
-                l[h] = sum;
-            }
-            da_write(&a, tasks[i].b, l, acc);
-            i = j;
+    if (!whole)  /* combine each sequence's chunks (consecutive tasks) */
+        for (int i = 0, j; i < count; i = j) {
+            for (j = i; j < count && tasks[j].b == tasks[i].b; j++) {}
+            pd_da_combine(&a, tasks, i, j, parts, per_task, l, acc);
         }
-    }
     free(scratch);
     return 0;
 }

@@ -26,6 +26,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "native.h"
+
 #ifndef PARALLEL_MIN
 #define PARALLEL_MIN 8192        /* elements */
 #endif
@@ -123,8 +125,8 @@ static float torch_sum_of_squares(const bf16 *p, int n) {
     return total;
 }
 
-static void rms_norm_row(const bf16 *x, const bf16 *res, bf16 *sum_out, const bf16 *w,
-                         bf16 *out, int n, float eps) {
+void pd_rms_norm_row(const bf16 *x, const bf16 *res, bf16 *sum_out, const bf16 *w, bf16 *out,
+                     int n, float eps) {
     if (res) {
         for (int j = 0; j < n; j += 16) {
             int m = n - j < 16 ? n - j : 16;
@@ -149,7 +151,7 @@ void pd_rms_norm_bf16(const bf16 *x, int64_t sx, const bf16 *res, int64_t sres, 
                       float eps) {
     #pragma omp parallel for if ((int64_t)rows * n >= PARALLEL_MIN) schedule(static)
     for (int r = 0; r < rows; r++)
-        rms_norm_row(x + r * sx, res ? res + r * sres : 0, sum_out ? sum_out + r * ssum : 0,
+        pd_rms_norm_row(x + r * sx, res ? res + r * sres : 0, sum_out ? sum_out + r * ssum : 0,
                      w, out + r * sout, n, eps);
 }
 
@@ -160,25 +162,25 @@ static inline __m512 rot_half(__m512 x, __m512 c, __m512 xo, __m512 s) {
     return _mm512_add_ps(bf16_value(_mm512_mul_ps(x, c)), bf16_value(_mm512_mul_ps(xo, s)));
 }
 
+/* one head p[0..D) of one token, by its token's cos and sin [D] */
+void pd_rotate_head(bf16 *p, int D, const bf16 *c, const bf16 *s) {
+    const int half = D / 2;
+    for (int j = 0; j < half; j += 16) {
+        int m = half - j < 16 ? half - j : 16;
+        __m512 x1 = load_bf16(p + j, m), x2 = load_bf16(p + half + j, m);
+        __m512 r1 = rot_half(x1, load_bf16(c + j, m), x2, load_bf16(s + j, m));
+        __m512 r2 = rot_half(x2, load_bf16(c + half + j, m), x1, load_bf16(s + half + j, m));
+        store_bf16(p + j, r1, m);
+        store_bf16(p + half + j, r2, m);
+    }
+}
+
 void pd_rotate_bf16(bf16 *x, int T, int N, int D, int64_t st, int64_t sh, const bf16 *cos,
                     const bf16 *sin, int64_t stab) {
-    const int half = D / 2;
     #pragma omp parallel for if ((int64_t)T * N * D >= PARALLEL_MIN) schedule(static)
-    for (int t = 0; t < T; t++) {
-        const bf16 *c = cos + t * stab, *s = sin + t * stab;
-        for (int h = 0; h < N; h++) {
-            bf16 *p = x + t * st + h * sh;
-            for (int j = 0; j < half; j += 16) {
-                int m = half - j < 16 ? half - j : 16;
-                __m512 x1 = load_bf16(p + j, m), x2 = load_bf16(p + half + j, m);
-                __m512 r1 = rot_half(x1, load_bf16(c + j, m), x2, load_bf16(s + j, m));
-                __m512 r2 = rot_half(x2, load_bf16(c + half + j, m), x1,
-                                     load_bf16(s + half + j, m));
-                store_bf16(p + j, r1, m);
-                store_bf16(p + half + j, r2, m);
-            }
-        }
-    }
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < N; h++)
+            pd_rotate_head(x + t * st + h * sh, D, cos + t * stab, sin + t * stab);
 }
 
 /* ---------------------------------------------------------------------------------------
@@ -206,20 +208,22 @@ static inline __m512 sleef_expf(__m512 d) {
                               _mm512_set1_ps(INFINITY));
 }
 
+/* o[0..n) = silu(g) * u over one row's span (o may be g) */
+void pd_silu_mul_row(const bf16 *g, const bf16 *u, bf16 *o, int n) {
+    const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
+    for (int j = 0; j < n; j += 16) {
+        int m = n - j < 16 ? n - j : 16;
+        __m512 x = load_bf16(g + j, m);
+        __m512 act = bf16_value(_mm512_div_ps(
+            x, _mm512_add_ps(one, sleef_expf(_mm512_xor_ps(x, sign)))));
+        store_bf16(o + j, _mm512_mul_ps(act, load_bf16(u + j, m)), m);
+    }
+}
+
 /* out [rows, n] = silu(gate) * up, each with its row stride; out may be gate itself */
 void pd_silu_mul_bf16(const bf16 *gate, int64_t sg, const bf16 *up, int64_t su, bf16 *out,
                       int64_t so, int rows, int n) {
-    const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
     #pragma omp parallel for if ((int64_t)rows * n >= PARALLEL_MIN) schedule(static)
-    for (int r = 0; r < rows; r++) {
-        const bf16 *g = gate + r * sg, *u = up + r * su;
-        bf16 *o = out + r * so;
-        for (int j = 0; j < n; j += 16) {
-            int m = n - j < 16 ? n - j : 16;
-            __m512 x = load_bf16(g + j, m);
-            __m512 act = bf16_value(_mm512_div_ps(
-                x, _mm512_add_ps(one, sleef_expf(_mm512_xor_ps(x, sign)))));
-            store_bf16(o + j, _mm512_mul_ps(act, load_bf16(u + j, m)), m);
-        }
-    }
+    for (int r = 0; r < rows; r++)
+        pd_silu_mul_row(gate + r * sg, up + r * su, out + r * so, n);
 }

@@ -29,8 +29,8 @@
 #define MAX_TILE 8
 
 /* x [M, K] (bfloat16 or float32) -> xq int8 [M, K], sx and sumx float32 [M, K / 32] */
-static void quantize_rows(const void *x, int x_bf16, int M, int K, int8_t *xq, float *sx,
-                          float *sumx) {
+void pd_int4_quantize(const void *x, int x_bf16, int M, int K, int8_t *xq, float *sx,
+                      float *sumx) {
     const int G = K / GROUP, size = x_bf16 ? 2 : 4;
     const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int i = 0; i < M * G; i++) {
@@ -87,22 +87,16 @@ static inline __attribute__((always_inline)) void tile(
     for (int r = 0; r < MT; r++) nat_store16(out + r * out_row, acc[r], out_bf16);
 }
 
-/* out [M, N] = x [M, K] @ w.T, w packed as above ([N / 16, K / 32, 320] bytes). N a multiple
- * of 16, K of 32. Threads: OpenMP's default for the calling thread (torch's, when torch
- * loaded the same libgomp). Returns 0, or -1 if the scratch could not be allocated. */
-int vnni_int4_mm(const void *x, int x_bf16, int M, int K, int N, const uint8_t *w,
-                 void *out, int out_bf16) {
+/* out rows [0, M) x output blocks [nb0, nb1) (outputs 16 nb0 .. 16 nb1) from the quantized
+ * activations (pd_int4_quantize's); out_row: the bytes between output rows. Each output is
+ * the same sum, in the same order, whatever the row tile it falls in. */
+void pd_int4_blocks(const uint8_t *w, int K, int nb0, int nb1, const int8_t *xq,
+                    const float *sx, const float *sumx, int M, char *out, size_t out_row,
+                    int out_bf16) {
     const int G = K / GROUP, out_size = out_bf16 ? 2 : 4;
-    char *scratch = malloc((size_t)M * K + 2 * sizeof(float) * (size_t)M * G + 64);
-    if (!scratch) return -1;
-    float *sx = (float *)scratch, *sumx = sx + (size_t)M * G;
-    int8_t *xq = (int8_t *)(sumx + (size_t)M * G);
-    quantize_rows(x, x_bf16, M, K, xq, sx, sumx);
-    const size_t out_row = (size_t)N * out_size;
-#pragma omp parallel for schedule(static)
-    for (int nb = 0; nb < N / NB; nb++) {
+    for (int nb = nb0; nb < nb1; nb++) {
         const uint8_t *wb = w + (size_t)nb * G * BLOCK_BYTES;
-        char *o = (char *)out + (size_t)nb * NB * out_size;
+        char *o = out + (size_t)nb * NB * out_size;
         int r = 0;
         for (; r + 8 <= M; r += 8)
             tile(wb, G, xq + (size_t)r * K, sx + r * G, sumx + r * G, K, 8, o + r * out_row,
@@ -121,6 +115,23 @@ int vnni_int4_mm(const void *x, int x_bf16, int M, int K, int N, const uint8_t *
             tile(wb, G, xq + (size_t)r * K, sx + r * G, sumx + r * G, K, 1, o + r * out_row,
                  out_row, out_bf16);
     }
+}
+
+/* out [M, N] = x [M, K] @ w.T, w packed as above ([N / 16, K / 32, 320] bytes). N a multiple
+ * of 16, K of 32. Threads: OpenMP's default for the calling thread (torch's, when torch
+ * loaded the same libgomp). Returns 0, or -1 if the scratch could not be allocated. */
+int vnni_int4_mm(const void *x, int x_bf16, int M, int K, int N, const uint8_t *w,
+                 void *out, int out_bf16) {
+    const int G = K / GROUP, out_size = out_bf16 ? 2 : 4;
+    char *scratch = malloc((size_t)M * K + 2 * sizeof(float) * (size_t)M * G + 64);
+    if (!scratch) return -1;
+    float *sx = (float *)scratch, *sumx = sx + (size_t)M * G;
+    int8_t *xq = (int8_t *)(sumx + (size_t)M * G);
+    pd_int4_quantize(x, x_bf16, M, K, xq, sx, sumx);
+    const size_t out_row = (size_t)N * out_size;
+#pragma omp parallel for schedule(static)
+    for (int nb = 0; nb < N / NB; nb++)
+        pd_int4_blocks(w, K, nb, nb + 1, xq, sx, sumx, M, out, out_row, out_bf16);
     free(scratch);
     return 0;
 }

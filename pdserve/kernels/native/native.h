@@ -1,8 +1,11 @@
-/* Helpers the native kernels share (static inline: each translation unit its own copy). */
+/* What the native kernels share: small helpers (static inline: each translation unit its own
+ * copy), and the pieces of one kernel that decode_step.c runs inside its own thread team. */
 #ifndef PDSERVE_NATIVE_H
 #define PDSERVE_NATIVE_H
 
 #include <immintrin.h>
+#include <stddef.h>
+#include <stdint.h>
 
 /* 16 values, bfloat16 (exact in float32) or float32, as float32 */
 static inline __m512 nat_load16(const void *x, int x_bf16) {
@@ -20,5 +23,54 @@ static inline void nat_store16(void *out, __m512 v, int out_bf16) {
     else
         _mm512_storeu_ps(out, v);
 }
+
+/* ---- int4_gemm.c: quantize the activations once, then any range of output blocks ---- */
+void pd_int4_quantize(const void *x, int x_bf16, int M, int K, int8_t *xq, float *sx,
+                      float *sumx);
+void pd_int4_blocks(const uint8_t *w, int K, int nb0, int nb1, const int8_t *xq,
+                    const float *sx, const float *sumx, int M, char *out, size_t out_row,
+                    int out_bf16);
+
+/* ---- decode_ops.c: one row (or head) of each operation, bfloat16 ---- */
+void pd_rms_norm_row(const uint16_t *x, const uint16_t *res, uint16_t *sum_out,
+                     const uint16_t *w, uint16_t *out, int n, float eps);
+void pd_rotate_head(uint16_t *p, int D, const uint16_t *c, const uint16_t *s);
+void pd_silu_mul_row(const uint16_t *g, const uint16_t *u, uint16_t *o, int n);
+
+/* ---- decode_attention.c: a call's plan, its tasks, and combining a sequence's chunks ---- */
+enum { DA_F32 = 0, DA_BF16 = 1, DA_F16 = 2 };
+#define DA_MAX_GROUP 16     /* query heads per kv head */
+#define DA_MAX_DV 16        /* head_dim / 16: head_dim up to 256 */
+
+typedef struct {
+    const char *q;                  /* [B, H, D], strides q_s, q_h (elements), last dim 1 */
+    int64_t q_s, q_h;
+    const char *k, *v;              /* [num_blocks, block_size, KVH, D] contiguous */
+    const void *tables;             /* [B, max_blocks], row stride bt_s */
+    int64_t bt_s;
+    int tables64;
+    char *out;                      /* [B, H, D] contiguous */
+    int H, KVH, D, bs, dtype;
+    float scale;
+} da_args;
+
+typedef struct { int b, t0, t1; } da_task;  /* sequence b, positions [t0, t1) */
+
+/* the shapes the kernel's per-task stack arrays hold */
+static inline int pd_da_shape_ok(int H, int KVH, int D) {
+    return KVH > 0 && H % KVH == 0 && H / KVH <= DA_MAX_GROUP && D > 0 && D % 16 == 0
+           && D <= 16 * DA_MAX_DV;
+}
+
+int pd_da_split(int num_seqs, const void *seq_lens, int lens64, int KVH, int threads,
+                int *parallel);
+int pd_da_tasks(int num_seqs, const void *seq_lens, int lens64, int split, da_task *tasks);
+/* one task: m, l [H] and acc [H, D] of its positions; qb: the sequence's bfloat16 queries
+ * [H, D] (bfloat16 caches), qf: its float32 ones, scaled (the others) */
+void pd_da_run(const da_args *a, const da_task *tk, const float *qf, const uint16_t *qb,
+               float *m, float *l, float *acc);
+void pd_da_write(const da_args *a, int64_t b, const float *l, const float *acc);
+void pd_da_combine(const da_args *a, const da_task *tasks, int i, int j, const float *parts,
+                   int64_t per_task, float *l, float *acc);
 
 #endif

@@ -1,0 +1,131 @@
+"""A whole bfloat16 decode step in one native call (decode_step.c): every layer of a
+Llama-family model whose projections are all native int4 (model/quant.py's Int4Linear).
+
+The per-layer path makes about 150 kernel calls and 265 tensor views a batch-1 step of
+SmolLM2-135M, each costing about what its kernel does; this is one call, with the same
+arithmetic in the same order: the hidden states are the same bits. The model builds a
+``DecodeStep`` once its weights are packed (model/llama.py) and calls it on decode steps
+that run the native decode attention.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import NamedTuple
+
+import torch
+
+from pdserve.kernels.native import decode_attention, function
+
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+
+
+class LayerWeights(NamedTuple):
+    """One layer's tensors as the kernel reads them: the int4 projections packed for
+    int4_gemm.c (q, k and v side by side; gate then up), the norms' weights bfloat16."""
+    qkv: torch.Tensor
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+
+
+class Shape(NamedTuple):
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _P) for name in
+                ("qkv", "o", "gate_up", "down", "ln1", "ln2", "k_cache", "v_cache")]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("L", _I), ("hidden", _I), ("H", _I), ("KVH", _I), ("D", _I), ("I", _I),
+                ("block_size", _I), ("eps", _F), ("scale", _F)]
+
+
+@functools.cache  # declaring the signature costs more than the call's arguments
+def _fn():
+    return function("pd_decode_step", [_P, _P, _I, _P, _P, _P, _P, _P, _P, _L, _P, _P])
+
+
+def why_not(shape: Shape) -> str | None:
+    """None if the kernel takes a model of this shape, else why not (one phrase)."""
+    why = decode_attention.why_not(torch.bfloat16, shape.num_heads, shape.num_kv_heads,
+                                   shape.head_dim)
+    if why is not None:
+        return why
+    for name, size in (("hidden size", shape.hidden), ("intermediate size", shape.intermediate),
+                       ("heads x head_dim", shape.num_heads * shape.head_dim)):
+        if size % 32:
+            return f"{name} {size} is not a multiple of 32"
+    return None
+
+
+class DecodeStep:
+    """The layers' forward of a decode step (one token a sequence, every one with cached
+    context), the final norm included. Holds the weights' tensors (their memory is read by
+    address); the KV caches are bound on the first call and whenever they change."""
+
+    def __init__(self, layers: list[LayerWeights], final_norm: torch.Tensor, shape: Shape):
+        why = why_not(shape)
+        if why is not None:
+            raise ValueError(f"native decode step: {why}")
+        self.layers, self.final_norm, self.shape = layers, final_norm, shape
+        self._bound: tuple | None = None     # (the caches' addresses, block size, _Layer array)
+        self._model = _Model(len(layers), shape.hidden, shape.num_heads, shape.num_kv_heads,
+                             shape.head_dim, shape.intermediate, 0, shape.eps,
+                             shape.head_dim ** -0.5)
+
+    def _bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+        key = tuple(t.data_ptr() for pair in kv_caches for t in pair)
+        if self._bound is not None and self._bound[0] == key:
+            return self._bound[2]
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"{len(kv_caches)} KV caches for {len(self.layers)} layers")
+        array = (_Layer * len(self.layers))()
+        for entry, w, (k, v) in zip(array, self.layers, kv_caches):
+            if k.dtype is not torch.bfloat16 or v.dtype is not torch.bfloat16 \
+                    or not (k.is_contiguous() and v.is_contiguous()):
+                raise ValueError("native decode step: the KV caches must be contiguous "
+                                 "bfloat16")
+            entry.qkv, entry.o = w.qkv.data_ptr(), w.o.data_ptr()
+            entry.gate_up, entry.down = w.gate_up.data_ptr(), w.down.data_ptr()
+            entry.ln1 = w.input_norm.data_ptr()
+            entry.ln2 = w.post_attention_norm.data_ptr()
+            entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
+        self._model.block_size = kv_caches[0][0].shape[1]
+        self._bound = (key, self._model.block_size, array)
+        return array
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """x [B, hidden] bfloat16 contiguous, the embeddings (overwritten); cos, sin: the
+        step's RotaryTables' ([B, 1, D] bfloat16, contiguous); block_tables int32 [B, n],
+        seq_lens int32 [B], slots int64 [B], as the step's AttentionMetadata holds them.
+        Returns the final norm's output [B, hidden]."""
+        rows = x.shape[0]
+        if x.dtype is not torch.bfloat16 or not x.is_contiguous() \
+                or block_tables.dtype is not torch.int32 or seq_lens.dtype is not torch.int32 \
+                or slots.dtype is not torch.int64 or block_tables.stride(1) != 1 \
+                or not (cos.is_contiguous() and sin.is_contiguous()):
+            raise ValueError("native decode step: x bfloat16, block tables and lengths int32, "
+                             "slots int64, all contiguous")
+        layers = self._bind(kv_caches)
+        out = torch.empty_like(x)                                          # [B, hidden]
+        rc = _fn()(ctypes.addressof(layers), ctypes.addressof(self._model), rows, x.data_ptr(),
+                   self.final_norm.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                   block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+                   slots.data_ptr())
+        if rc == -1:
+            raise MemoryError("pd_decode_step: no memory for its buffers")
+        if rc:
+            raise ValueError(f"pd_decode_step: shapes it cannot take ({self.shape})")
+        return out

@@ -1,0 +1,131 @@
+"""A whole bfloat16 decode step in one native call (kernels/native/decode_step.c): the same
+hidden states and the same KV cache, bit for bit, as the same kernels called layer by layer
+from Python, at batch sizes across the GEMM's row tiles, short contexts (one attention task
+a sequence) and long ones (split and combined), on one thread and on two; models it cannot
+take keep the layer path and the log says why; bad inputs are refused."""
+import logging
+
+import pytest
+import torch
+
+from pdserve.kernels import native
+
+pytestmark = pytest.mark.skipif(native.why_unavailable() is not None,
+                                reason=f"native kernels: {native.why_unavailable()}")
+
+from pdserve.engine.inputs import build_model_inputs  # noqa: E402 (after the skip)
+from pdserve.model.loader import load_model  # noqa: E402
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def q4_model(tiny_model, tmp_path_factory):
+    """A tiny checkpoint as a Q4_1 GGUF, loaded in bfloat16 with its int4 kept: llama
+    (heads x head_dim = hidden) or mistral (twice hidden)."""
+    gguf_files = pytest.importorskip("tests.gguf_files")
+    built = {}
+
+    def get(arch: str):
+        if arch not in built:
+            path = gguf_files.write_gguf(tiny_model(arch),
+                                         tmp_path_factory.mktemp(arch) / "q4_1.gguf", "Q4_1")
+            model = load_model(path, "bfloat16", quantization="auto")
+            model.fuse_projections()
+            built[arch] = model
+        return built[arch]
+
+    return get
+
+
+def kv_caches(model, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    cfg = model.config
+    shape = (num_blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
+    return [(torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16))
+            for _ in range(cfg.num_hidden_layers)]
+
+
+def run_both(model, inputs, caches):
+    """The decode step layer by layer, then natively from the same cache: (hidden states,
+    caches after) of each."""
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    step, model.native_step = model.native_step, None
+    try:
+        want = model(inputs.input_ids, inputs.positions, inputs.meta, caches)
+    finally:
+        model.native_step = step
+    want_caches = [(k.clone(), v.clone()) for k, v in caches]
+    for (k, v), (k0, v0) in zip(caches, before):
+        k.copy_(k0)
+        v.copy_(v0)
+    got = model(inputs.input_ids, inputs.positions, inputs.meta, caches)
+    return (want, want_caches), (got, caches)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("context", [20, 300])   # 300 x 2 kv heads: a split context
+@pytest.mark.parametrize("batch", [1, 3, 9])     # row tiles 1, 2 + 1, 8 + 1
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_the_step_is_the_layer_path_bit_for_bit(q4_model, arch, batch, context, threads):
+    model = q4_model(arch)
+    assert model.native_step is not None
+    cfg, gen = model.config, torch.Generator().manual_seed(batch * 1000 + context)
+    prompts = [torch.randint(3, cfg.vocab_size, (context + 5 * i,), generator=gen).tolist()
+               for i in range(batch)]
+    per_seq = (context + 5 * batch + 8) // BLOCK + 1
+    caches = kv_caches(model, batch * per_seq)
+    # each sequence's pages in reverse order: the kernel must follow the tables
+    tables = [list(range(i * per_seq, (i + 1) * per_seq))[::-1] for i in range(batch)]
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            prefill = build_model_inputs(prompts, [0] * batch, tables, [True] * batch, BLOCK)
+            model(prefill.input_ids, prefill.positions, prefill.meta, caches)
+            tokens, starts = [[7 + i] for i in range(batch)], [len(p) for p in prompts]
+            for _ in range(3):
+                inputs = build_model_inputs(tokens, starts, tables, [True] * batch, BLOCK,
+                                            native_decode=True)
+                (want, want_caches), (got, got_caches) = run_both(model, inputs, caches)
+                assert torch.equal(got, want)
+                for (k, v), (wk, wv) in zip(got_caches, want_caches):
+                    assert torch.equal(k, wk) and torch.equal(v, wv)
+                tokens = [[int(t)] for t in model.compute_logits(got).argmax(-1)]
+                starts = [s + 1 for s in starts]
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_models_it_cannot_take_keep_the_layer_path(tiny_model, tmp_path, caplog):
+    gguf_files = pytest.importorskip("tests.gguf_files")
+    caplog.set_level(logging.INFO, logger="pdserve.model.llama")
+    # qwen2's q, k and v have biases
+    path = gguf_files.write_gguf(tiny_model("qwen2"), tmp_path / "qwen2.gguf", "Q4_1")
+    model = load_model(path, "bfloat16", quantization="auto")
+    model.fuse_projections()
+    assert model.native_step is None
+    assert "decode step: layer by layer (not every projection is a bias-free int4" in caplog.text
+    # float32 keeps torch's paths: no int4 on the native kernel, no native step
+    llama = gguf_files.write_gguf(tiny_model("llama"), tmp_path / "llama.gguf", "Q4_1")
+    for dtype, quantization in (("float32", "auto"), ("bfloat16", "none")):
+        model = load_model(llama, dtype, quantization=quantization)
+        model.fuse_projections()
+        assert model.native_step is None, (dtype, quantization)
+
+
+def test_inputs_of_the_wrong_type_are_refused(q4_model):
+    model = q4_model("llama")
+    caches = kv_caches(model, 4)
+    inputs = build_model_inputs([[5]], [3], [[0]], [True], BLOCK, native_decode=True)
+    meta, step = inputs.meta, model.native_step
+    x = model.model.embed_tokens(inputs.input_ids)
+    cos = sin = torch.zeros(1, 1, model.config.head_dim, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="int32"):
+        step(x, cos, sin, meta.block_tables, meta.seq_lens.long(), meta.slot_mapping, caches)
+    with pytest.raises(ValueError, match="bfloat16"):
+        step(x.float(), cos, sin, meta.block_tables, meta.seq_lens, meta.slot_mapping, caches)
+    with pytest.raises(ValueError, match="KV caches for"):
+        step(x, cos, sin, meta.block_tables, meta.seq_lens, meta.slot_mapping, caches[:1])
+    float_caches = [(k.float(), v.float()) for k, v in caches]
+    with pytest.raises(ValueError, match="contiguous bfloat16"):
+        step(x, cos, sin, meta.block_tables, meta.seq_lens, meta.slot_mapping, float_caches)
