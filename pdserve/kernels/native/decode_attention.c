@@ -108,16 +108,17 @@ static inline __m512 da_hsum16(const __m512 *v) {
  * constants at the common call sites (da_run's switch): the loops over them unroll and
  * the accumulators and queries stay in registers. */
 static inline __attribute__((always_inline)) void da_chunk(
-        const da_args *a, int64_t b, int t0, int t1, const float *qf, const uint16_t *qb,
-        const int DTYPE, const int DV, const int G, float *m, float *l, float *acc) {
-    const int H = a->H, KVH = a->KVH, D = DV * 16;
+        const da_args *a, int64_t b, int t0, int t1, int k0, int k1, const float *qf,
+        const uint16_t *qb, const int DTYPE, const int DV, const int G, float *m, float *l,
+        float *acc) {
+    const int KVH = a->KVH, D = DV * 16;
     const int esize = DTYPE == DA_F32 ? 4 : 2;
     const int64_t row = (int64_t)KVH * D, page = (int64_t)a->bs * row;
-    for (int h = 0; h < H; h++) {
+    for (int h = k0 * G; h < k1 * G; h++) {
         m[h] = -INFINITY;
         l[h] = 0.0f;
     }
-    memset(acc, 0, sizeof(float) * H * D);
+    memset(acc + (int64_t)k0 * G * D, 0, sizeof(float) * (k1 - k0) * G * D);
     const char *table = (const char *)a->tables + b * a->bt_s * (a->tables64 ? 8 : 4);
     __m512 dots[DA_MAX_GROUP][DA_TILE];
     float p[DA_MAX_GROUP][DA_TILE];
@@ -134,14 +135,14 @@ static inline __attribute__((always_inline)) void da_chunk(
          * stream (a few KiB) */
         for (int i = t + DA_TILE; i < t1 && i < t + 2 * DA_TILE; i++) {
             int64_t blk = da_index(table, i / a->bs, a->tables64);
-            const char *kp = a->k + (blk * page + (int64_t)(i % a->bs) * row) * esize;
+            const char *kp = a->k + (blk * page + (int64_t)(i % a->bs) * row + k0 * D) * esize;
             const char *vp = a->v + (kp - a->k);
-            for (int64_t x = 0; x < row * esize; x += 64) {
+            for (int64_t x = 0; x < (int64_t)(k1 - k0) * D * esize; x += 64) {
                 _mm_prefetch(kp + x, _MM_HINT_T0);
                 _mm_prefetch(vp + x, _MM_HINT_T0);
             }
         }
-        for (int kvh = 0; kvh < KVH; kvh++) {
+        for (int kvh = k0; kvh < k1; kvh++) {
             const int64_t head = (int64_t)kvh * D * esize;
             if (DTYPE == DA_BF16) {  /* q . k in pairs of bfloat16 (exact products) */
                 const uint16_t *qk = qb + (int64_t)kvh * G * D;
@@ -224,10 +225,11 @@ static inline __attribute__((always_inline)) void da_chunk(
     }
 }
 
-/* out[b] = acc / l for every query head, rounded once */
-void pd_da_write(const da_args *a, int64_t b, const float *l, const float *acc) {
+/* out[b] = acc / l for query heads [h0, h1), rounded once */
+void pd_da_write(const da_args *a, int64_t b, int h0, int h1, const float *l,
+                 const float *acc) {
     const int D = a->D, esize = a->dtype == DA_F32 ? 4 : 2;
-    for (int h = 0; h < a->H; h++) {
+    for (int h = h0; h < h1; h++) {
         char *o = a->out + ((b * a->H + h) * (int64_t)D) * esize;
         __m512 inv = _mm512_set1_ps(l[h] > 0.0f ? 1.0f / l[h] : 0.0f);
         for (int c = 0; c < D / 16; c++)
@@ -241,7 +243,7 @@ void pd_da_write(const da_args *a, int64_t b, const float *l, const float *acc) 
  * one runs the generic copy of its dtype. (Each copy costs about 0.3 s of the library's
  * one-off build: all of float16's would double it.) */
 #define DA_CHUNK(DT, DV_, G_) \
-    da_chunk(a, tk->b, tk->t0, tk->t1, qf, qb, DT, DV_, G_, m, l, acc)
+    da_chunk(a, tk->b, tk->t0, tk->t1, k0, k1, qf, qb, DT, DV_, G_, m, l, acc)
 #define DA_GROUPS(DT, DV_)                                                            \
     switch (g) {                                                                      \
     case 1: DA_CHUNK(DT, DV_, 1); return;                                             \
@@ -251,8 +253,8 @@ void pd_da_write(const da_args *a, int64_t b, const float *l, const float *acc) 
     case 8: DA_CHUNK(DT, DV_, 8); return;                                             \
     }
 
-void pd_da_run(const da_args *a, const da_task *tk, const float *qf, const uint16_t *qb,
-                   float *m, float *l, float *acc) {
+void pd_da_run(const da_args *a, const da_task *tk, int k0, int k1, const float *qf,
+               const uint16_t *qb, float *m, float *l, float *acc) {
     const int dv = a->D / 16, g = a->H / a->KVH;
     if (a->dtype == DA_BF16) {
         if (dv == 4) DA_GROUPS(DA_BF16, 4)
@@ -352,7 +354,7 @@ void pd_da_combine(const da_args *a, const da_task *tasks, int i, int j, const f
         }
         l[h] = sum;
     }
-    pd_da_write(a, tasks[i].b, l, acc);
+    pd_da_write(a, tasks[i].b, 0, H, l, acc);
 }
 
 /* Attention of num_seqs query tokens q [B, H, D] over their first seq_lens[b] cached
@@ -413,9 +415,9 @@ int pdserve_decode_attention(const void *q, int64_t q_s, int64_t q_h,
     for (int i = 0; i < count; i++) {
         const da_task *tk = &tasks[i];
         float *p = parts + i * per_task;
-        pd_da_run(&a, tk, qf + (int64_t)tk->b * H * D, qb + (int64_t)tk->b * H * D, p, p + H,
-                  p + 2 * H);
-        if (whole) pd_da_write(&a, tk->b, p + H, p + 2 * H);
+        pd_da_run(&a, tk, 0, num_kv_heads, qf + (int64_t)tk->b * H * D,
+                  qb + (int64_t)tk->b * H * D, p, p + H, p + 2 * H);
+        if (whole) pd_da_write(&a, tk->b, 0, H, p + H, p + 2 * H);
     }
     if (!whole)  /* combine each sequence's chunks (consecutive tasks) */
         for (int i = 0, j; i < count; i = j) {

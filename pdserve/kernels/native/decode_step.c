@@ -19,7 +19,8 @@
  *   heads into the cache; gate and up by matching columns, so a thread's silu * up needs
  *   only its own outputs.
  * - Attention runs decode_attention.c's tasks (planned once a step: every layer's lengths
- *   are the same), spread over the team; each task's result does not depend on the thread.
+ *   are the same), split further by kv head and spread over the team: a kv head's sums are
+ *   its own, so the result depends on neither the thread nor the split.
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -175,11 +176,19 @@ int pd_decode_step(const pd_layer *layers, const pd_model *m, int B, bf16 *x,
                                DA_BF16, m->scale};
             for (int b = t; b < B; b += nt)  /* batch padding: zeros, as the kernel's */
                 if (seq_lens[b] == 0) memset(att + (size_t)b * H * D, 0, (size_t)H * D * 2);
-            for (int i = t; i < count; i += nt) {
+            int j0, j1;  /* this thread's (task, kv head) pairs: the last thread, which has
+                          * the most q, k and v heads, takes the fewest */
+            share(count * KVH, nt - 1 - t, nt, &j0, &j1);
+            for (int j = j0; j < j1;) {
+                const int i = j / KVH, k0 = j % KVH, k1 = k0 + (j1 - j) < KVH ? k0 + j1 - j
+                                                                            : KVH;
                 float *pt = parts + i * per_task;
-                pd_da_run(&a, &tasks[i], 0, qkv + (size_t)tasks[i].b * nh * D, pt, pt + H,
-                          pt + 2 * H);
-                if (whole) pd_da_write(&a, tasks[i].b, pt + H, pt + 2 * H);
+                pd_da_run(&a, &tasks[i], k0, k1, 0, qkv + (size_t)tasks[i].b * nh * D, pt,
+                          pt + H, pt + 2 * H);
+                if (whole)
+                    pd_da_write(&a, tasks[i].b, k0 * (H / KVH), k1 * (H / KVH), pt + H,
+                                pt + 2 * H);
+                j += k1 - k0;
             }
             if (!whole) {
 #pragma omp barrier

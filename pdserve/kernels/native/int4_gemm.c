@@ -27,6 +27,7 @@
 #define NB 16
 #define BLOCK_BYTES 320
 #define MAX_TILE 8
+#define PREFETCH_BYTES 4096  /* ahead in a block stream */
 
 /* x [M, K] (bfloat16 or float32) -> xq int8 [M, K], sx and sumx float32 [M, K / 32] */
 void pd_int4_quantize(const void *x, int x_bf16, int M, int K, int8_t *xq, float *sx,
@@ -61,6 +62,11 @@ static inline __attribute__((always_inline)) void tile(
     const __m512i lo4 = _mm512_set1_epi8(0x0F);
     for (int g = 0; g < G; g++) {
         const uint8_t *p = wb + (size_t)g * BLOCK_BYTES;
+        /* a thread's blocks are one stream of a few hundred KiB between two barriers of a
+         * decode step: prefetching ahead keeps the misses in flight from its start (batch 1
+         * over SmolLM2's 30 layers: 63-64 -> 66-72 GB/s on the 2-core EPYC) */
+        for (int c = 0; c < BLOCK_BYTES; c += 64)
+            _mm_prefetch((const char *)p + PREFETCH_BYTES + c, _MM_HINT_T0);
         __m512i w[8];
         for (int j = 0; j < 4; j++) {
             __m512i v = _mm512_loadu_si512(p + 64 * j);

@@ -65,11 +65,13 @@ static inline int pd_da_shape_ok(int H, int KVH, int D) {
 int pd_da_split(int num_seqs, const void *seq_lens, int lens64, int KVH, int threads,
                 int *parallel);
 int pd_da_tasks(int num_seqs, const void *seq_lens, int lens64, int split, da_task *tasks);
-/* one task: m, l [H] and acc [H, D] of its positions; qb: the sequence's bfloat16 queries
- * [H, D] (bfloat16 caches), qf: its float32 ones, scaled (the others) */
-void pd_da_run(const da_args *a, const da_task *tk, const float *qf, const uint16_t *qb,
-               float *m, float *l, float *acc);
-void pd_da_write(const da_args *a, int64_t b, const float *l, const float *acc);
+/* one task, kv heads [k0, k1) (each kv head's sums are its own: a task split by heads gives
+ * the same bits): m, l [H] and acc [H, D] of its positions, those heads' entries; qb: the
+ * sequence's bfloat16 queries [H, D] (bfloat16 caches), qf: its float32 ones, scaled */
+void pd_da_run(const da_args *a, const da_task *tk, int k0, int k1, const float *qf,
+               const uint16_t *qb, float *m, float *l, float *acc);
+void pd_da_write(const da_args *a, int64_t b, int h0, int h1, const float *l,
+                 const float *acc);
 void pd_da_combine(const da_args *a, const da_task *tasks, int i, int j, const float *parts,
                    int64_t per_task, float *l, float *acc);
 
