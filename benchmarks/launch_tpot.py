@@ -11,8 +11,10 @@ of the cluster used while streaming.
     python benchmarks/launch_tpot.py [--args "--dtype float32"] [--streams 3]
         [--input-len 128] [--output-len 128] [--spy ROLE --spy-out FILE]
 
-``--spy decode-0`` (or router, prefill-0) records that process with py-spy (--native,
---threads, raw folded stacks) during the last stream.
+The node timed is the one that decodes: decode-0, or colocated-0 where launch (``--args
+""`` on a machine of few cores) starts one colocated node. ``--spy decode-0`` (or router,
+prefill-0, colocated-0) records that process with py-spy (--native, --threads, raw folded
+stacks) during the last stream.
 """
 from __future__ import annotations
 
@@ -57,8 +59,10 @@ def main() -> None:
     a = p.parse_args()
     rng = random.Random(1)
     with launched(*shlex.split(a.args)) as cluster:
-        cluster.wait_nodes(2)
-        decode_metrics = cluster.metrics_urls()["decode-0"]
+        urls = cluster.metrics_urls()
+        nodes = [name for name in urls if name != "router"]
+        cluster.wait_nodes(len(nodes))
+        decode_metrics = urls["decode-0" if "decode-0" in urls else "colocated-0"]
         pids = processes(cluster.proc.pid)
         stream(cluster.http_url, [rng.randrange(1000, 20000) for _ in range(16)], 8)
         for i in range(a.streams):

@@ -1,4 +1,6 @@
 """Sampler, sampling-parameter checks, input building and stop handling."""
+import random
+
 import pytest
 import torch
 
@@ -88,6 +90,37 @@ def test_build_model_inputs_mixed_batch():
     assert decode.decode_gather.max_len == 6 and decode.decode_gather.mask is not None
     assert build_model_inputs([[1, 2], [2]], [0, 0], [[0], [1]], [True, True], 16).meta.kind \
         == PREFILL
+
+
+def test_decode_inputs_are_the_general_paths():
+    """A decode step's inputs come from their own short path (engine/inputs.py): the same
+    tensors, dtypes and metadata as the general path builds for that batch."""
+    from pdserve.engine import inputs as I
+
+    rng = random.Random(0)
+    for num_seqs in (1, 2, 5):
+        for native in (True, False):
+            starts = [rng.randrange(1, 200) for _ in range(num_seqs)]
+            tables = [rng.sample(range(64), p // 16 + 1 + rng.randrange(2)) for p in starts]
+            args = ([[rng.randrange(1000)] for _ in starts], starts, tables,
+                    [rng.random() < 0.8 for _ in starts], 16, "cpu", native)
+            fast, general = I._decode_inputs(*args), I._batch_inputs(*args)
+            assert I.build_model_inputs(*args[:5], native_decode=native).meta.kind == DECODE
+            assert fast.sample_rows == general.sample_rows
+            for name in ("input_ids", "positions", "logits_indices"):
+                a, b = getattr(fast, name), getattr(general, name)
+                assert a.dtype == b.dtype and a.tolist() == b.tolist(), name
+            for name in ("cu_seqlens_q", "seq_lens", "slot_mapping", "block_tables"):
+                a, b = getattr(fast.meta, name), getattr(general.meta, name)
+                assert a.dtype == b.dtype and a.tolist() == b.tolist(), name
+                assert a.is_contiguous()
+            assert (fast.meta.kind, fast.meta.all_slots, fast.meta.decode_native) == \
+                (general.meta.kind, general.meta.all_slots, general.meta.decode_native)
+            gf, gg = fast.meta.decode_gather, general.meta.decode_gather
+            assert (gf is None) == (gg is None) == native
+            if gf is not None:
+                assert gf.blocks.tolist() == gg.blocks.tolist() and gf.max_len == gg.max_len
+                assert (gf.mask is None and gg.mask is None) or torch.equal(gf.mask, gg.mask)
 
 
 class ByteTok:
