@@ -129,7 +129,8 @@ int pd_decode_step(const pd_layer *layers, const pd_model *m, int B, bf16 *x,
                    const int32_t *tables, int64_t bt_s, const int32_t *seq_lens,
                    const int64_t *slots) {
     const int H = m->H, KVH = m->KVH, D = m->D, hidden = m->hidden, I = m->I;
-    if (!pd_da_shape_ok(H, KVH, D) || hidden % 32 || (H * D) % 32 || I % 32 || B <= 0)
+    if (!pd_da_shape_ok(H, KVH, D) || hidden % 32 || (H * D) % 32 || I % 32 || B <= 0
+            || m->L <= 0)
         return -2;
     const int nh = H + 2 * KVH, kmax = I > hidden ? (I > H * D ? I : H * D)
                                                   : (hidden > H * D ? hidden : H * D);
