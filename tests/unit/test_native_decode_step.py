@@ -129,3 +129,31 @@ def test_inputs_of_the_wrong_type_are_refused(q4_model):
     float_caches = [(k.float(), v.float()) for k, v in caches]
     with pytest.raises(ValueError, match="contiguous bfloat16"):
         step(x, cos, sin, meta.block_tables, meta.seq_lens, meta.slot_mapping, float_caches)
+
+
+def test_the_default_model_runs_it_and_generates_the_layer_paths_tokens():
+    """SmolLM2-135M as bundled, with its defaults' bfloat16 and int4: the step runs, and
+    greedy output over the chat prompts (a batch of 6, then one at a time) is the layer
+    path's token for token. (No prefix cache: a second run would prefill over the first's
+    pages, another kernel with other roundings.)"""
+    from pdserve import LLM, SamplingParams
+    from pdserve.model.default_model import bundled_model
+    from tests.chat_prompts import CONVERSATIONS
+
+    path, why = bundled_model()
+    if path is None:
+        pytest.skip(f"no bundled model: {why}")
+    llm = LLM(dtype="bfloat16", quantization="auto", enable_prefix_caching=False)
+    model = llm.engine.model
+    step = model.native_step
+    assert step is not None
+    prompts = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template(m),
+                                    add_special_tokens=False) for m in CONVERSATIONS]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    outs = {}
+    for native_step in (step, None):
+        model.native_step = native_step
+        batch = [o.token_ids for o in llm.generate(prompts, params)]
+        alone = [llm.generate([p], params)[0].token_ids for p in prompts[:2]]
+        outs[native_step is None] = (batch, alone)
+    assert outs[False] == outs[True]
