@@ -226,7 +226,10 @@ class LlamaForCausalLM(nn.Module):
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             if any(w.dtype is not torch.bfloat16 or not w.is_contiguous() for w in norms):
                 return None, "the norms are not bfloat16"
-            layers.append(decode_step.LayerWeights(*(m.packed for m in projections), *norms))
+            # detached: the step holds the tensors whose memory it reads, whatever becomes
+            # of the parameters (it is rebuilt by fuse_projections, not kept in step)
+            layers.append(decode_step.LayerWeights(*(m.packed for m in projections),
+                                                   *(w.detach() for w in norms)))
         shape = decode_step.Shape(cfg.hidden_size, cfg.num_attention_heads,
                                   cfg.num_key_value_heads, cfg.head_dim,
                                   cfg.intermediate_size, cfg.rms_norm_eps)
@@ -269,7 +272,8 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         rope = kernels.rotary_tables(positions, self.cos_sin, x.dtype)  # once, every layer's
         if self.native_step is not None and meta.decode_native and on_layer is None \
-                and kv_caches is not None and rope is not None and x.is_contiguous():
+                and kv_caches is not None and rope is not None \
+                and x.dtype is torch.bfloat16 and x.is_contiguous():
             return self.native_step(x, rope.cos, rope.sin, meta.block_tables, meta.seq_lens,
                                     meta.slot_mapping, kv_caches)
         residual = None

@@ -3,6 +3,7 @@ hidden states and the same KV cache, bit for bit, as the same kernels called lay
 from Python, at batch sizes across the GEMM's row tiles, short contexts (one attention task
 a sequence) and long ones (split and combined), on one thread and on two; models it cannot
 take keep the layer path and the log says why; bad inputs are refused."""
+import dataclasses
 import logging
 
 import pytest
@@ -14,7 +15,10 @@ pytestmark = pytest.mark.skipif(native.why_unavailable() is not None,
                                 reason=f"native kernels: {native.why_unavailable()}")
 
 from pdserve.engine.inputs import build_model_inputs  # noqa: E402 (after the skip)
+from pdserve.model.config import ModelConfig  # noqa: E402
+from pdserve.model.llama import LlamaForCausalLM  # noqa: E402
 from pdserve.model.loader import load_model  # noqa: E402
+from pdserve.model.quant import Int4Linear  # noqa: E402
 
 BLOCK = 16
 
@@ -157,3 +161,93 @@ def test_the_default_model_runs_it_and_generates_the_layer_paths_tokens():
         alone = [llm.generate([p], params)[0].token_ids for p in prompts[:2]]
         outs[native_step is None] = (batch, alone)
     assert outs[False] == outs[True]
+
+
+def random_int4_model(hidden: int, heads: int, kv_heads: int, head_dim: int,
+                      intermediate: int) -> LlamaForCausalLM:
+    """Two layers of random bfloat16 weights, every projection random int4 blocks."""
+    cfg = ModelConfig.from_dict(dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=256,
+        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2))
+    gen = torch.Generator().manual_seed(hidden + heads)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen) if "norm" in name
+                    else torch.randn(p.shape, generator=gen))
+
+    def int4(linear):
+        n, k = linear.weight.shape
+        scale = torch.rand(n, k // 32, generator=gen) / (2 * k ** 0.5)
+        return Int4Linear(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
+                          scale, -8 * scale + 0.01 * torch.randn(n, k // 32, generator=gen),
+                          dtype=torch.bfloat16)
+
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        a.q_proj, a.k_proj, a.v_proj = int4(a.q_proj), int4(a.k_proj), int4(a.v_proj)
+        a.o_proj, m.gate_proj = int4(a.o_proj), int4(m.gate_proj)
+        m.up_proj, m.down_proj = int4(m.up_proj), int4(m.down_proj)
+    model.fuse_projections()
+    model.init_rope("cpu")
+    return model
+
+
+SHAPES = {  # hidden, heads, kv heads, head_dim, intermediate
+    "smollm2": (576, 9, 3, 64, 1536),       # the default model's: head_dim 64, group 3
+    "group8_d128": (256, 8, 1, 128, 352),   # heads x head_dim = 4 x hidden
+    "mha_d64": (256, 4, 4, 64, 224),        # group 1
+}
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("batch,context,padded", [(1, 700, ()), (20, 40, ()), (5, 300, (1, 4))])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_model_shapes_and_padding_rows_keep_the_layer_paths_bits(shape, batch, context,
+                                                                  padded, threads):
+    """The attention copies specialised for head_dim 64 and 128, groups 1 to 8, batches
+    past the GEMM's row tiles, split contexts, and rows of batch padding (length 0, slot
+    -1: zeros out, nothing stored); three threads on two cores (a thread waiting at a
+    barrier for one that is not running)."""
+    model = q4_random(shape)
+    gen = torch.Generator().manual_seed(batch + context)
+    lens = [context + 5 * i for i in range(batch)]
+    per_seq = max(lens) // BLOCK + 2
+    caches = kv_caches(model, batch * per_seq)
+    for k, v in caches:   # random context instead of a prefill
+        k.copy_(torch.randn(k.shape, generator=gen))
+        v.copy_(torch.randn(v.shape, generator=gen))
+    tables = [list(range(i * per_seq, (i + 1) * per_seq))[::-1] for i in range(batch)]
+    inputs = build_model_inputs([[7 + i] for i in range(batch)], lens, tables,
+                                [True] * batch, BLOCK, native_decode=True)
+    if padded:
+        meta = inputs.meta
+        lens_t, slots = meta.seq_lens.clone(), meta.slot_mapping.clone()
+        lens_t[list(padded)], slots[list(padded)] = 0, -1
+        inputs = dataclasses.replace(inputs, meta=dataclasses.replace(
+            meta, seq_lens=lens_t, slot_mapping=slots, all_slots=False))
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            (want, want_caches), (got, got_caches) = run_both(model, inputs, caches)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(got, want)
+    for (k, v), (wk, wv) in zip(got_caches, want_caches):
+        assert torch.equal(k, wk) and torch.equal(v, wv)
+
+
+_RANDOM: dict[str, LlamaForCausalLM] = {}
+
+
+def q4_random(shape: str) -> LlamaForCausalLM:
+    if shape not in _RANDOM:
+        _RANDOM[shape] = random_int4_model(*SHAPES[shape])
+    assert _RANDOM[shape].native_step is not None
+    return _RANDOM[shape]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import operator
 from typing import NamedTuple
 
 import torch
@@ -78,32 +79,42 @@ class DecodeStep:
         if why is not None:
             raise ValueError(f"native decode step: {why}")
         self.layers, self.final_norm, self.shape = layers, final_norm, shape
-        self._bound: tuple | None = None     # (the caches' list, its ends, _Layer array)
+        self._bound: tuple | None = None     # (the KV pairs bound, their _Layer array)
         self._model = _Model(len(layers), shape.hidden, shape.num_heads, shape.num_kv_heads,
                              shape.head_dim, shape.intermediate, 0, shape.eps,
                              shape.head_dim ** -0.5)
 
     def _bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
-        # the runner allocates its caches once: the list and its ends identify them (every
-        # layer's address, checked each step, cost more than the rest of this wrapper)
-        key = (len(kv_caches), kv_caches[0][0].data_ptr(), kv_caches[-1][1].data_ptr())
-        if self._bound is not None and self._bound[0] is kv_caches and self._bound[1] == key:
-            return self._bound[2]
+        # the runner allocates its caches once: the same pairs as last step (by identity,
+        # a few us; every address cost more than the rest of this wrapper). The bound pairs
+        # are held, so the addresses in the array cannot outlive their tensors.
+        bound = self._bound
+        if bound is not None and len(bound[0]) == len(kv_caches) \
+                and all(map(operator.is_, bound[0], kv_caches)):
+            return bound[1]
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"{len(kv_caches)} KV caches for {len(self.layers)} layers")
-        array = (_Layer * len(self.layers))()
-        for entry, w, (k, v) in zip(array, self.layers, kv_caches):
+        pairs = tuple(kv_caches)
+        shape = self.shape
+        block_size = pairs[0][0].shape[1]
+        for k, v in pairs:
             if k.dtype is not torch.bfloat16 or v.dtype is not torch.bfloat16 \
-                    or not (k.is_contiguous() and v.is_contiguous()):
-                raise ValueError("native decode step: the KV caches must be contiguous "
-                                 "bfloat16")
+                    or not (k.is_contiguous() and v.is_contiguous()) or k.dim() != 4 \
+                    or k.shape != v.shape or k.shape[1] != block_size \
+                    or tuple(k.shape[2:]) != (shape.num_kv_heads, shape.head_dim):
+                raise ValueError(
+                    "native decode step: the KV caches must be contiguous bfloat16 "
+                    f"[blocks, {block_size}, {shape.num_kv_heads}, {shape.head_dim}], K and "
+                    f"V alike, got {str(k.dtype).removeprefix('torch.')} {list(k.shape)}")
+        array = (_Layer * len(self.layers))()
+        for entry, w, (k, v) in zip(array, self.layers, pairs):
             entry.qkv, entry.o = w.qkv.data_ptr(), w.o.data_ptr()
             entry.gate_up, entry.down = w.gate_up.data_ptr(), w.down.data_ptr()
             entry.ln1 = w.input_norm.data_ptr()
             entry.ln2 = w.post_attention_norm.data_ptr()
             entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
-        self._model.block_size = kv_caches[0][0].shape[1]
-        self._bound = (kv_caches, key, array)
+        self._model.block_size = block_size
+        self._bound = (pairs, array)
         return array
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -113,13 +124,18 @@ class DecodeStep:
         step's RotaryTables' ([B, 1, D] bfloat16, contiguous); block_tables int32 [B, n],
         seq_lens int32 [B], slots int64 [B], as the step's AttentionMetadata holds them.
         Returns the final norm's output [B, hidden]."""
-        rows = x.shape[0]
+        rows, d = x.shape[0], self.shape.head_dim
         if x.dtype is not torch.bfloat16 or not x.is_contiguous() \
+                or x.shape[1] != self.shape.hidden \
                 or block_tables.dtype is not torch.int32 or seq_lens.dtype is not torch.int32 \
                 or slots.dtype is not torch.int64 or block_tables.stride(1) != 1 \
+                or block_tables.shape[0] != rows or seq_lens.shape != (rows,) \
+                or slots.shape != (rows,) or seq_lens.stride(0) != 1 or slots.stride(0) != 1 \
+                or cos.numel() != rows * d or sin.numel() != rows * d \
                 or not (cos.is_contiguous() and sin.is_contiguous()):
-            raise ValueError("native decode step: x bfloat16, block tables and lengths int32, "
-                             "slots int64, all contiguous")
+            raise ValueError(f"native decode step: x bfloat16 [B, {self.shape.hidden}], "
+                             f"cos and sin [B, 1, {d}], block tables [B, n] and lengths [B] "
+                             "int32, slots [B] int64, all contiguous")
         layers = self._bind(kv_caches)
         out = torch.empty_like(x)                                          # [B, hidden]
         rc = _fn()(ctypes.addressof(layers), ctypes.addressof(self._model), rows, x.data_ptr(),
