@@ -227,16 +227,17 @@ class LlamaForCausalLM(nn.Module):
             if any(w.dtype is not torch.bfloat16 or not w.is_contiguous() for w in norms):
                 return None, "the norms are not bfloat16"
             # detached: the step holds the tensors whose memory it reads, whatever becomes
-            # of the parameters (it is rebuilt by fuse_projections, not kept in step)
+            # of the parameters (fuse_projections builds it; it does not follow them)
             layers.append(decode_step.LayerWeights(*(m.packed for m in projections),
                                                    *(w.detach() for w in norms)))
         shape = decode_step.Shape(cfg.hidden_size, cfg.num_attention_heads,
                                   cfg.num_key_value_heads, cfg.head_dim,
                                   cfg.intermediate_size, cfg.rms_norm_eps)
         why = decode_step.why_not(shape)
-        if why is not None or self.model.norm.weight.dtype is not torch.bfloat16:
+        final = self.model.norm.weight
+        if why is not None or final.dtype is not torch.bfloat16 or not final.is_contiguous():
             return None, why or "the final norm is not bfloat16"
-        return decode_step.DecodeStep(layers, self.model.norm.weight.detach(), shape), None
+        return decode_step.DecodeStep(layers, final.detach(), shape), None
 
     def use_onednn(self) -> None:
         """Every projection and the LM head through oneDNN with reordered weights
