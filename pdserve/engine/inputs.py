@@ -83,20 +83,8 @@ def _batch_inputs(token_chunks: list[list[int]], start_positions: list[int],
     def t(a, dtype):
         return torch.from_numpy(a).to(device=device, dtype=dtype)
 
-    seq_lens_t, tables_t = t(seq_lens, torch.int32), t(tables, torch.int32)
-    on_cpu = seq_lens_t.device.type == "cpu"
-    native = kind == DECODE and on_cpu and native_decode
-    meta = AttentionMetadata(
-        kind=kind,
-        cu_seqlens_q=t(cu, torch.int32),
-        seq_lens=seq_lens_t,
-        slot_mapping=t(slots, torch.int64),
-        block_tables=tables_t,
-        all_slots=True,  # every token is fed into a block of its table
-        decode_native=native,
-        decode_gather=(kernels.decode_gather(tables_t, seq_lens_t, block_size)
-                       if kind == DECODE and on_cpu and not native else None),
-    )
+    meta = _metadata(kind, t(cu, torch.int32), t(seq_lens, torch.int32), t(slots, torch.int64),
+                     t(tables, torch.int32), block_size, native_decode)
     return ModelInputs(t(input_ids, torch.int64), t(positions, torch.int64), meta,
                        t(logits_indices, torch.int64), sample_rows)
 
@@ -121,20 +109,29 @@ def _decode_inputs(token_chunks: list[list[int]], start_positions: list[int],
     def t(values, dtype):
         return torch.tensor(values, dtype=dtype, device=device)
 
-    seq_lens_t = t([p + 1 for p in start_positions], torch.int32)
-    tables_t = torch.from_numpy(tables).to(device=device)
-    native = native_decode and seq_lens_t.device.type == "cpu"
-    meta = AttentionMetadata(
-        kind=DECODE,
-        cu_seqlens_q=t(list(range(num_seqs + 1)), torch.int32),
-        seq_lens=seq_lens_t,
-        slot_mapping=t(slots, torch.int64),
-        block_tables=tables_t,
-        all_slots=True,
-        decode_native=native,
-        decode_gather=(kernels.decode_gather(tables_t, seq_lens_t, block_size)
-                       if seq_lens_t.device.type == "cpu" and not native else None),
-    )
+    meta = _metadata(DECODE, t(list(range(num_seqs + 1)), torch.int32),
+                     t([p + 1 for p in start_positions], torch.int32), t(slots, torch.int64),
+                     torch.from_numpy(tables).to(device=device), block_size, native_decode)
     return ModelInputs(t([c[0] for c in token_chunks], torch.int64),
                        t(start_positions, torch.int64), meta, t(sample_rows, torch.int64),
                        sample_rows)
+
+
+def _metadata(kind: str, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+              slot_mapping: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+              native_decode: bool) -> AttentionMetadata:
+    """The step's AttentionMetadata (both paths'): which decode attention a CPU decode step
+    runs, and the page list the torch one needs, decided here once."""
+    decode_on_cpu = kind == DECODE and seq_lens.device.type == "cpu"
+    native = decode_on_cpu and native_decode
+    return AttentionMetadata(
+        kind=kind,
+        cu_seqlens_q=cu_seqlens_q,
+        seq_lens=seq_lens,
+        slot_mapping=slot_mapping,
+        block_tables=block_tables,
+        all_slots=True,  # every token is fed into a block of its table
+        decode_native=native,
+        decode_gather=(kernels.decode_gather(block_tables, seq_lens, block_size)
+                       if decode_on_cpu and not native else None),
+    )
