@@ -35,17 +35,23 @@ class Cluster:
         with open(self.log_path, errors="replace") as f:
             return f.read()
 
-    def metrics_urls(self, timeout_s: float = 30.0) -> dict[str, str]:
-        """The /metrics URL of each process ("router", "prefill-0", ...), from the table
-        ``pdserve launch`` prints once it is ready."""
+    def ready_log(self, timeout_s: float = 30.0) -> str:
+        """The log once ``pdserve launch`` has printed its ready table. /health answers a
+        moment before the launcher sees every node registered and prints it, so a test that
+        reads the table right after its first request must wait for it here."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             log = self.log()
             if "Ctrl-C stops everything" in log:
-                return {name: url for url, name in
-                        re.findall(r"(http://\S+/metrics)\s+\((\S+)\)", log)}
+                return log
             time.sleep(0.1)
-        raise TimeoutError("pdserve launch printed no endpoints:\n" + self.log()[-3000:])
+        raise TimeoutError("pdserve launch printed no ready table:\n" + self.log()[-3000:])
+
+    def metrics_urls(self, timeout_s: float = 30.0) -> dict[str, str]:
+        """The /metrics URL of each process ("router", "prefill-0", ...), from the table
+        ``pdserve launch`` prints once it is ready."""
+        return {name: url for url, name in
+                re.findall(r"(http://\S+/metrics)\s+\((\S+)\)", self.ready_log(timeout_s))}
 
     def wait_nodes(self, n: int, timeout_s: float = 600.0) -> None:
         """Until ``n`` nodes are registered with the router (its pdserve_nodes gauge):

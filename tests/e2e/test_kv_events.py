@@ -53,14 +53,9 @@ DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
 
 
 def endpoints(cluster, timeout_s=30.0) -> dict[str, tuple[str, str]]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        log = cluster.log()
-        if "Ctrl-C stops everything" in log:
-            return {name: (pub, replay) for pub, replay, name in re.findall(
-                r"kv events\s+(tcp://\S+), replay (tcp://\S+)\s+\((\S+)\)", log)}
-        time.sleep(0.1)
-    raise TimeoutError(cluster.log()[-3000:])
+    return {name: (pub, replay) for pub, replay, name in re.findall(
+        r"kv events\s+(tcp://\S+), replay (tcp://\S+)\s+\((\S+)\)",
+        cluster.ready_log(timeout_s))}
 
 
 def receive(sub: zmq.Socket, until, timeout_s=20.0) -> list[tuple[int, KVEventBatch]]:

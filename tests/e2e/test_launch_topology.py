@@ -28,10 +28,11 @@ def test_a_small_machine_gets_one_colocated_node_unless_it_asks_for_1p1d(tiny_mo
                   ready_timeout_s=180) as cluster:
         complete(cluster.http_url)
         assert set(processes(cluster.proc.pid)) == {"router", "colocated-0"}
-        assert "(1 colocated node: chosen for" in cluster.log()
-        assert "--prefill 1 --decode 1 starts them apart" in cluster.log()
+        table = cluster.ready_log()
+        assert "(1 colocated node: chosen for" in table
+        assert "--prefill 1 --decode 1 starts them apart" in table
     with launched("--model", model, "--threads", "1", "--served-model-name", "m",
                   "--prefill", "1", "--decode", "1", ready_timeout_s=180) as cluster:
         complete(cluster.http_url)
         assert set(processes(cluster.proc.pid)) == {"router", "prefill-0", "decode-0"}
-        assert "(1 prefill, 1 decode nodes)" in cluster.log()
+        assert "(1 prefill, 1 decode nodes)" in cluster.ready_log()
