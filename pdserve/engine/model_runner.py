@@ -177,6 +177,16 @@ class ModelRunner:
         windows.commit()
         return hidden
 
+    def _greedy_only(self, batch: ScheduledBatch, inputs: ModelInputs) -> bool:
+        """Whether every fed token is sampled, greedily, from logits nothing else reads
+        (no logprobs, no logits processing): then the model may pick the tokens itself
+        (``forward_greedy``) without forming the logits."""
+        return self.decode_windows is None and inputs.meta.decode_native \
+            and len(inputs.sample_rows) == len(batch) == inputs.input_ids.shape[0] \
+            and all(s.params.greedy and s.params.logprobs is None
+                    and not s.params.processes_logits and not s.wants_prompt_logprobs
+                    for s in batch.seqs)
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch,
                 on_layer: Callable[[int], None] | None = None) -> list[int | None]:
@@ -188,7 +198,13 @@ class ModelRunner:
                     on_layer(layer)
             return [self.fixed_token if batch.samples(i) else None for i in range(len(batch))]
         inputs = self.prepare(batch)
-        hidden = self._hidden(inputs, on_layer)                            # [T, H]
+        if on_layer is None and self._greedy_only(batch, inputs):
+            hidden, tokens = self.model.forward_greedy(inputs.input_ids, inputs.positions,
+                                                       inputs.meta, self.kv_caches)
+            if tokens is not None:
+                return tokens
+        else:
+            hidden = self._hidden(inputs, on_layer)                        # [T, H]
         if any(seq.wants_prompt_logprobs for seq in batch.seqs):
             logprobs.record_prompt(self.model, hidden, batch)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])   # [S, V]

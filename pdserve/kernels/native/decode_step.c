@@ -22,6 +22,7 @@
  *   are the same), split further by kv head and spread over the team: a kv head's sums are
  *   its own, so the result depends on neither the thread nor the split.
  */
+#include <math.h>
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
@@ -91,11 +92,69 @@ static void norm_rows(const pd_model *m, int B, const bf16 *x, const bf16 *w, in
     pd_int4_quantize(s->xn, 1, B, n, s->xq, s->sx, s->sumx);
 }
 
-/* [lo, hi) of n items for thread t of nt */
-static inline void share(int n, int t, int nt, int *lo, int *hi) {
-    *lo = (int)((int64_t)n * t / nt);
-    *hi = (int)((int64_t)n * (t + 1) / nt);
+/* Work: each phase's chunks are split evenly between the threads, and each thread takes
+ * its own in order, one at a time, from the front of its span; a thread that has run out
+ * takes the others' from the back. On a shared machine one core is often slower for a
+ * while (another tenant, an interrupt, the node's I/O thread): with a fixed split the
+ * other would wait for it at every barrier. A thread's own chunks stay one forward stream
+ * through the weights, which is what the memory's prefetchers keep up with (handing
+ * chunks out in turn from one counter made the step 1.3 times as long). Which thread
+ * computes an output does not change its bits.
+ * A span is [lo, hi) of chunk indices in one word, lo in the low 32 bits. */
+#ifndef CHUNK_BYTES
+#define CHUNK_BYTES 12288
+#endif
+#define PHASES 5        /* a layer's: q/k/v heads, attention, o, gate and up, down */
+#define HEAD_CHUNK 4    /* Q8_0 head blocks of 16 outputs a chunk (K = 576: 39 KiB) */
+
+static inline int min_int(int a, int b) { return a < b ? a : b; }
+
+static inline int take_front(uint64_t *span) {
+    uint64_t v = __atomic_load_n(span, __ATOMIC_RELAXED);
+    for (;;) {
+        const uint32_t lo = (uint32_t)v, hi = (uint32_t)(v >> 32);
+        if (lo >= hi) return -1;
+        if (__atomic_compare_exchange_n(span, &v, v + 1, 1, __ATOMIC_RELAXED,
+                                        __ATOMIC_RELAXED))
+            return (int)lo;
+    }
 }
+
+static inline int take_back(uint64_t *span) {
+    uint64_t v = __atomic_load_n(span, __ATOMIC_RELAXED);
+    for (;;) {
+        const uint32_t lo = (uint32_t)v, hi = (uint32_t)(v >> 32);
+        if (lo >= hi) return -1;
+        if (__atomic_compare_exchange_n(span, &v, v - ((uint64_t)1 << 32), 1,
+                                        __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+            return (int)(hi - 1);
+    }
+}
+
+/* The next chunk for thread t of nt: spans [nt][stride], this phase's at offset 0 */
+static inline int take(uint64_t *spans, size_t stride, int t, int nt) {
+    int c = take_front(spans + (size_t)t * stride);
+    for (int k = 1; c < 0 && k < nt; k++)
+        c = take_back(spans + (size_t)((t + k) % nt) * stride);
+    return c;
+}
+
+/* phase's span of n chunks for each of nt threads: an even split */
+static void split_spans(uint64_t *spans, size_t stride, int phase, int n, int nt) {
+    for (int t = 0; t < nt; t++) {
+        const uint64_t lo = (uint64_t)((int64_t)n * t / nt), hi = (uint64_t)((int64_t)n * (t + 1) / nt);
+        spans[(size_t)t * stride + phase] = lo | hi << 32;
+    }
+}
+
+/* blocks of 16 outputs of an int4 projection with k inputs (10 bytes a group of 32 an
+ * output) in about CHUNK_BYTES of weights */
+static inline int chunk_blocks(int k) {
+    const int n = CHUNK_BYTES / (k / 32 * 320);
+    return n > 0 ? n : 1;
+}
+
+static inline int chunks(int n, int per) { return (n + per - 1) / per; }
 
 /* q, k and v heads [h0, h1) of every row into qkv; this thread's q and k heads rotated, its
  * k and v heads stored into their cache slots */
@@ -119,15 +178,45 @@ static void qkv_heads(const pd_model *m, const pd_layer *ly, int B, int h0, int 
     }
 }
 
+/* The final norm of every row into this thread's s->xn (each thread's residual is the
+ * same), its own rows [b % nt == t] stored to out; then, with a Q8_0 head, the greedy pick
+ * over the chunks of the vocabulary this thread takes into best, at [B]: its largest logit
+ * and the first index of it, at -1 for a NaN */
+static void final_rows(const pd_model *m, int B, const bf16 *x, const bf16 *norm_w,
+                       const uint8_t *head, int vocab, uint64_t *spans, size_t stride, int t,
+                       int nt, step_private *s, bf16 *out, float *best, int64_t *at) {
+    const int n = m->hidden;
+    for (int b = 0; b < B; b++) {
+        if (!head && b % nt != t) continue;
+        bf16 *res = s->res + (size_t)b * n, *xn = s->xn + (size_t)b * n;
+        pd_rms_norm_row(x + (size_t)b * n, res, res, norm_w, xn, n, m->eps);
+        if (b % nt == t) memcpy(out + (size_t)b * n, xn, (size_t)n * 2);
+    }
+    if (!head) return;
+    for (int b = 0; b < B; b++) {
+        best[b] = -INFINITY;
+        at[b] = INT64_MAX;
+    }
+    int32_t *corr = (int32_t *)s->sumx;
+    pd_q8_quantize(s->xn, 1, B, n, s->xq, s->sx, corr);
+    const int blocks = (vocab + 15) / 16, hc = HEAD_CHUNK;
+    for (int c; (c = take(spans, stride, t, nt)) >= 0;)
+        pd_q8_argmax_blocks(head, n, vocab, c * hc, min_int((c + 1) * hc, blocks), s->xq,
+                            s->sx, corr, B, best, at);
+}
+
 /* The layers' forward for B decode tokens: x [B, hidden] the embeddings (overwritten: each
  * layer's output goes there), out [B, hidden] the final norm's. cos, sin [B, D] the
  * rotary tables (sin with rotate_half's sign), tables int32 [B, bt_s], seq_lens int32 [B]
- * (cached + this token), slots int64 [B]. Returns 0, -1 when out of memory, -2 for shapes
- * the kernels cannot take (the caller checks them first). */
+ * (cached + this token), slots int64 [B]. With head (q8_gemm.c's packing of a Q8_0 LM
+ * head of vocab outputs), tokens [B] gets each row's greedy token: the index of its
+ * largest logit, the first on ties, the logits q8_mm computes from out; -1 for a row
+ * whose logits hold a NaN. Returns 0, -1 when out of memory, -2 for shapes the kernels
+ * cannot take (the caller checks them first). */
 int pd_decode_step(const pd_layer *layers, const pd_model *m, int B, bf16 *x,
                    const bf16 *norm_w, bf16 *out, const bf16 *cos, const bf16 *sin,
                    const int32_t *tables, int64_t bt_s, const int32_t *seq_lens,
-                   const int64_t *slots) {
+                   const int64_t *slots, const uint8_t *head, int vocab, int64_t *tokens) {
     const int H = m->H, KVH = m->KVH, D = m->D, hidden = m->hidden, I = m->I;
     if (!pd_da_shape_ok(H, KVH, D) || hidden % 32 || (H * D) % 32 || I % 32 || B <= 0
             || m->L <= 0)
@@ -142,7 +231,9 @@ int pd_decode_step(const pd_layer *layers, const pd_model *m, int B, bf16 *x,
     const size_t sizes[] = {ALIGN((size_t)B * nh * D * 2), ALIGN((size_t)B * H * D * 2),
                             ALIGN((size_t)B * 2 * I * 2), ALIGN((size_t)B * I * 2),
                             ALIGN(ntasks * per_task * 4), ALIGN(ntasks * sizeof(da_task)),
-                            ALIGN(((size_t)B + 1) * sizeof(int))};
+                            ALIGN(((size_t)B + 1) * sizeof(int)),
+                            ALIGN((size_t)threads * B * 4), ALIGN((size_t)threads * B * 8),
+                            (size_t)threads * ALIGN(((size_t)m->L * PHASES + 1) * 8)};
     size_t shared = 0;
     for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) shared += sizes[i];
     char *mem = aligned_alloc(64, shared + (size_t)threads * priv);
@@ -153,43 +244,52 @@ int pd_decode_step(const pd_layer *layers, const pd_model *m, int B, bf16 *x,
     float *parts = (float *)(p += sizes[3]);
     da_task *tasks = (da_task *)(p += sizes[4]);
     int *first = (int *)(p += sizes[5]);  /* sequence groups: tasks [first[g], first[g + 1]) */
+    float *best = (float *)(p += sizes[6]);  /* the head's pick: [thread][B] */
+    int64_t *at = (int64_t *)(p += sizes[7]);
+    int team = 1;
     const int count = pd_da_tasks(B, seq_lens, 0, split, tasks);
     int groups = 0;
     for (int i = 0; i < count; i++)
         if (i == 0 || tasks[i].b != tasks[i - 1].b) first[groups++] = i;
     first[groups] = count;
     const int whole = split == 1;
+    /* every phase's spans, [thread][layer * PHASES + phase, then the head's], a thread's
+     * own on cache lines of their own */
+    const size_t stride = ALIGN(((size_t)m->L * PHASES + 1) * 8) / 8;
+    uint64_t *spans = (uint64_t *)(p += sizes[8]);
+    const int oc = chunk_blocks(H * D), gc = (chunk_blocks(hidden) + 1) / 2, dc = chunk_blocks(I);
+    for (int li = 0; li < m->L; li++) {
+        const int n[PHASES] = {nh, count * KVH, chunks(hidden / 16, oc), chunks(I / 16, gc),
+                               chunks(hidden / 16, dc)};
+        for (int ph = 0; ph < PHASES; ph++)
+            split_spans(spans, stride, li * PHASES + ph, n[ph], threads);
+    }
+    split_spans(spans, stride, m->L * PHASES, chunks((vocab + 15) / 16, HEAD_CHUNK), threads);
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         step_private s = private_at(mem + shared + (size_t)t * priv, m, B, kmax);
-        int h0, h1, o0, o1, g0, g1;
-        share(nh, t, nt, &h0, &h1);
-        share(hidden / 16, t, nt, &o0, &o1);
-        share(I / 16, t, nt, &g0, &g1);
         for (int li = 0; li < m->L; li++) {
             const pd_layer *ly = &layers[li];
+            uint64_t *sp = spans + li * PHASES;
+            int c;
             norm_rows(m, B, x, ly->ln1, li == 0, &s);
-            qkv_heads(m, ly, B, h0, h1, &s, qkv, cos, sin, slots);
+            while ((c = take(sp, stride, t, nt)) >= 0)
+                qkv_heads(m, ly, B, c, c + 1, &s, qkv, cos, sin, slots);
 #pragma omp barrier
             const da_args a = {(const char *)qkv, (int64_t)nh * D, D, ly->k_cache, ly->v_cache,
                                tables, bt_s, 0, (char *)att, H, KVH, D, m->block_size,
                                DA_BF16, m->scale};
             for (int b = t; b < B; b += nt)  /* batch padding: zeros, as the kernel's */
                 if (seq_lens[b] == 0) memset(att + (size_t)b * H * D, 0, (size_t)H * D * 2);
-            int j0, j1;  /* this thread's (task, kv head) pairs: the last thread, which has
-                          * the most q, k and v heads, takes the fewest */
-            share(count * KVH, nt - 1 - t, nt, &j0, &j1);
-            for (int j = j0; j < j1;) {
-                const int i = j / KVH, k0 = j % KVH, k1 = k0 + (j1 - j) < KVH ? k0 + j1 - j
-                                                                            : KVH;
+            while ((c = take(sp + 1, stride, t, nt)) >= 0) {  /* (task, kv head) */
+                const int i = c / KVH, k = c % KVH;
                 float *pt = parts + i * per_task;
-                pd_da_run(&a, &tasks[i], k0, k1, 0, qkv + (size_t)tasks[i].b * nh * D, pt,
+                pd_da_run(&a, &tasks[i], k, k + 1, 0, qkv + (size_t)tasks[i].b * nh * D, pt,
                           pt + H, pt + 2 * H);
                 if (whole)
-                    pd_da_write(&a, tasks[i].b, k0 * (H / KVH), k1 * (H / KVH), pt + H,
+                    pd_da_write(&a, tasks[i].b, k * (H / KVH), (k + 1) * (H / KVH), pt + H,
                                 pt + 2 * H);
-                j += k1 - k0;
             }
             if (!whole) {
 #pragma omp barrier
@@ -199,30 +299,45 @@ int pd_decode_step(const pd_layer *layers, const pd_model *m, int B, bf16 *x,
             }
 #pragma omp barrier
             pd_int4_quantize(att, 1, B, H * D, s.xq, s.sx, s.sumx);
-            pd_int4_blocks(ly->o, H * D, o0, o1, s.xq, s.sx, s.sumx, B, (char *)x,
-                           (size_t)hidden * 2, 1);
+            while ((c = take(sp + 2, stride, t, nt)) >= 0)
+                pd_int4_blocks(ly->o, H * D, c * oc, min_int((c + 1) * oc, hidden / 16), s.xq,
+                               s.sx, s.sumx, B, (char *)x, (size_t)hidden * 2, 1);
 #pragma omp barrier
             norm_rows(m, B, x, ly->ln2, 0, &s);
-            pd_int4_blocks(ly->gate_up, hidden, g0, g1, s.xq, s.sx, s.sumx, B, (char *)gu,
-                           (size_t)I * 4, 1);
-            pd_int4_blocks(ly->gate_up, hidden, I / 16 + g0, I / 16 + g1, s.xq, s.sx, s.sumx,
-                           B, (char *)gu, (size_t)I * 4, 1);
-            for (int b = 0; b < B; b++) {
-                const bf16 *row = gu + (size_t)b * 2 * I;
-                pd_silu_mul_row(row + g0 * 16, row + I + g0 * 16,
-                                act + (size_t)b * I + g0 * 16, (g1 - g0) * 16);
+            while ((c = take(sp + 3, stride, t, nt)) >= 0) {  /* gate's blocks and up's */
+                const int c0 = c * gc, c1 = min_int(c0 + gc, I / 16);
+                pd_int4_blocks(ly->gate_up, hidden, c0, c1, s.xq, s.sx, s.sumx, B, (char *)gu,
+                               (size_t)I * 4, 1);
+                pd_int4_blocks(ly->gate_up, hidden, I / 16 + c0, I / 16 + c1, s.xq, s.sx,
+                               s.sumx, B, (char *)gu, (size_t)I * 4, 1);
+                for (int b = 0; b < B; b++) {
+                    const bf16 *row = gu + (size_t)b * 2 * I;
+                    pd_silu_mul_row(row + c0 * 16, row + I + c0 * 16,
+                                    act + (size_t)b * I + c0 * 16, (c1 - c0) * 16);
+                }
             }
 #pragma omp barrier
             pd_int4_quantize(act, 1, B, I, s.xq, s.sx, s.sumx);
-            pd_int4_blocks(ly->down, I, o0, o1, s.xq, s.sx, s.sumx, B, (char *)x,
-                           (size_t)hidden * 2, 1);
+            while ((c = take(sp + 4, stride, t, nt)) >= 0)
+                pd_int4_blocks(ly->down, I, c * dc, min_int((c + 1) * dc, hidden / 16), s.xq,
+                               s.sx, s.sumx, B, (char *)x, (size_t)hidden * 2, 1);
 #pragma omp barrier
         }
-        for (int b = t; b < B; b += nt)  /* every thread's residual is the same */
-            pd_rms_norm_row(x + (size_t)b * hidden, s.res + (size_t)b * hidden,
-                            s.res + (size_t)b * hidden, norm_w, out + (size_t)b * hidden,
-                            hidden, m->eps);
+        if (t == 0) team = nt;
+        final_rows(m, B, x, norm_w, head, vocab, spans + m->L * PHASES, stride, t, nt, &s, out,
+                   best + (size_t)t * B, at + (size_t)t * B);
     }
+    if (head)  /* the largest of the threads' picks; of equals, the first in the vocabulary */
+        for (int b = 0; b < B; b++) {
+            float top = -INFINITY;
+            tokens[b] = INT64_MAX;
+            for (int t = 0; t < team && tokens[b] >= 0; t++) {
+                const float v = best[(size_t)t * B + b];
+                const int64_t i = at[(size_t)t * B + b];
+                if (i < 0) tokens[b] = -1;
+                else if (v > top || (v == top && i < tokens[b])) top = v, tokens[b] = i;
+            }
+        }
     free(mem);
     return 0;
 }

@@ -53,7 +53,8 @@ class _Model(ctypes.Structure):
 
 @functools.cache  # declaring the signature costs more than the call's arguments
 def _fn():
-    return function("pd_decode_step", [_P, _P, _I, _P, _P, _P, _P, _P, _P, _L, _P, _P])
+    return function("pd_decode_step",
+                    [_P, _P, _I, _P, _P, _P, _P, _P, _P, _L, _P, _P, _P, _I, _P])
 
 
 def why_not(shape: Shape) -> str | None:
@@ -69,16 +70,31 @@ def why_not(shape: Shape) -> str | None:
     return None
 
 
+class Head(NamedTuple):
+    """A Q8_0 LM head packed for q8_gemm.c ([ceil(vocab / 16), hidden / 32, 544] uint8)."""
+    packed: torch.Tensor
+    vocab: int
+
+
 class DecodeStep:
     """The layers' forward of a decode step (one token a sequence, every one with cached
-    context), the final norm included. Holds the weights' tensors (their memory is read by
-    address); the KV caches are bound on the first call and whenever they change."""
+    context), the final norm included, and with a Q8_0 head the greedy pick of every row.
+    Holds the weights' tensors (their memory is read by address); the KV caches are bound
+    on the first call and whenever they change."""
 
-    def __init__(self, layers: list[LayerWeights], final_norm: torch.Tensor, shape: Shape):
+    def __init__(self, layers: list[LayerWeights], final_norm: torch.Tensor, shape: Shape,
+                 head: Head | None = None):
         why = why_not(shape)
         if why is not None:
             raise ValueError(f"native decode step: {why}")
-        self.layers, self.final_norm, self.shape = layers, final_norm, shape
+        if head is not None and (head.packed.dtype is not torch.uint8
+                                 or not head.packed.is_contiguous()
+                                 or tuple(head.packed.shape[1:]) != (shape.hidden // 32, 544)
+                                 or not 0 < head.vocab <= head.packed.shape[0] * 16):
+            raise ValueError(f"native decode step: a Q8_0 head packed [ceil(vocab / 16), "
+                             f"{shape.hidden // 32}, 544] for a vocabulary of {head.vocab}, "
+                             f"got {list(head.packed.shape)}")
+        self.layers, self.final_norm, self.shape, self.head = layers, final_norm, shape, head
         self._bound: tuple | None = None     # (the KV pairs bound, their _Layer array)
         self._model = _Model(len(layers), shape.hidden, shape.num_heads, shape.num_kv_heads,
                              shape.head_dim, shape.intermediate, 0, shape.eps,
@@ -124,6 +140,16 @@ class DecodeStep:
         step's RotaryTables' ([B, 1, D] bfloat16, contiguous); block_tables int32 [B, n],
         seq_lens int32 [B], slots int64 [B], as the step's AttentionMetadata holds them.
         Returns the final norm's output [B, hidden]."""
+        return self.run(x, cos, sin, block_tables, seq_lens, slots, kv_caches, False)[0]
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor,
+            kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pick: bool
+            ) -> tuple[torch.Tensor, list[int] | None]:
+        """``__call__``'s output and, when ``pick`` and the step has a head, every row's
+        greedy token: the first index of its largest logit, as torch's max over the head's
+        logits (Q8Head) gives. None instead where it has no head, or a row's logits hold a
+        NaN: the caller then computes the logits from the output."""
         rows, d = x.shape[0], self.shape.head_dim
         if x.dtype is not torch.bfloat16 or not x.is_contiguous() \
                 or x.shape[1] != self.shape.hidden \
@@ -138,12 +164,16 @@ class DecodeStep:
                              "int32, slots [B] int64, all contiguous")
         layers = self._bind(kv_caches)
         out = torch.empty_like(x)                                          # [B, hidden]
+        head = self.head if pick else None
+        tokens = (ctypes.c_int64 * rows)() if head is not None else None
         rc = _fn()(ctypes.addressof(layers), ctypes.addressof(self._model), rows, x.data_ptr(),
                    self.final_norm.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                    block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
-                   slots.data_ptr())
+                   slots.data_ptr(), head.packed.data_ptr() if head is not None else None,
+                   head.vocab if head is not None else 0, tokens)
         if rc == -1:
             raise MemoryError("pd_decode_step: no memory for its buffers")
         if rc:
             raise ValueError(f"pd_decode_step: shapes it cannot take ({self.shape})")
-        return out
+        picked = list(tokens) if tokens is not None else None
+        return out, picked if picked is None or min(picked) >= 0 else None

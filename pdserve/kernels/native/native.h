@@ -31,6 +31,14 @@ void pd_int4_blocks(const uint8_t *w, int K, int nb0, int nb1, const int8_t *xq,
                     const float *sx, const float *sumx, int M, char *out, size_t out_row,
                     int out_bf16);
 
+/* ---- q8_gemm.c: the LM head's activations quantized once, then a greedy pick over any
+ * range of output blocks ---- */
+void pd_q8_quantize(const void *x, int x_bf16, int M, int K, int8_t *xq, float *sx,
+                    int32_t *corr);
+void pd_q8_argmax_blocks(const uint8_t *w, int K, int N, int nb0, int nb1, const int8_t *xq,
+                         const float *sx, const int32_t *corr, int M, float *best,
+                         int64_t *at);
+
 /* ---- decode_ops.c: one row (or head) of each operation, bfloat16 ---- */
 void pd_rms_norm_row(const uint16_t *x, const uint16_t *res, uint16_t *sum_out,
                      const uint16_t *w, uint16_t *out, int n, float eps);

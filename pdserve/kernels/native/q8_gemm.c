@@ -175,6 +175,68 @@ int q8_mm(const void *x, int x_bf16, int M, int K, int N, const uint8_t *w, floa
     return 0;
 }
 
+/* decode_step.c's pieces: quantize M rows once (xq [M * K], sx and corr [M * K / 32]), then
+ * per block of 16 outputs in [nb0, nb1) the same logits q8_mm computes, folded into each
+ * row's largest and its index (the first on ties, as torch's max gives): best[r], at[r]
+ * hold the running result (start: -inf and INT64_MAX) and are updated in place, blocks
+ * taken in any order.
+ * A NaN logit sets at[r] to -1 for good: the caller then takes the logits the long way
+ * (torch's max puts a NaN first; this does not try to). */
+void pd_q8_quantize(const void *x, int x_bf16, int M, int K, int8_t *xq, float *sx,
+                    int32_t *corr) {
+    q8_quantize_rows(x, x_bf16, M, K, xq, sx, corr);
+}
+
+static inline __attribute__((always_inline)) void q8_best_of_tile(
+        const float *tile, const int MT, int r0, int nb, __mmask16 mask, float *best,
+        int64_t *at) {
+    for (int r = 0; r < MT; r++) {
+        if (at[r0 + r] < 0) continue;
+        const __m512 v = _mm512_loadu_ps(tile + r * NB);
+        if (_mm512_mask_cmp_ps_mask(mask, v, v, _CMP_UNORD_Q)) {
+            at[r0 + r] = -1;
+            continue;
+        }
+        const float mx = _mm512_mask_reduce_max_ps(mask, v);
+        if (mx >= best[r0 + r]) {
+            const __mmask16 eq = _mm512_mask_cmp_ps_mask(mask, v, _mm512_set1_ps(mx), _CMP_EQ_OQ);
+            const int64_t i = (int64_t)nb * NB + __builtin_ctz((unsigned)eq);
+            if (mx > best[r0 + r] || i < at[r0 + r]) best[r0 + r] = mx, at[r0 + r] = i;
+        }
+    }
+}
+
+void pd_q8_argmax_blocks(const uint8_t *w, int K, int N, int nb0, int nb1, const int8_t *xq,
+                         const float *sx, const int32_t *corr, int M, float *best,
+                         int64_t *at) {
+    const int G = K / GROUP;
+    float tile[MAX_TILE * NB];
+    for (int nb = nb0; nb < nb1; nb++) {
+        const uint8_t *wb = w + (size_t)nb * G * BLOCK_BYTES;
+        const int valid = N - nb * NB < NB ? N - nb * NB : NB;
+        const __mmask16 mask = (__mmask16)((1u << valid) - 1);
+        int r = 0;
+        for (; r + 8 <= M; r += 8) {
+            q8_tile(wb, G, xq + (size_t)r * K, sx + r * G, corr + r * G, 8, tile, NB, mask);
+            q8_best_of_tile(tile, 8, r, nb, mask, best, at);
+        }
+        if (r + 4 <= M) {
+            q8_tile(wb, G, xq + (size_t)r * K, sx + r * G, corr + r * G, 4, tile, NB, mask);
+            q8_best_of_tile(tile, 4, r, nb, mask, best, at);
+            r += 4;
+        }
+        if (r + 2 <= M) {
+            q8_tile(wb, G, xq + (size_t)r * K, sx + r * G, corr + r * G, 2, tile, NB, mask);
+            q8_best_of_tile(tile, 2, r, nb, mask, best, at);
+            r += 2;
+        }
+        if (r < M) {
+            q8_tile(wb, G, xq + (size_t)r * K, sx + r * G, corr + r * G, 1, tile, NB, mask);
+            q8_best_of_tile(tile, 1, r, nb, mask, best, at);
+        }
+    }
+}
+
 /* The embedding lookup: out [count, K] = rows ids of w, each weight d * q formed in float32
  * (exact) and stored as float32 or bfloat16 (rounded once, to nearest even: the value a
  * model dequantized to bfloat16 at load holds). Returns 0, or the index + 1 of the first id

@@ -1,0 +1,120 @@
+"""The native decode step's greedy pick (kernels/native/decode_step.c with a Q8_0 head):
+each row's token is the index torch's max gives over the head's logits of the step's own
+output, the first of equal logits, at batch sizes across the row tiles and on one to three
+threads (the vocabulary's chunks taken by whichever thread is free); a NaN logit hands the
+row back to the logits; the engine samples as before wherever a request needs the logits."""
+import pytest
+import torch
+
+from pdserve.kernels import native
+
+pytestmark = pytest.mark.skipif(native.why_unavailable() is not None,
+                                reason=f"native kernels: {native.why_unavailable()}")
+
+from pdserve.engine.inputs import build_model_inputs  # noqa: E402 (after the skip)
+from pdserve.kernels.native import q8_gemm  # noqa: E402
+from pdserve.model.q8_head import Q8Embedding, Q8Head  # noqa: E402
+from tests.unit.test_native_decode_step import (  # noqa: E402
+    BLOCK,
+    SHAPES,
+    kv_caches,
+    random_int4_model,
+)
+
+VOCAB = 1000   # 62.5 blocks of 16: a padded last block
+
+
+def with_q8_head(model, vocab: int = VOCAB):
+    """The model with a random Q8_0 head of ``vocab`` rows (a multiple of 4) in which
+    every row has three equal ones: rows come in equal pairs (2i, 2i + 1; a block's lanes)
+    and the second half repeats the first (another block, another thread's share). The
+    first must win. Its step is rebuilt."""
+    gen = torch.Generator().manual_seed(vocab)
+    hidden = model.config.hidden_size
+    q = torch.randint(-127, 128, (vocab // 4, hidden), generator=gen, dtype=torch.int8)
+    d = torch.rand(vocab // 4, hidden // 32, generator=gen) / 500
+    q, d = q.repeat_interleave(2, 0), d.repeat_interleave(2, 0)
+    packed = q8_gemm.pack(torch.cat([q, q]), torch.cat([d, d]))
+    model.lm_head = Q8Head(Q8Embedding(packed, vocab))
+    model.native_step, why = model._native_step()
+    assert why is None and model.native_step.head is not None
+    return model
+
+
+def decode_inputs(model, batch: int, context: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = (context + 5 * batch) // BLOCK + 2
+    caches = kv_caches(model, batch * per_seq)
+    for k, v in caches:
+        k.copy_(torch.randn(k.shape, generator=gen))
+        v.copy_(torch.randn(v.shape, generator=gen))
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    ids = torch.randint(3, 256, (batch,), generator=gen).tolist()
+    inputs = build_model_inputs([[t] for t in ids], [context + 5 * i for i in range(batch)],
+                                tables, [True] * batch, BLOCK, native_decode=True)
+    return inputs, caches
+
+
+def picked(model, inputs, caches, threads: int):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            return model.forward_greedy(inputs.input_ids, inputs.positions, inputs.meta,
+                                        caches)
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("batch", [1, 3, 9])
+def test_each_rows_pick_is_the_first_largest_logit(batch, threads):
+    model = with_q8_head(random_int4_model(*SHAPES["mha_d64"]))
+    inputs, caches = decode_inputs(model, batch, 40, batch * 10 + threads)
+    hidden, tokens = picked(model, inputs, caches, threads)
+    logits = model.compute_logits(hidden)
+    assert tokens == logits.max(dim=-1).indices.tolist()
+    assert all(t < VOCAB // 2 and t % 2 == 0 for t in tokens)   # of equal logits, the first
+    assert len(set(logits.max(dim=-1).values.tolist())) == batch  # rows differ
+
+
+def test_a_nan_logit_hands_the_row_back_to_the_logits():
+    model = with_q8_head(random_int4_model(*SHAPES["mha_d64"]))
+    packed = model.lm_head.table.packed
+    scales = packed[7, 0, 512:544].view(torch.float16)      # block 7: outputs 112..127
+    scales[3] = float("nan")                                # output 115, every row
+    inputs, caches = decode_inputs(model, 3, 40, 5)
+    hidden, tokens = picked(model, inputs, caches, 2)
+    assert tokens is None
+    assert torch.isnan(model.compute_logits(hidden)[:, 115]).all()
+
+
+def test_the_engine_samples_as_before_where_a_request_reads_the_logits():
+    """The bundled model: a greedy request beside one asking for logprobs, one sampling
+    with a seed, one with a repetition penalty, and beside another greedy one: the same
+    tokens and logprobs with the pick as without it (the step's head taken away)."""
+    from pdserve import LLM, SamplingParams
+    from pdserve.model.default_model import bundled_model
+
+    path, why = bundled_model()
+    if path is None:
+        pytest.skip(f"no bundled model: {why}")
+    llm = LLM(dtype="bfloat16", quantization="auto", enable_prefix_caching=False)
+    step = llm.engine.model.native_step
+    assert step is not None and step.head is not None
+    prompts = ["The capital of France is", "def fib(n):"]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    beside = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.3,
+                             ignore_eos=True)]
+    head, runs = step.head, []
+    try:
+        for step.head in (head, None):
+            batches = [llm.generate(prompts, [greedy, other]) for other in beside]
+            batches.append(llm.generate(prompts, greedy))   # every row greedy: the pick
+            runs.append([[(o.token_ids, o.logprobs) for o in b] for b in batches])
+    finally:
+        step.head = head
+    assert runs[0] == runs[1]
+    assert runs[0][0][1][1] is not None   # the logprobs asked for
