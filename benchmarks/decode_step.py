@@ -17,6 +17,10 @@ The floor: the weight bytes a step reads over the read bandwidth measured in the
 
 A third field ``layers`` (``bfloat16:auto:layers``) turns the native decode step off
 (kernels/native/decode_step.py): the same kernels called layer by layer from Python.
+``logits`` keeps the native step but on the runner's general path: the step fed the
+torch lookups' tensors (ModelInputs), the logits formed and sampled, where by default a
+greedy decode batch goes to the step as token ids and comes back as tokens
+(ModelRunner._decode_greedy).
 """
 from __future__ import annotations
 
@@ -91,8 +95,21 @@ def child(dtype_name: str, quant: str, path: str, threads: int, steps: int) -> N
     runner, model = engine.runner, engine.model
     if path == "layers":
         model.native_step = None
-    hidden_s, head_s, prepare_s = [], [], []
+    elif path == "logits":
+        runner._decode_greedy = lambda batch: None
+    hidden_s, head_s, prepare_s, picked = [], [], [], []
     runner._hidden = timed(runner._hidden, hidden_s)
+    decode_greedy = model.decode_greedy
+
+    def greedy(*args):  # a step that picks its tokens: the head runs inside the forward
+        t0 = time.perf_counter()
+        out = decode_greedy(*args)
+        if out is not None:  # (None: the runner's general path runs the step)
+            hidden_s.append(time.perf_counter() - t0)
+            picked.append(out[1] is not None)
+        return out
+
+    model.decode_greedy = greedy
     runner.prepare = timed(runner.prepare, prepare_s)
     compute_logits = model.compute_logits
     model.compute_logits = timed(compute_logits, head_s)
@@ -104,7 +121,7 @@ def child(dtype_name: str, quant: str, path: str, threads: int, steps: int) -> N
         engine.step()
     with OpCounter() as ops:
         engine.step()
-    for acc in (hidden_s, head_s, prepare_s):
+    for acc in (hidden_s, head_s, prepare_s, picked):
         acc.clear()
     step_s = []
     step = timed(engine.step, step_s)
@@ -114,13 +131,14 @@ def child(dtype_name: str, quant: str, path: str, threads: int, steps: int) -> N
     int4, dense = step_weight_bytes(model, dtype)
 
     def ms(xs):
-        return statistics.median(xs) * 1e3
+        return statistics.median(xs) * 1e3 if xs else 0.0
 
     top = ops.counts.most_common(12)
     print(json.dumps({
         "step_ms": ms(step_s), "min_ms": min(step_s) * 1e3, "hidden_ms": ms(hidden_s),
         "head_ms": ms(head_s), "prepare_ms": ms(prepare_s),
-        "proj_ms": projections_ms(model, dtype), "ops": ops.total, "split": ops.split(),
+        "proj_ms": projections_ms(model, dtype), "picked": bool(picked) and all(picked),
+        "ops": ops.total, "split": ops.split(),
         "top": top, "weight_bytes": int4 + dense, "linear": runner.linear,
         "threads": torch.get_num_threads()}))
 
@@ -163,7 +181,8 @@ def main() -> None:
         head_alone = statistics.median(r["proj_ms"][1] for r in rs)
         floor = floor_ms(med["weight_bytes"], gbs)
         best = min(r["min_ms"] for r in rs)
-        small = med["hidden_ms"] - layers_proj
+        # a step that picks its tokens runs the head inside the forward
+        small = med["hidden_ms"] - layers_proj - (head_alone if rs[-1]["picked"] else 0.0)
         engine = med["step_ms"] - med["hidden_ms"] - med["head_ms"]
         split = rs[-1]["split"]
         print(f"{dtype:>9} {quant:>12} {med['step_ms']:7.2f} {best:6.2f} {floor:6.2f} "
@@ -173,7 +192,8 @@ def main() -> None:
         if a.top:
             print("    " + ", ".join(f"{name.split('::')[1]} {n}" for name, n in rs[-1]["top"]))
     print("proj: projections + LM head timed alone; small: layers' forward less their "
-          "projections; head: the LM head's call; engine: the step less the forward")
+          "projections; head: the LM head's call (0 where the native step picks greedy "
+          "tokens itself, the head inside the forward); engine: the step less the forward")
 
 
 if __name__ == "__main__":

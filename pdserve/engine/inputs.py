@@ -102,8 +102,7 @@ def _decode_inputs(token_chunks: list[list[int]], start_positions: list[int],
     tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)             # [B, max_blocks]
     for i, blocks in enumerate(block_tables):
         tables[i, :len(blocks)] = blocks
-    slots = [int(tables[i, p // block_size]) * block_size + p % block_size
-             for i, p in enumerate(start_positions)]                      # [B]
+    slots = decode_slots(start_positions, block_tables, block_size)       # [B]
     sample_rows = [i for i, s in enumerate(sample_mask) if s]
 
     def t(values, dtype):
@@ -115,6 +114,14 @@ def _decode_inputs(token_chunks: list[list[int]], start_positions: list[int],
     return ModelInputs(t([c[0] for c in token_chunks], torch.int64),
                        t(start_positions, torch.int64), meta, t(sample_rows, torch.int64),
                        sample_rows)
+
+
+def decode_slots(positions: list[int], block_tables: list[list[int]], block_size: int
+                 ) -> list[int]:
+    """The KV cache slot of each sequence's token at ``positions[i]`` (its page, through its
+    block table, and the offset in it)."""
+    return [table[p // block_size] * block_size + p % block_size
+            for table, p in zip(block_tables, positions)]
 
 
 def _metadata(kind: str, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,

@@ -13,7 +13,7 @@ from pdserve import kernels
 from pdserve.engine import logprobs
 from pdserve.engine.decode_window import DecodeWindows
 from pdserve.engine.host_memory import SparseStorage, lazy_buffer
-from pdserve.engine.inputs import ModelInputs, build_model_inputs
+from pdserve.engine.inputs import ModelInputs, build_model_inputs, decode_slots
 from pdserve.engine.sampler import make_generator, sample
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.kernels import native
@@ -177,15 +177,32 @@ class ModelRunner:
         windows.commit()
         return hidden
 
-    def _greedy_only(self, batch: ScheduledBatch, inputs: ModelInputs) -> bool:
-        """Whether every fed token is sampled, greedily, from logits nothing else reads
-        (no logprobs, no logits processing): then the model may pick the tokens itself
-        (``forward_greedy``) without forming the logits."""
-        return self.decode_windows is None and inputs.meta.decode_native \
-            and len(inputs.sample_rows) == len(batch) == inputs.input_ids.shape[0] \
-            and all(s.params.greedy and s.params.logprobs is None
-                    and not s.params.processes_logits and not s.wants_prompt_logprobs
-                    for s in batch.seqs)
+    def _decode_greedy(self, batch: ScheduledBatch) -> list[int] | None:
+        """The tokens of a batch of decoding sequences that only sample greedily from logits
+        nothing else reads (no logprobs, no logits processing), from the model's native
+        step, which looks the tokens up and picks them itself
+        (LlamaForCausalLM.decode_greedy); None where that does not apply."""
+        if self.decode_windows is not None or not self.native_decode:
+            return None
+        seqs = batch.seqs
+        for i, (seq, n) in enumerate(zip(seqs, batch.num_new_tokens)):
+            p = seq.params
+            if n != 1 or not seq.num_computed_tokens or not batch.samples(i) or not p.greedy \
+                    or p.logprobs is not None or p.processes_logits or seq.wants_prompt_logprobs:
+                return None
+        positions = [seq.num_computed_tokens for seq in seqs]
+        tables = [seq.block_table for seq in seqs]
+        got = self.model.decode_greedy([seq.token_ids[p] for seq, p in zip(seqs, positions)],
+                                       positions, tables,
+                                       decode_slots(positions, tables, self.block_size),
+                                       self.kv_caches)
+        if got is None:
+            return None
+        hidden, tokens = got
+        if tokens is None:  # a NaN logit, or no Q8_0 head: the logits the usual way
+            tokens = sample(self.model.compute_logits(hidden), [s.params for s in seqs],
+                            [None] * len(seqs))
+        return tokens
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch,
@@ -197,14 +214,12 @@ class ModelRunner:
                 for layer in range(len(self.kv_caches)):
                     on_layer(layer)
             return [self.fixed_token if batch.samples(i) else None for i in range(len(batch))]
-        inputs = self.prepare(batch)
-        if on_layer is None and self._greedy_only(batch, inputs):
-            hidden, tokens = self.model.forward_greedy(inputs.input_ids, inputs.positions,
-                                                       inputs.meta, self.kv_caches)
+        if on_layer is None:
+            tokens = self._decode_greedy(batch)
             if tokens is not None:
                 return tokens
-        else:
-            hidden = self._hidden(inputs, on_layer)                        # [T, H]
+        inputs = self.prepare(batch)
+        hidden = self._hidden(inputs, on_layer)                            # [T, H]
         if any(seq.wants_prompt_logprobs for seq in batch.seqs):
             logprobs.record_prompt(self.model, hidden, batch)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])   # [S, V]

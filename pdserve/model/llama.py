@@ -237,10 +237,14 @@ class LlamaForCausalLM(nn.Module):
         final = self.model.norm.weight
         if why is not None or final.dtype is not torch.bfloat16 or not final.is_contiguous():
             return None, why or "the final norm is not bfloat16"
-        head = self.lm_head
+        head, embed = self.lm_head, self.model.embed_tokens
         picks = decode_step.Head(head.table.packed, head.out_features) \
             if isinstance(head, Q8Head) else None
-        return decode_step.DecodeStep(layers, final.detach(), shape, picks), None
+        table = embed.packed if isinstance(embed, Q8Embedding) else embed.weight.detach()
+        lookup = decode_step.Lookup(table, cfg.vocab_size, self.cos_sin) \
+            if self.cos_sin is not None and (table.dtype in (torch.uint8, torch.bfloat16)) \
+            else None
+        return decode_step.DecodeStep(layers, final.detach(), shape, picks, lookup), None
 
     def use_onednn(self) -> None:
         """Every projection and the LM head through oneDNN with reordered weights
@@ -273,32 +277,13 @@ class LlamaForCausalLM(nn.Module):
 
         ``on_layer(i)`` runs once layer i's K/V are in the cache: a prefill node
         starts shipping them while the later layers compute."""
-        return self._forward(input_ids, positions, meta, kv_caches, on_layer, False)[0]
-
-    def forward_greedy(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                       meta: AttentionMetadata, kv_caches: list[KVCache]
-                       ) -> tuple[torch.Tensor, list[int] | None]:
-        """``forward``'s hidden states and, where the native decode step runs with the Q8_0
-        head, each row's greedy token: the index of its largest logit in
-        ``compute_logits``, the first on ties. None where it cannot: the caller then
-        computes the logits (a row of T whose logits are not wanted gets a token too)."""
-        return self._forward(input_ids, positions, meta, kv_caches, None, True)
-
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata, kv_caches: list[KVCache] | None,
-                 on_layer: Callable[[int], None] | None, pick: bool
-                 ) -> tuple[torch.Tensor, list[int] | None]:
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         rope = kernels.rotary_tables(positions, self.cos_sin, x.dtype)  # once, every layer's
         if self.native_step is not None and meta.decode_native and on_layer is None \
                 and kv_caches is not None and rope is not None \
                 and x.dtype is torch.bfloat16 and x.is_contiguous():
-            step = self.native_step
-            # the head it was built with, still the model's (read by address)
-            pick = pick and step.head is not None and isinstance(self.lm_head, Q8Head) \
-                and self.lm_head.table.packed is step.head.packed
-            return step.run(x, rope.cos, rope.sin, meta.block_tables, meta.seq_lens,
-                            meta.slot_mapping, kv_caches, pick)
+            return self.native_step(x, rope.cos, rope.sin, meta.block_tables, meta.seq_lens,
+                                    meta.slot_mapping, kv_caches)
         residual = None
         for i, layer in enumerate(self.model.layers):
             cache = kv_caches[i] if kv_caches is not None else None
@@ -306,7 +291,27 @@ class LlamaForCausalLM(nn.Module):
             if on_layer is not None:
                 on_layer(i)
         x, _ = self.model.norm(x, residual)
-        return x, None
+        return x
+
+    def decode_greedy(self, ids: list[int], positions: list[int], tables: list[list[int]],
+                      slots: list[int], kv_caches: list[KVCache]
+                      ) -> tuple[torch.Tensor, list[int] | None] | None:
+        """A decode step of one token a sequence (its id, position, block table and cache
+        slot) on the native step, which looks the tokens up itself and, with the Q8_0 head
+        it was built with, picks each row's greedy token: the first index of its largest
+        logit in ``compute_logits``. Returns the final hidden states [B, hidden] and the
+        tokens (None where a logit is NaN, or the step has no head: the caller computes
+        the logits), or None where the native step cannot run this model."""
+        step = self.native_step
+        embed = self.model.embed_tokens
+        table = embed.packed if isinstance(embed, Q8Embedding) else embed.weight
+        if step is None or step.lookup is None or step.lookup.cos_sin is not self.cos_sin \
+                or step.lookup.embedding.data_ptr() != table.data_ptr():
+            return None  # (the tables it was built with are no longer the model's)
+        # the head it was built with, still the model's (read by address)
+        pick = step.head is not None and isinstance(self.lm_head, Q8Head) \
+            and self.lm_head.table.packed is step.head.packed
+        return step.decode(ids, positions, tables, slots, kv_caches, pick)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] → logits [N, vocab] in float32 (sampling precision)."""

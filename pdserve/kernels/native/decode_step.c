@@ -42,6 +42,53 @@ typedef struct {
     float eps, scale;
 } pd_model;
 
+/* A step's tokens for the step to look up itself (the embedding's rows, the rotary tables)
+ * instead of taking x, cos and sin: at batch 1 the two torch lookups took 0.1 ms of a step,
+ * their memory cold after the weights had streamed through the caches */
+typedef struct {
+    const int64_t *ids, *positions;  /* [B] */
+    const uint8_t *emb_q8;           /* the embedding: Q8_0 packed as q8_gemm.c packs it, */
+    const bf16 *emb;                 /* or bfloat16 [vocab, hidden] */
+    int64_t vocab;
+    const float *cos_sin;            /* [max_pos, D] float32: cos, then sin (model/rope.py) */
+    int64_t max_pos;
+} pd_lookup;
+
+/* float32 -> bfloat16, nearest even (finite values: torch's .to(torch.bfloat16)) */
+static inline bf16 bf16_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (bf16)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+/* x [B, hidden], cos and sin [B, D] of lk's tokens, the torch path's bits: the embedding's
+ * rows as dequantized (q8_rows), kernels/rotary.py's tables (sin with rotate_half's sign
+ * in its first half). Returns 0, or -3 for an id or a position out of range. */
+static int look_up(const pd_lookup *lk, const pd_model *m, int B, bf16 *x, bf16 *cos,
+                   bf16 *sin) {
+    const int D = m->D, half = m->D / 2, n = m->hidden;
+    for (int b = 0; b < B; b++)
+        if (lk->ids[b] < 0 || lk->ids[b] >= lk->vocab || lk->positions[b] < 0
+                || lk->positions[b] >= lk->max_pos)
+            return -3;
+    if (lk->emb_q8) {
+        if (q8_rows(lk->emb_q8, n, (int)lk->vocab, lk->ids, B, x, 1)) return -3;
+    } else {
+        for (int b = 0; b < B; b++)
+            memcpy(x + (size_t)b * n, lk->emb + (size_t)lk->ids[b] * n, (size_t)n * 2);
+    }
+    for (int b = 0; b < B; b++) {
+        const float *cs = lk->cos_sin + (size_t)lk->positions[b] * D;
+        bf16 *c = cos + (size_t)b * D, *s = sin + (size_t)b * D;
+        for (int j = 0; j < half; j++) {
+            c[j] = c[half + j] = bf16_of(cs[j]);
+            s[half + j] = bf16_of(cs[half + j]);
+            s[j] = s[half + j] ^ 0x8000;  /* -sin: the same rounding, negated */
+        }
+    }
+    return 0;
+}
+
 #define ALIGN(n) (((n) + 63) & ~(size_t)63)
 
 /* One thread's own buffers: its residual stream and a projection's quantized input. */
@@ -211,12 +258,15 @@ static void final_rows(const pd_model *m, int B, const bf16 *x, const bf16 *norm
  * (cached + this token), slots int64 [B]. With head (q8_gemm.c's packing of a Q8_0 LM
  * head of vocab outputs), tokens [B] gets each row's greedy token: the index of its
  * largest logit, the first on ties, the logits q8_mm computes from out; -1 for a row
- * whose logits hold a NaN. Returns 0, -1 when out of memory, -2 for shapes the kernels
- * cannot take (the caller checks them first). */
+ * whose logits hold a NaN. With lk, the step looks its tokens up itself and x, cos and
+ * sin are not read (x may be NULL). Returns 0, -1 when out of memory, -2 for shapes the
+ * kernels cannot take (the caller checks them first), -3 for a token id or position out
+ * of lk's range. */
 int pd_decode_step(const pd_layer *layers, const pd_model *m, int B, bf16 *x,
                    const bf16 *norm_w, bf16 *out, const bf16 *cos, const bf16 *sin,
                    const int32_t *tables, int64_t bt_s, const int32_t *seq_lens,
-                   const int64_t *slots, const uint8_t *head, int vocab, int64_t *tokens) {
+                   const int64_t *slots, const uint8_t *head, int vocab, int64_t *tokens,
+                   const pd_lookup *lk) {
     const int H = m->H, KVH = m->KVH, D = m->D, hidden = m->hidden, I = m->I;
     if (!pd_da_shape_ok(H, KVH, D) || hidden % 32 || (H * D) % 32 || I % 32 || B <= 0
             || m->L <= 0)
@@ -233,7 +283,9 @@ int pd_decode_step(const pd_layer *layers, const pd_model *m, int B, bf16 *x,
                             ALIGN(ntasks * per_task * 4), ALIGN(ntasks * sizeof(da_task)),
                             ALIGN(((size_t)B + 1) * sizeof(int)),
                             ALIGN((size_t)threads * B * 4), ALIGN((size_t)threads * B * 8),
-                            (size_t)threads * ALIGN(((size_t)m->L * PHASES + 1) * 8)};
+                            (size_t)threads * ALIGN(((size_t)m->L * PHASES + 1) * 8),
+                            lk ? ALIGN((size_t)B * hidden * 2) + 2 * ALIGN((size_t)B * D * 2)
+                               : 0};
     size_t shared = 0;
     for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) shared += sizes[i];
     char *mem = aligned_alloc(64, shared + (size_t)threads * priv);
@@ -257,6 +309,17 @@ int pd_decode_step(const pd_layer *layers, const pd_model *m, int B, bf16 *x,
      * own on cache lines of their own */
     const size_t stride = ALIGN(((size_t)m->L * PHASES + 1) * 8) / 8;
     uint64_t *spans = (uint64_t *)(p += sizes[8]);
+    if (lk) {  /* x, cos and sin from the step's own lookup, in its scratch */
+        bf16 *own = (bf16 *)(p += sizes[9]);
+        x = own;
+        bf16 *c = (bf16 *)((char *)own + ALIGN((size_t)B * hidden * 2));
+        bf16 *sn = (bf16 *)((char *)c + ALIGN((size_t)B * D * 2));
+        cos = c, sin = sn;
+        if (look_up(lk, m, B, x, c, sn)) {
+            free(mem);
+            return -3;
+        }
+    }
     const int oc = chunk_blocks(H * D), gc = (chunk_blocks(hidden) + 1) / 2, dc = chunk_blocks(I);
     for (int li = 0; li < m->L; li++) {
         const int n[PHASES] = {nh, count * KVH, chunks(hidden / 16, oc), chunks(I / 16, gc),

@@ -51,10 +51,15 @@ class _Model(ctypes.Structure):
                 ("block_size", _I), ("eps", _F), ("scale", _F)]
 
 
+class _Lookup(ctypes.Structure):
+    _fields_ = [("ids", _P), ("positions", _P), ("emb_q8", _P), ("emb", _P), ("vocab", _L),
+                ("cos_sin", _P), ("max_pos", _L)]
+
+
 @functools.cache  # declaring the signature costs more than the call's arguments
 def _fn():
     return function("pd_decode_step",
-                    [_P, _P, _I, _P, _P, _P, _P, _P, _P, _L, _P, _P, _P, _I, _P])
+                    [_P, _P, _I, _P, _P, _P, _P, _P, _P, _L, _P, _P, _P, _I, _P, _P])
 
 
 def why_not(shape: Shape) -> str | None:
@@ -76,6 +81,30 @@ class Head(NamedTuple):
     vocab: int
 
 
+class Lookup(NamedTuple):
+    """What ``DecodeStep.decode`` looks a step's tokens up in: the embedding, Q8_0 packed
+    for q8_gemm.c (uint8, model/q8_head.py's) or bfloat16 [vocab, hidden], and the rotary
+    cache (model/rope.py's float32 [max_position, head_dim]: cos, then sin)."""
+    embedding: torch.Tensor
+    vocab: int
+    cos_sin: torch.Tensor
+
+
+def _lookup_why_not(lookup: Lookup, shape: Shape) -> str | None:
+    emb, cs = lookup.embedding, lookup.cos_sin
+    q8 = emb.dtype is torch.uint8
+    rows = emb.shape[0] * 16 if q8 else emb.shape[0]
+    if not emb.is_contiguous() or not 0 < lookup.vocab <= rows or (
+            tuple(emb.shape[1:]) != ((shape.hidden // 32, 544) if q8 else (shape.hidden,))) \
+            or not (q8 or emb.dtype is torch.bfloat16):
+        return (f"an embedding packed Q8_0 or bfloat16 [vocab, {shape.hidden}] for a "
+                f"vocabulary of {lookup.vocab}, got {emb.dtype} {list(emb.shape)}")
+    if cs.dtype is not torch.float32 or not cs.is_contiguous() or cs.dim() != 2 \
+            or cs.shape[1] != shape.head_dim:
+        return f"a float32 rotary cache [positions, {shape.head_dim}], got {list(cs.shape)}"
+    return None
+
+
 class DecodeStep:
     """The layers' forward of a decode step (one token a sequence, every one with cached
     context), the final norm included, and with a Q8_0 head the greedy pick of every row.
@@ -83,10 +112,11 @@ class DecodeStep:
     on the first call and whenever they change."""
 
     def __init__(self, layers: list[LayerWeights], final_norm: torch.Tensor, shape: Shape,
-                 head: Head | None = None):
-        why = why_not(shape)
+                 head: Head | None = None, lookup: Lookup | None = None):
+        why = why_not(shape) or (_lookup_why_not(lookup, shape) if lookup else None)
         if why is not None:
             raise ValueError(f"native decode step: {why}")
+        self.lookup = lookup
         if head is not None and (head.packed.dtype is not torch.uint8
                                  or not head.packed.is_contiguous()
                                  or tuple(head.packed.shape[1:]) != (shape.hidden // 32, 544)
@@ -162,17 +192,57 @@ class DecodeStep:
             raise ValueError(f"native decode step: x bfloat16 [B, {self.shape.hidden}], "
                              f"cos and sin [B, 1, {d}], block tables [B, n] and lengths [B] "
                              "int32, slots [B] int64, all contiguous")
+        return self._call(rows, kv_caches, pick, x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                          block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+                          slots.data_ptr(), None)
+
+    def decode(self, ids: list[int], positions: list[int], tables: list[list[int]],
+               slots: list[int], kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+               pick: bool) -> tuple[torch.Tensor, list[int] | None]:
+        """``run`` from the step's tokens as lists: each sequence's token id, its position
+        (its cached length), its block table and the token's cache slot. The step looks up
+        the embedding's rows and the rotary tables itself (``Lookup``): ``run``'s inputs
+        are a dozen tensors whose making took 0.2 ms of a batch-1 step. Raises IndexError
+        for an id or a position outside the lookup's tables."""
+        lookup = self.lookup
+        if lookup is None:
+            raise ValueError("native decode step: built without a lookup")
+        rows = len(ids)
+        if not rows or not len(positions) == len(tables) == len(slots) == rows:
+            raise ValueError(f"native decode step: {rows} ids, {len(positions)} positions, "
+                             f"{len(tables)} tables, {len(slots)} slots")
+        width = max(map(len, tables)) or 1
+        flat = (ctypes.c_int32 * (rows * width))()
+        for i, table in enumerate(tables):
+            flat[i * width:i * width + len(table)] = table
+        ids_c, pos_c = (ctypes.c_int64 * rows)(*ids), (ctypes.c_int64 * rows)(*positions)
+        lens = (ctypes.c_int32 * rows)(*(p + 1 for p in positions))
+        emb = lookup.embedding
+        args = _Lookup(ctypes.addressof(ids_c), ctypes.addressof(pos_c),
+                       emb.data_ptr() if emb.dtype is torch.uint8 else None,
+                       emb.data_ptr() if emb.dtype is not torch.uint8 else None, lookup.vocab,
+                       lookup.cos_sin.data_ptr(), lookup.cos_sin.shape[0])
+        return self._call(rows, kv_caches, pick, None, None, None, flat, width, lens,
+                          (ctypes.c_int64 * rows)(*slots), ctypes.addressof(args))
+
+    def _call(self, rows: int, kv_caches, pick: bool, *inputs) -> tuple[torch.Tensor,
+                                                                         list[int] | None]:
+        """pd_decode_step: ``inputs`` are its x, cos, sin, tables, table stride, lengths,
+        slots and lookup"""
         layers = self._bind(kv_caches)
-        out = torch.empty_like(x)                                          # [B, hidden]
+        x, cos, sin, tables, stride, lens, slots, lookup = inputs
+        out = torch.empty(rows, self.shape.hidden, dtype=torch.bfloat16)   # [B, hidden]
         head = self.head if pick else None
         tokens = (ctypes.c_int64 * rows)() if head is not None else None
-        rc = _fn()(ctypes.addressof(layers), ctypes.addressof(self._model), rows, x.data_ptr(),
-                   self.final_norm.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                   block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
-                   slots.data_ptr(), head.packed.data_ptr() if head is not None else None,
-                   head.vocab if head is not None else 0, tokens)
+        rc = _fn()(ctypes.addressof(layers), ctypes.addressof(self._model), rows, x,
+                   self.final_norm.data_ptr(), out.data_ptr(), cos, sin, tables, stride, lens,
+                   slots, head.packed.data_ptr() if head is not None else None,
+                   head.vocab if head is not None else 0, tokens, lookup)
         if rc == -1:
             raise MemoryError("pd_decode_step: no memory for its buffers")
+        if rc == -3:
+            raise IndexError(f"pd_decode_step: a token id or a position out of range (vocab "
+                             f"{self.lookup.vocab}, {self.lookup.cos_sin.shape[0]} positions)")
         if rc:
             raise ValueError(f"pd_decode_step: shapes it cannot take ({self.shape})")
         picked = list(tokens) if tokens is not None else None

@@ -31,6 +31,10 @@ void pd_int4_blocks(const uint8_t *w, int K, int nb0, int nb1, const int8_t *xq,
                     const float *sx, const float *sumx, int M, char *out, size_t out_row,
                     int out_bf16);
 
+/* ---- q8_gemm.c: the embedding's rows (0, or the index + 1 of the first id out of range) */
+int q8_rows(const uint8_t *w, int K, int N, const int64_t *ids, int count, void *out,
+            int out_bf16);
+
 /* ---- q8_gemm.c: the LM head's activations quantized once, then a greedy pick over any
  * range of output blocks ---- */
 void pd_q8_quantize(const void *x, int x_bf16, int M, int K, int8_t *xq, float *sx,
