@@ -56,6 +56,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--spy", default="", help="process to record with py-spy (decode-0...)")
     p.add_argument("--spy-out", default="/tmp/launch_tpot.spy.txt")
+    p.add_argument("--spy-rate", type=int, default=200, help="py-spy's samples a second")
     a = p.parse_args()
     rng = random.Random(1)
     with launched(*shlex.split(a.args)) as cluster:
@@ -69,14 +70,17 @@ def main() -> None:
             prompt = [rng.randrange(1000, 20000) for _ in range(a.input_len)]
             spy = None
             if a.spy and i == a.streams - 1:
-                spy = subprocess.Popen(["py-spy", "record", "--native", "--threads", "-r",
-                                        "200", "--format", "raw", "-o", a.spy_out, "-p",
+                native = ["--native"] if a.spy != "router" else []  # (no C worth seeing)
+                spy = subprocess.Popen(["py-spy", "record", *native, "--threads", "-r",
+                                        str(a.spy_rate), "--format", "raw", "-o", a.spy_out, "-p",
                                         str(pids[a.spy])], stdout=subprocess.DEVNULL,
                                        stderr=subprocess.DEVNULL)
                 time.sleep(1.0)
             cpu0, step0 = cluster.cpu_seconds(), metric_totals(decode_metrics, STEP)
+            cpu0["client"] = time.process_time()  # this process: the streaming client
             times = stream(cluster.http_url, prompt, a.output_len)
             cpu1, step1 = cluster.cpu_seconds(), metric_totals(decode_metrics, STEP)
+            cpu1["client"] = time.process_time()
             if spy is not None:
                 spy.send_signal(2)
                 spy.wait(timeout=60)
