@@ -6,6 +6,11 @@ logits, at batch sizes across the row tiles and on one to three threads (the voc
 chunks taken by whichever thread is free); a NaN logit hands the row back to the logits;
 ids and positions out of range are refused; the engine samples as before wherever a
 request needs the logits."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -164,3 +169,27 @@ def test_the_engine_samples_as_before_where_a_request_reads_the_logits():
         vars(runner).pop("_decode_greedy", None)
     assert runs[0] == runs[1] == runs[2]
     assert runs[0][0][1][1] is not None   # the logprobs asked for
+
+
+def test_a_team_smaller_than_asked_still_does_every_threads_share():
+    """OMP_THREAD_LIMIT=1 with two threads asked for: the step's team has one thread, which
+    takes the missing thread's share of every phase (a subprocess: the limit is read once)."""
+    code = """
+import torch
+from tests.unit.test_native_greedy_pick import (SHAPES, decode_case, on_threads,
+                                                random_int4_model, with_q8_head)
+model = with_q8_head(random_int4_model(*SHAPES["smollm2"]), q8_embedding=True)
+lists, inputs, caches = decode_case(model, 3, 300, 1)
+twin = [(k.clone(), v.clone()) for k, v in caches]
+step, model.native_step = model.native_step, None
+want = on_threads(2, model, inputs.input_ids, inputs.positions, inputs.meta, twin)
+model.native_step = step
+hidden, tokens = on_threads(2, model.decode_greedy, *lists, caches)
+assert torch.equal(hidden, want)
+assert tokens == model.compute_logits(want).max(dim=-1).indices.tolist()
+print("same")
+"""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_THREAD_LIMIT": "1"})
+    assert done.returncode == 0 and done.stdout.strip().endswith("same"), done.stderr[-3000:]

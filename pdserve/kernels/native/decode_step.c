@@ -21,6 +21,9 @@
  * - Attention runs decode_attention.c's tasks (planned once a step: every layer's lengths
  *   are the same), split further by kv head and spread over the team: a kv head's sums are
  *   its own, so the result depends on neither the thread nor the split.
+ * - A thread done with its share of a phase takes what is left of the others' (take).
+ * A greedy batch's step can also look its tokens up (look_up) and pick them from a Q8_0
+ * LM head (final_rows), so that a decode step is one call from token ids to tokens.
  */
 #include <math.h>
 #include <omp.h>
@@ -178,11 +181,12 @@ static inline int take_back(uint64_t *span) {
     }
 }
 
-/* The next chunk for thread t of nt: spans [nt][stride], this phase's at offset 0 */
-static inline int take(uint64_t *spans, size_t stride, int t, int nt) {
+/* The next chunk for thread t: spans [n][stride], this phase's at offset 0, one for each
+ * thread asked for (a team that came smaller leaves the missing threads' to be taken) */
+static inline int take(uint64_t *spans, size_t stride, int t, int n) {
     int c = take_front(spans + (size_t)t * stride);
-    for (int k = 1; c < 0 && k < nt; k++)
-        c = take_back(spans + (size_t)((t + k) % nt) * stride);
+    for (int k = 1; c < 0 && k < n; k++)
+        c = take_back(spans + (size_t)((t + k) % n) * stride);
     return c;
 }
 
@@ -230,8 +234,9 @@ static void qkv_heads(const pd_model *m, const pd_layer *ly, int B, int h0, int 
  * over the chunks of the vocabulary this thread takes into best, at [B]: its largest logit
  * and the first index of it, at -1 for a NaN */
 static void final_rows(const pd_model *m, int B, const bf16 *x, const bf16 *norm_w,
-                       const uint8_t *head, int vocab, uint64_t *spans, size_t stride, int t,
-                       int nt, step_private *s, bf16 *out, float *best, int64_t *at) {
+                       const uint8_t *head, int vocab, uint64_t *spans, size_t stride,
+                       int threads, int t, int nt, step_private *s, bf16 *out, float *best,
+                       int64_t *at) {
     const int n = m->hidden;
     for (int b = 0; b < B; b++) {
         if (!head && b % nt != t) continue;
@@ -247,7 +252,7 @@ static void final_rows(const pd_model *m, int B, const bf16 *x, const bf16 *norm
     int32_t *corr = (int32_t *)s->sumx;
     pd_q8_quantize(s->xn, 1, B, n, s->xq, s->sx, corr);
     const int blocks = (vocab + 15) / 16, hc = HEAD_CHUNK;
-    for (int c; (c = take(spans, stride, t, nt)) >= 0;)
+    for (int c; (c = take(spans, stride, t, threads)) >= 0;)
         pd_q8_argmax_blocks(head, n, vocab, c * hc, min_int((c + 1) * hc, blocks), s->xq,
                             s->sx, corr, B, best, at);
 }
@@ -337,7 +342,7 @@ int pd_decode_step(const pd_layer *layers, const pd_model *m, int B, bf16 *x,
             uint64_t *sp = spans + li * PHASES;
             int c;
             norm_rows(m, B, x, ly->ln1, li == 0, &s);
-            while ((c = take(sp, stride, t, nt)) >= 0)
+            while ((c = take(sp, stride, t, threads)) >= 0)
                 qkv_heads(m, ly, B, c, c + 1, &s, qkv, cos, sin, slots);
 #pragma omp barrier
             const da_args a = {(const char *)qkv, (int64_t)nh * D, D, ly->k_cache, ly->v_cache,
@@ -345,7 +350,7 @@ int pd_decode_step(const pd_layer *layers, const pd_model *m, int B, bf16 *x,
                                DA_BF16, m->scale};
             for (int b = t; b < B; b += nt)  /* batch padding: zeros, as the kernel's */
                 if (seq_lens[b] == 0) memset(att + (size_t)b * H * D, 0, (size_t)H * D * 2);
-            while ((c = take(sp + 1, stride, t, nt)) >= 0) {  /* (task, kv head) */
+            while ((c = take(sp + 1, stride, t, threads)) >= 0) {  /* (task, kv head) */
                 const int i = c / KVH, k = c % KVH;
                 float *pt = parts + i * per_task;
                 pd_da_run(&a, &tasks[i], k, k + 1, 0, qkv + (size_t)tasks[i].b * nh * D, pt,
@@ -362,12 +367,12 @@ int pd_decode_step(const pd_layer *layers, const pd_model *m, int B, bf16 *x,
             }
 #pragma omp barrier
             pd_int4_quantize(att, 1, B, H * D, s.xq, s.sx, s.sumx);
-            while ((c = take(sp + 2, stride, t, nt)) >= 0)
+            while ((c = take(sp + 2, stride, t, threads)) >= 0)
                 pd_int4_blocks(ly->o, H * D, c * oc, min_int((c + 1) * oc, hidden / 16), s.xq,
                                s.sx, s.sumx, B, (char *)x, (size_t)hidden * 2, 1);
 #pragma omp barrier
             norm_rows(m, B, x, ly->ln2, 0, &s);
-            while ((c = take(sp + 3, stride, t, nt)) >= 0) {  /* gate's blocks and up's */
+            while ((c = take(sp + 3, stride, t, threads)) >= 0) {  /* gate's blocks and up's */
                 const int c0 = c * gc, c1 = min_int(c0 + gc, I / 16);
                 pd_int4_blocks(ly->gate_up, hidden, c0, c1, s.xq, s.sx, s.sumx, B, (char *)gu,
                                (size_t)I * 4, 1);
@@ -381,14 +386,14 @@ int pd_decode_step(const pd_layer *layers, const pd_model *m, int B, bf16 *x,
             }
 #pragma omp barrier
             pd_int4_quantize(act, 1, B, I, s.xq, s.sx, s.sumx);
-            while ((c = take(sp + 4, stride, t, nt)) >= 0)
+            while ((c = take(sp + 4, stride, t, threads)) >= 0)
                 pd_int4_blocks(ly->down, I, c * dc, min_int((c + 1) * dc, hidden / 16), s.xq,
                                s.sx, s.sumx, B, (char *)x, (size_t)hidden * 2, 1);
 #pragma omp barrier
         }
         if (t == 0) team = nt;
-        final_rows(m, B, x, norm_w, head, vocab, spans + m->L * PHASES, stride, t, nt, &s, out,
-                   best + (size_t)t * B, at + (size_t)t * B);
+        final_rows(m, B, x, norm_w, head, vocab, spans + m->L * PHASES, stride, threads, t, nt,
+                   &s, out, best + (size_t)t * B, at + (size_t)t * B);
     }
     if (head)  /* the largest of the threads' picks; of equals, the first in the vocabulary */
         for (int b = 0; b < B; b++) {
