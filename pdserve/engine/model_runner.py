@@ -182,9 +182,9 @@ class ModelRunner:
         nothing else reads (no logprobs, no logits processing), from the model's native
         step, which looks the tokens up and picks them itself
         (LlamaForCausalLM.decode_greedy); None where that does not apply."""
-        if self.decode_windows is not None or not self.native_decode:
-            return None
         seqs = batch.seqs
+        if self.decode_windows is not None or not self.native_decode or not seqs:
+            return None
         for i, (seq, n) in enumerate(zip(seqs, batch.num_new_tokens)):
             p = seq.params
             if n != 1 or not seq.num_computed_tokens or not batch.samples(i) or not p.greedy \

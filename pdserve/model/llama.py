@@ -237,14 +237,32 @@ class LlamaForCausalLM(nn.Module):
         final = self.model.norm.weight
         if why is not None or final.dtype is not torch.bfloat16 or not final.is_contiguous():
             return None, why or "the final norm is not bfloat16"
+        picks, lookup = self._picks_and_lookup(shape)
+        return decode_step.DecodeStep(layers, final.detach(), shape, picks, lookup), None
+
+    def _picks_and_lookup(self, shape: decode_step.Shape
+                          ) -> tuple[decode_step.Head | None, decode_step.Lookup | None]:
+        """The native step's Q8_0 head (greedy picks) and its lookup (token ids), each None
+        where this model's tables do not fit them (the start-up log says why)."""
         head, embed = self.lm_head, self.model.embed_tokens
         picks = decode_step.Head(head.table.packed, head.out_features) \
             if isinstance(head, Q8Head) else None
-        table = embed.packed if isinstance(embed, Q8Embedding) else embed.weight.detach()
-        lookup = decode_step.Lookup(table, cfg.vocab_size, self.cos_sin) \
-            if self.cos_sin is not None and (table.dtype in (torch.uint8, torch.bfloat16)) \
-            else None
-        return decode_step.DecodeStep(layers, final.detach(), shape, picks, lookup), None
+        why_head = decode_step.head_why_not(picks, shape) if picks is not None \
+            else "the LM head is not Q8_0"
+        if isinstance(embed, Q8Embedding):
+            table = embed.packed if embed.dtype is torch.bfloat16 else None
+        else:
+            table = embed.weight.detach()
+        lookup = decode_step.Lookup(table, embed.num_embeddings, self.cos_sin) \
+            if table is not None and self.cos_sin is not None else None
+        why_lookup = decode_step.lookup_why_not(lookup, shape) if lookup is not None \
+            else "no bfloat16 embedding or rotary cache"
+        if why_head is not None or why_lookup is not None:
+            log.info("decode step: greedy batches %s", "; ".join(
+                f"{what} ({why})" for what, why in
+                (("form the logits", why_head), ("come as tensors", why_lookup)) if why))
+        return (picks if why_head is None else None,
+                lookup if why_lookup is None else None)
 
     def use_onednn(self) -> None:
         """Every projection and the LM head through oneDNN with reordered weights
@@ -306,7 +324,8 @@ class LlamaForCausalLM(nn.Module):
         embed = self.model.embed_tokens
         table = embed.packed if isinstance(embed, Q8Embedding) else embed.weight
         if step is None or step.lookup is None or step.lookup.cos_sin is not self.cos_sin \
-                or step.lookup.embedding.data_ptr() != table.data_ptr():
+                or step.lookup.embedding.data_ptr() != table.data_ptr() \
+                or step.lookup.embedding.shape[0] != table.shape[0]:
             return None  # (the tables it was built with are no longer the model's)
         # the head it was built with, still the model's (read by address)
         pick = step.head is not None and isinstance(self.lm_head, Q8Head) \

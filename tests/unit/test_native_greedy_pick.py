@@ -122,15 +122,27 @@ def test_a_nan_logit_hands_the_row_back_to_the_logits():
     assert torch.isnan(model.compute_logits(hidden)[:, 115]).all()
 
 
-def test_ids_and_positions_out_of_range_are_refused():
+def test_tokens_the_tables_and_the_cache_do_not_hold_are_refused():
+    """Ids, positions, block tables and slots out of range: an IndexError, nothing
+    computed or stored (the kernel trusts what it is given)."""
     model = with_q8_head(random_int4_model(*SHAPES["mha_d64"]), q8_embedding=True)
     (ids, positions, tables, slots), _, caches = decode_case(model, 2, 40, 9)
     before = [(k.clone(), v.clone()) for k, v in caches]
-    rotary = model.cos_sin.shape[0]
-    for bad_ids, bad_positions in (([ids[0], VOCAB], positions), ([-1, ids[1]], positions),
-                                   (ids, [positions[0], rotary])):
-        with pytest.raises(IndexError, match="out of range"):
-            model.decode_greedy(bad_ids, bad_positions, tables, slots, caches)
+    rotary, blocks = model.cos_sin.shape[0], caches[0][0].shape[0]
+    bad = {"a token id": ([ids[0], VOCAB], positions, tables, slots),
+           "a negative id": ([-1, ids[1]], positions, tables, slots),
+           "a position": (ids, [positions[0], rotary], tables, slots),
+           "a position past int32": (ids, [positions[0], 2**31 - 2], tables, slots),
+           "a slot": (ids, positions, tables, [slots[0], blocks * BLOCK]),
+           "a short table": (ids, positions, [tables[0], tables[1][:2]], slots),
+           "an empty table": (ids, positions, [tables[0], []], slots),
+           "a block past the cache": (ids, positions, [tables[0], [blocks] * 9], slots)}
+    for what, case in bad.items():
+        with pytest.raises(IndexError, match="out of range|does not hold"):
+            model.decode_greedy(*case, caches)
+            pytest.fail(what)
+    with pytest.raises(ValueError, match="1 ids, 2 positions"):
+        model.decode_greedy(ids[:1], positions, tables, slots, caches)
     for (k, v), (k0, v0) in zip(caches, before):   # nothing was computed or stored
         assert torch.equal(k, k0) and torch.equal(v, v0)
 
@@ -156,17 +168,32 @@ def test_the_engine_samples_as_before_where_a_request_reads_the_logits():
               SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True),
               SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.3,
                              ignore_eos=True)]
-    runner, head, runs = llm.engine.runner, step.head, []
+    model, runner, head, runs = llm.engine.model, llm.engine.runner, step.head, []
+    decode_greedy, picked = model.decode_greedy, []
+
+    def counted(*args):  # which batches the step picked the tokens of
+        out = decode_greedy(*args)
+        picked.append(out is not None and out[1] is not None)
+        return out
+
+    model.decode_greedy = counted
     try:
         for step.head, general in ((head, False), (None, False), (head, True)):
             if general:
                 runner._decode_greedy = lambda batch: None
-            batches = [llm.generate(prompts, [greedy, other]) for other in beside]
+            batches = []
+            for other in beside:
+                batches.append(llm.generate(prompts, [greedy, other]))
+                assert not any(picked)   # a request reads the logits: no pick, no step call
             batches.append(llm.generate(prompts, greedy))   # every row greedy: the pick
+            # 11 decode steps after each prefill, picked where the step has its head
+            assert picked == ([] if general else [step.head is not None] * 11), picked
+            picked.clear()
             runs.append([[(o.token_ids, o.logprobs) for o in b] for b in batches])
     finally:
         step.head = head
         vars(runner).pop("_decode_greedy", None)
+        vars(model).pop("decode_greedy", None)
     assert runs[0] == runs[1] == runs[2]
     assert runs[0][0][1][1] is not None   # the logprobs asked for
 

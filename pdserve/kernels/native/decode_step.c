@@ -64,16 +64,21 @@ static inline bf16 bf16_of(float f) {
     return (bf16)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
-/* x [B, hidden], cos and sin [B, D] of lk's tokens, the torch path's bits: the embedding's
- * rows as dequantized (q8_rows), kernels/rotary.py's tables (sin with rotate_half's sign
- * in its first half). Returns 0, or -3 for an id or a position out of range. */
-static int look_up(const pd_lookup *lk, const pd_model *m, int B, bf16 *x, bf16 *cos,
-                   bf16 *sin) {
-    const int D = m->D, half = m->D / 2, n = m->hidden;
+/* Whether every id and position of lk is in its tables' range */
+static int lookup_ok(const pd_lookup *lk, int B) {
     for (int b = 0; b < B; b++)
         if (lk->ids[b] < 0 || lk->ids[b] >= lk->vocab || lk->positions[b] < 0
                 || lk->positions[b] >= lk->max_pos)
-            return -3;
+            return 0;
+    return 1;
+}
+
+/* x [B, hidden], cos and sin [B, D] of lk's tokens (lookup_ok), the torch path's bits: the
+ * embedding's rows as dequantized (q8_rows), kernels/rotary.py's tables (sin with
+ * rotate_half's sign in its first half). Returns 0, or -3 for an id out of range. */
+static int look_up(const pd_lookup *lk, const pd_model *m, int B, bf16 *x, bf16 *cos,
+                   bf16 *sin) {
+    const int D = m->D, half = m->D / 2, n = m->hidden;
     if (lk->emb_q8) {
         if (q8_rows(lk->emb_q8, n, (int)lk->vocab, lk->ids, B, x, 1)) return -3;
     } else {
@@ -276,6 +281,7 @@ int pd_decode_step(const pd_layer *layers, const pd_model *m, int B, bf16 *x,
     if (!pd_da_shape_ok(H, KVH, D) || hidden % 32 || (H * D) % 32 || I % 32 || B <= 0
             || m->L <= 0)
         return -2;
+    if (lk && !lookup_ok(lk, B)) return -3;  /* before the plan reads the lengths */
     const int nh = H + 2 * KVH, kmax = I > hidden ? (I > H * D ? I : H * D)
                                                   : (hidden > H * D ? hidden : H * D);
     const int threads = omp_get_max_threads();

@@ -90,18 +90,30 @@ class Lookup(NamedTuple):
     cos_sin: torch.Tensor
 
 
-def _lookup_why_not(lookup: Lookup, shape: Shape) -> str | None:
+def lookup_why_not(lookup: Lookup, shape: Shape) -> str | None:
+    """None if the step can look its tokens up in these tables, else why not."""
     emb, cs = lookup.embedding, lookup.cos_sin
     q8 = emb.dtype is torch.uint8
-    rows = emb.shape[0] * 16 if q8 else emb.shape[0]
-    if not emb.is_contiguous() or not 0 < lookup.vocab <= rows or (
-            tuple(emb.shape[1:]) != ((shape.hidden // 32, 544) if q8 else (shape.hidden,))) \
+    rows = -(-lookup.vocab // 16) if q8 else lookup.vocab
+    if not emb.is_cpu or not emb.is_contiguous() or lookup.vocab <= 0 \
+            or tuple(emb.shape) != ((rows, shape.hidden // 32, 544) if q8
+                                    else (rows, shape.hidden)) \
             or not (q8 or emb.dtype is torch.bfloat16):
-        return (f"an embedding packed Q8_0 or bfloat16 [vocab, {shape.hidden}] for a "
-                f"vocabulary of {lookup.vocab}, got {emb.dtype} {list(emb.shape)}")
-    if cs.dtype is not torch.float32 or not cs.is_contiguous() or cs.dim() != 2 \
-            or cs.shape[1] != shape.head_dim:
-        return f"a float32 rotary cache [positions, {shape.head_dim}], got {list(cs.shape)}"
+        return (f"the embedding is not Q8_0-packed or bfloat16 [{lookup.vocab}, "
+                f"{shape.hidden}] on the CPU: {emb.dtype} {list(emb.shape)}")
+    if not cs.is_cpu or cs.dtype is not torch.float32 or not cs.is_contiguous() \
+            or cs.dim() != 2 or cs.shape[1] != shape.head_dim:
+        return f"the rotary cache is not float32 [positions, {shape.head_dim}] on the CPU"
+    return None
+
+
+def head_why_not(head: Head, shape: Shape) -> str | None:
+    """None if the step can pick greedy tokens from this head, else why not."""
+    if not head.packed.is_cpu or head.packed.dtype is not torch.uint8 \
+            or not head.packed.is_contiguous() or head.vocab <= 0 \
+            or tuple(head.packed.shape) != (-(-head.vocab // 16), shape.hidden // 32, 544):
+        return (f"the LM head is not Q8_0-packed [{head.vocab}, {shape.hidden}] on the CPU: "
+                f"{list(head.packed.shape)}")
     return None
 
 
@@ -113,17 +125,11 @@ class DecodeStep:
 
     def __init__(self, layers: list[LayerWeights], final_norm: torch.Tensor, shape: Shape,
                  head: Head | None = None, lookup: Lookup | None = None):
-        why = why_not(shape) or (_lookup_why_not(lookup, shape) if lookup else None)
+        why = why_not(shape) or (lookup_why_not(lookup, shape) if lookup else None) \
+            or (head_why_not(head, shape) if head else None)
         if why is not None:
             raise ValueError(f"native decode step: {why}")
         self.lookup = lookup
-        if head is not None and (head.packed.dtype is not torch.uint8
-                                 or not head.packed.is_contiguous()
-                                 or tuple(head.packed.shape[1:]) != (shape.hidden // 32, 544)
-                                 or not 0 < head.vocab <= head.packed.shape[0] * 16):
-            raise ValueError(f"native decode step: a Q8_0 head packed [ceil(vocab / 16), "
-                             f"{shape.hidden // 32}, 544] for a vocabulary of {head.vocab}, "
-                             f"got {list(head.packed.shape)}")
         self.layers, self.final_norm, self.shape, self.head = layers, final_norm, shape, head
         self._bound: tuple | None = None     # (the KV pairs bound, their _Layer array)
         self._model = _Model(len(layers), shape.hidden, shape.num_heads, shape.num_kv_heads,
@@ -203,7 +209,8 @@ class DecodeStep:
         (its cached length), its block table and the token's cache slot. The step looks up
         the embedding's rows and the rotary tables itself (``Lookup``): ``run``'s inputs
         are a dozen tensors whose making took 0.2 ms of a batch-1 step. Raises IndexError
-        for an id or a position outside the lookup's tables."""
+        for an id or a position outside the lookup's tables, a block table too short for
+        its position or naming a block the cache has not, a slot outside the cache."""
         lookup = self.lookup
         if lookup is None:
             raise ValueError("native decode step: built without a lookup")
@@ -211,6 +218,8 @@ class DecodeStep:
         if not rows or not len(positions) == len(tables) == len(slots) == rows:
             raise ValueError(f"native decode step: {rows} ids, {len(positions)} positions, "
                              f"{len(tables)} tables, {len(slots)} slots")
+        self._bind(kv_caches)
+        self._check(ids, positions, tables, slots)
         width = max(map(len, tables)) or 1
         flat = (ctypes.c_int32 * (rows * width))()
         for i, table in enumerate(tables):
@@ -224,6 +233,26 @@ class DecodeStep:
                        lookup.cos_sin.data_ptr(), lookup.cos_sin.shape[0])
         return self._call(rows, kv_caches, pick, None, None, None, flat, width, lens,
                           (ctypes.c_int64 * rows)(*slots), ctypes.addressof(args))
+
+    def _check(self, ids: list[int], positions: list[int], tables: list[list[int]],
+               slots: list[int]) -> None:
+        """decode's tokens against the tables the kernel reads and the cache it writes
+        (bound), each an IndexError: the kernel trusts them."""
+        vocab, max_pos = self.lookup.vocab, self.lookup.cos_sin.shape[0]
+        blocks, size = self._bound[0][0][0].shape[:2]
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise IndexError(f"native decode step: a token id out of range (vocab {vocab})")
+        if min(positions) < 0 or max(positions) >= max_pos:
+            raise IndexError(f"native decode step: a position out of range ({max_pos} "
+                             "positions)")
+        if min(slots) < 0 or max(slots) >= blocks * size:
+            raise IndexError(f"native decode step: a slot out of range ({blocks} blocks of "
+                             f"{size})")
+        for table, p in zip(tables, positions):
+            used = table[:p // size + 1]
+            if len(used) <= p // size or min(used) < 0 or max(used) >= blocks:
+                raise IndexError(f"native decode step: a block table that does not hold "
+                                 f"position {p} in a cache of {blocks} blocks of {size}")
 
     def _call(self, rows: int, kv_caches, pick: bool, *inputs) -> tuple[torch.Tensor,
                                                                          list[int] | None]:
