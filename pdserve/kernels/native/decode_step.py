@@ -198,9 +198,9 @@ class DecodeStep:
             raise ValueError(f"native decode step: x bfloat16 [B, {self.shape.hidden}], "
                              f"cos and sin [B, 1, {d}], block tables [B, n] and lengths [B] "
                              "int32, slots [B] int64, all contiguous")
-        return self._call(rows, kv_caches, pick, x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                          block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
-                          slots.data_ptr(), None)
+        return self._call(rows, self._bind(kv_caches), pick, x.data_ptr(), cos.data_ptr(),
+                          sin.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+                          seq_lens.data_ptr(), slots.data_ptr(), None)
 
     def decode(self, ids: list[int], positions: list[int], tables: list[list[int]],
                slots: list[int], kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -218,7 +218,7 @@ class DecodeStep:
         if not rows or not len(positions) == len(tables) == len(slots) == rows:
             raise ValueError(f"native decode step: {rows} ids, {len(positions)} positions, "
                              f"{len(tables)} tables, {len(slots)} slots")
-        self._bind(kv_caches)
+        layers = self._bind(kv_caches)
         self._check(ids, positions, tables, slots)
         width = max(map(len, tables)) or 1
         flat = (ctypes.c_int32 * (rows * width))()
@@ -231,7 +231,7 @@ class DecodeStep:
                        emb.data_ptr() if emb.dtype is torch.uint8 else None,
                        emb.data_ptr() if emb.dtype is not torch.uint8 else None, lookup.vocab,
                        lookup.cos_sin.data_ptr(), lookup.cos_sin.shape[0])
-        return self._call(rows, kv_caches, pick, None, None, None, flat, width, lens,
+        return self._call(rows, layers, pick, None, None, None, flat, width, lens,
                           (ctypes.c_int64 * rows)(*slots), ctypes.addressof(args))
 
     def _check(self, ids: list[int], positions: list[int], tables: list[list[int]],
@@ -254,11 +254,10 @@ class DecodeStep:
                 raise IndexError(f"native decode step: a block table that does not hold "
                                  f"position {p} in a cache of {blocks} blocks of {size}")
 
-    def _call(self, rows: int, kv_caches, pick: bool, *inputs) -> tuple[torch.Tensor,
-                                                                         list[int] | None]:
-        """pd_decode_step: ``inputs`` are its x, cos, sin, tables, table stride, lengths,
-        slots and lookup"""
-        layers = self._bind(kv_caches)
+    def _call(self, rows: int, layers, pick: bool, *inputs) -> tuple[torch.Tensor,
+                                                                      list[int] | None]:
+        """pd_decode_step over the bound ``layers``: ``inputs`` are its x, cos, sin, tables,
+        table stride, lengths, slots and lookup"""
         x, cos, sin, tables, stride, lens, slots, lookup = inputs
         out = torch.empty(rows, self.shape.hidden, dtype=torch.bfloat16)   # [B, hidden]
         head = self.head if pick else None
