@@ -30,8 +30,11 @@ class Cluster:
     control: str
     log_path: str
     args: tuple[str, ...]
+    kept_log: str | None = None  # the log as it ended, once its temporary file is gone
 
     def log(self) -> str:
+        if self.kept_log is not None:
+            return self.kept_log
         with open(self.log_path, errors="replace") as f:
             return f.read()
 
@@ -186,7 +189,10 @@ def started(cmd: list[str], health_url: str, log_path: str, name: str,
 def launched(*args: str, ready_timeout_s: float = 600.0, log_dir: str | None = None,
              log_level: str = "warning"):
     """Yields a Cluster started with ``pdserve launch ARGS`` (ports are chosen here); stops
-    the launcher and, by process group, everything it started, on success and failure."""
+    the launcher and, by process group, everything it started, on success and failure.
+    Its log is a temporary file, removed when the cluster stops cleanly (``Cluster.log()``
+    still answers) and kept after an error (the errors raised here name it); in ``log_dir``
+    it is always kept."""
     http, control, ingress = free_port(), free_port(), free_port()
     with tempfile.NamedTemporaryFile("w", prefix="pdserve-launch-", suffix=".log",
                                      dir=log_dir, delete=False) as log:
@@ -197,8 +203,12 @@ def launched(*args: str, ready_timeout_s: float = 600.0, log_dir: str | None = N
     url = f"http://127.0.0.1:{http}"
     with started(cmd, url + "/health", log.name, f"pdserve launch {' '.join(args)}",
                  ready_timeout_s=ready_timeout_s) as proc:
-        yield Cluster(proc, url, f"tcp://127.0.0.1:{ingress}", f"tcp://127.0.0.1:{control}",
-                      log.name, tuple(args))
+        cluster = Cluster(proc, url, f"tcp://127.0.0.1:{ingress}",
+                          f"tcp://127.0.0.1:{control}", log.name, tuple(args))
+        yield cluster
+    if log_dir is None:  # (not reached after an error: the file stays for its reader)
+        cluster.kept_log = cluster.log()
+        os.unlink(log.name)
 
 
 def machine() -> str:

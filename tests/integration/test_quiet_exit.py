@@ -7,6 +7,7 @@ the cluster here runs without it, as `make serve` does.
 """
 from __future__ import annotations
 
+import os
 import re
 import signal
 
@@ -28,6 +29,7 @@ def test_stopping_launch_prints_only_our_lines(tiny_model, monkeypatch, sig):
         cluster.proc.send_signal(sig)
         assert cluster.proc.wait(timeout=60) == 0
     log = cluster.log()
+    assert not os.path.exists(cluster.log_path)  # its temporary log is not left behind
     assert "leaked" not in log and "nanobind" not in log, log[-3000:]
     strangers = [line for line in log.splitlines() if line and not OURS.match(line)]
     assert strangers == [], log[-3000:]
