@@ -38,7 +38,7 @@ from pdserve.model.make_model import make_model
 
 def prefill_metrics(cluster) -> dict[str, float]:
     """Summed over the prefill nodes: hit and queried tokens, KV bytes sent."""
-    log = open(cluster.log_path).read()
+    log = cluster.log()
     totals = {"hits": 0.0, "queries": 0.0, "kv_bytes": 0.0}
     names = {"hits": "pdserve_prefix_cache_hits_tokens_total",
              "queries": "pdserve_prefix_cache_queries_tokens_total",
