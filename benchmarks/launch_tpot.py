@@ -70,8 +70,8 @@ def main() -> None:
             prompt = [rng.randrange(1000, 20000) for _ in range(a.input_len)]
             spy = None
             if a.spy and i == a.streams - 1:
-                # (--native on the router slowed its streaming to 9 ms a token at 1,000
-                # samples a second, against 3.7 without: its figures would not be the run's)
+                # (--native on the router slowed its stream to 9.0 ms a token at 1,000
+                # samples a second, against 5.0 without native frames, 3.7 unrecorded)
                 native = ["--native"] if a.spy != "router" else []
                 spy = subprocess.Popen(["py-spy", "record", *native, "--threads", "-r",
                                         str(a.spy_rate), "--format", "raw", "-o", a.spy_out, "-p",
