@@ -178,21 +178,27 @@ DRAIN_MAX = 256  # messages received without an await before the event loop gets
 
 
 class PlainTwin:
-    """NOBLOCK sends and drained receives of an asyncio socket without pyzmq's Futures.
+    """NOBLOCK sends and drained receives of a socket on the asyncio loop, without pyzmq's
+    Futures.
 
     Every operation of a zmq.asyncio socket goes through a Future and pyzmq's event
     bookkeeping: ~50 us per small message received on the 2-core dev machine, against
     ~13 us on a plain socket over the same handle (a /tmp test of 50,000 messages under
-    uvloop). The catch is ZeroMQ's edge-triggered notification: any operation on the
-    socket may use up the wake-up of a message that arrives meanwhile, and the asyncio
-    socket, waiting for that wake-up, would never see the message. So after plain sends
-    ``rearm`` reads the socket's events through the asyncio socket, which makes it look
-    again; and a drain always ends on EAGAIN, after which the next await reads the events
-    afresh."""
+    uvloop). The twin reads the socket's descriptor with a reader of its own and receives
+    by plain non-blocking calls. Give it a plain socket: the first operation of an asyncio
+    socket would have pyzmq watch the same descriptor in place of ``received``.
 
-    def __init__(self, sock: zmq.asyncio.Socket):
-        self.sock = sock
+    The catch is ZeroMQ's edge-triggered notification: the descriptor signals a change,
+    and any operation on the socket (a send too) may take the signal of a message that
+    arrives meanwhile. So a drain ends only when the socket's events say nothing is
+    queued, read after the last receive; and after plain sends ``rearm`` has the receiver
+    read them again."""
+
+    def __init__(self, sock: zmq.Socket):
         self.plain = zmq.Socket.shadow(sock.underlying)
+        self._fd = self.plain.getsockopt(zmq.FD)
+        self._waiter: asyncio.Future | None = None  # the receiver, waiting for a signal
+        self._loop: asyncio.AbstractEventLoop | None = None  # whose reader watches the fd
 
     def send_routed(self, peer: bytes, msg: Message) -> None:
         """A NOBLOCK send to one peer; SendError at once if it is unknown or full (never a
@@ -200,22 +206,44 @@ class PlainTwin:
         send_routed(self.plain, peer, msg)
 
     def rearm(self) -> None:
-        self.sock.get(zmq.EVENTS)  # the asyncio socket schedules its waiting receive
+        """After plain sends: the receiver reads the socket's events again."""
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def close(self) -> None:
+        """Stops watching the descriptor; call it before the socket closes."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._fd)
+        self._loop = None
 
     async def received(self, *, copy: bool = True, limit: int = DRAIN_MAX):
-        """Every multipart message, as it comes: one awaited receive, then what is already
-        queued (up to ``limit``) by plain non-blocking receives. A receive error ends the
-        drain; the next await raises it."""
+        """Every multipart message, as it comes: what is queued, by plain non-blocking
+        receives, then a wait for the descriptor's signal (or ``rearm``). After ``limit``
+        messages in a row the event loop gets a turn. One receiver at a time; a receive
+        error (the socket closed, its context terminated) ends it."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # watched until close(), whatever receiver reads
+            loop.add_reader(self._fd, self._wake)
+            self._loop = loop
+        sock = self.plain
+        # (plain ints: pyzmq's enum constants cost a Flag object per test)
+        events, pollin, noblock = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
         while True:
-            yield await self.sock.recv_multipart(copy=copy)
             for _ in range(limit):
-                try:
-                    frames = self.plain.recv_multipart(zmq.NOBLOCK, copy=copy)
-                except zmq.ZMQError:  # EAGAIN: nothing queued
+                if not sock.getsockopt(events) & pollin:
                     break
-                yield frames
+                yield sock.recv_multipart(noblock, copy=copy)
             else:
-                # More is queued. pyzmq's awaited receive takes a queued message at once,
-                # without a turn of the event loop: under a flood this loop would never
-                # yield, and the clock (heartbeats, deadlines) and HTTP would starve.
+                # Under a flood this loop would never yield: the clock (heartbeats,
+                # deadlines) and HTTP would starve.
                 await asyncio.sleep(0)
+                continue
+            self._waiter = loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None

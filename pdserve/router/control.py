@@ -29,7 +29,6 @@ import os
 import time
 
 import zmq
-import zmq.asyncio
 
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
@@ -79,14 +78,14 @@ class Control:
         self._routes: dict[str, bytes] = {}
         self._names: dict[bytes, str] = {}
         self._keys: dict[str, str] = {}
-        self._ctx: zmq.asyncio.Context | None = None
+        self._ctx: zmq.Context | None = None
         self._sock = None
         # cache_aware's index feed (kv_index.py), which takes the nodes' index dumps and
         # the event numbers their heartbeats carry; None with any other policy.
         self.index_feed = None
 
     def open(self) -> None:
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         self._sock = make_socket(self._ctx, zmq.ROUTER, bind=self.config.control,
                                  max_msg_size=64 * 2**20,
                                  heartbeat_ivl_ms=NAMED_ROUTER_HEARTBEAT_MS,
@@ -96,6 +95,7 @@ class Control:
 
     def close(self) -> None:
         if self._sock is not None:
+            self._twin.close()
             self._sock.close(0)
             self._ctx.term()
             self._sock = self._ctx = None

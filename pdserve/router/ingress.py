@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from pdserve.common.codec import check_expansion
 from pdserve.common.errors import DUPLICATE_ID, OVERLOADED
@@ -80,13 +79,13 @@ class _Flight:
 
 class Ingress:
     def __init__(self, core, address: str, *, max_msg_size: int = MAX_MSG_SIZE,
-                 sndhwm: int = SNDHWM, ctx: zmq.asyncio.Context | None = None,
+                 sndhwm: int = SNDHWM, ctx: zmq.Context | None = None,
                  curve: CurveConfig | None = None):
         """Binds at once, so a taken address fails here; ``endpoint`` is the bound address.
         ``sndhwm``: messages queued per producer before it counts as not reading.
         ``curve``: CURVE server keys + allowed producers (security.server_curve)."""
         self.core = core
-        self._sock = make_socket(ctx or zmq.asyncio.Context.instance(), zmq.ROUTER,
+        self._sock = make_socket(ctx or zmq.Context.instance(), zmq.ROUTER,
                                  bind=address, max_msg_size=max_msg_size, sndhwm=sndhwm,
                                  curve=curve)
         self._twin = PlainTwin(self._sock)  # every send and receive goes through it
@@ -122,6 +121,7 @@ class Ingress:
             self._abort(flight)
         self._flights.clear()
         self._in_flight.clear()
+        self._twin.close()
         self._sock.close(linger=0)
 
     # ------------------------------------------------------------ input

@@ -274,7 +274,7 @@ def test_plain_twin_drains_in_order_and_a_plain_send_loses_no_wake_up():
     is no longer readable) before the loop looks. After ``rearm`` the waiting receive
     still gets it; without rearm nothing would wake it (checked while writing this)."""
     async def main():
-        ctx = zmq.asyncio.Context()
+        ctx = zmq.Context()
         router = T.make_socket(ctx, zmq.ROUTER, bind=LOCAL)
         twin = T.PlainTwin(router)
         peer = zmq.Context.instance().socket(zmq.DEALER)
@@ -303,6 +303,7 @@ def test_plain_twin_drains_in_order_and_a_plain_send_loses_no_wake_up():
                 waiting.cancel()
                 await asyncio.wait({waiting})
             await inbox.aclose()
+            twin.close()
             router.close(linger=0)
             peer.close(linger=0)
             ctx.term()
