@@ -200,11 +200,11 @@ class ModelRunner:
             return None
         hidden, tokens = got
         if tokens is None:  # a NaN logit, or no Q8_0 head: the logits the usual way
-            tokens = sample(self.model.compute_logits(hidden), [s.params for s in seqs],
-                            [None] * len(seqs))
+            with torch.inference_mode():
+                tokens = sample(self.model.compute_logits(hidden), [s.params for s in seqs],
+                                [None] * len(seqs))
         return tokens
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch,
                 on_layer: Callable[[int], None] | None = None) -> list[int | None]:
         """Runs the batch; returns the sampled token of each sequence (None for a
@@ -215,9 +215,17 @@ class ModelRunner:
                     on_layer(layer)
             return [self.fixed_token if batch.samples(i) else None for i in range(len(batch))]
         if on_layer is None:
+            # (outside inference mode: the native step makes no tensor autograd could
+            # track, and entering the mode is Python of its own, every step)
             tokens = self._decode_greedy(batch)
             if tokens is not None:
                 return tokens
+        return self._forward(batch, on_layer)
+
+    @torch.inference_mode()
+    def _forward(self, batch: ScheduledBatch,
+                 on_layer: Callable[[int], None] | None) -> list[int | None]:
+        """execute's way through the model's forward, the logits and the sampler."""
         inputs = self.prepare(batch)
         hidden = self._hidden(inputs, on_layer)                            # [T, H]
         if any(seq.wants_prompt_logprobs for seq in batch.seqs):

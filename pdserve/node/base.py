@@ -51,6 +51,7 @@ class Parked:
     fail: Callable[[str], None]
 
 IDLE_WAIT_S = 0.05  # longest block on the inbox when idle: bounds lease-expiry lag
+STATS_PERIOD_S = 0.02  # busy, heartbeats' stats and gauges refresh this often (idle: a turn)
 
 
 # The engine hands out plain data; what travels is the protocol's (the same fields).
@@ -267,6 +268,7 @@ class Node:
             log.info("%s node %s registered with router %s%s", self.role, self.node_id,
                      ", ".join(self.io.links.wanted),
                      f", KV socket {self.io.hello.kv_address}" if self.io.hello.kv_address else "")
+            stats_due = 0.0
             while not self._stop.is_set():
                 if self._drain_asked and not self.draining:
                     self._start_drain()
@@ -278,11 +280,12 @@ class Node:
                 self._take_inbox(block=not self.has_work())
                 self._turn()
                 self.insecure_warnings.tick()
-                self.io.stats = self.stats()
-                self.metrics.node_stats(self.io.stats)
-                sched = self.engine.scheduler
-                self.metrics.prefix_cache(sched.num_prefix_queried_tokens,
-                                          sched.num_prefix_hit_tokens)
+                if (now := time.monotonic()) >= stats_due or not self.has_work():
+                    stats_due = now + STATS_PERIOD_S  # (every step, a tenth of its Python)
+                    self.io.stats = self.stats()
+                    self.metrics.node_stats(self.io.stats)
+                    self.metrics.prefix_cache(self.engine.scheduler.num_prefix_queried_tokens,
+                                              self.engine.scheduler.num_prefix_hit_tokens)
                 if self.kv_events is not None:
                     self.kv_events.publish(self.engine.allocator.drain_events())
             return 0

@@ -132,6 +132,7 @@ class DecodeStep:
         self.lookup = lookup
         self.layers, self.final_norm, self.shape, self.head = layers, final_norm, shape, head
         self._bound: tuple | None = None     # (the KV pairs bound, their _Layer array)
+        self._out: torch.Tensor | None = None  # decode's hidden states, the last batch's size
         self._model = _Model(len(layers), shape.hidden, shape.num_heads, shape.num_kv_heads,
                              shape.head_dim, shape.intermediate, 0, shape.eps,
                              shape.head_dim ** -0.5)
@@ -198,7 +199,8 @@ class DecodeStep:
             raise ValueError(f"native decode step: x bfloat16 [B, {self.shape.hidden}], "
                              f"cos and sin [B, 1, {d}], block tables [B, n] and lengths [B] "
                              "int32, slots [B] int64, all contiguous")
-        return self._call(rows, self._bind(kv_caches), pick, x.data_ptr(), cos.data_ptr(),
+        out = torch.empty(rows, self.shape.hidden, dtype=torch.bfloat16)
+        return self._call(rows, self._bind(kv_caches), pick, out, x.data_ptr(), cos.data_ptr(),
                           sin.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
                           seq_lens.data_ptr(), slots.data_ptr(), None)
 
@@ -208,7 +210,9 @@ class DecodeStep:
         """``run`` from the step's tokens as lists: each sequence's token id, its position
         (its cached length), its block table and the token's cache slot. The step looks up
         the embedding's rows and the rotary tables itself (``Lookup``): ``run``'s inputs
-        are a dozen tensors whose making took 0.2 ms of a batch-1 step. Raises IndexError
+        are a dozen tensors whose making took 0.2 ms of a batch-1 step. The hidden states
+        it returns are valid until the next ``decode`` (one buffer, made again when the
+        batch size changes, not a tensor every step). Raises IndexError
         for an id or a position outside the lookup's tables, a block table too short for
         its position or naming a block the cache has not, a slot outside the cache."""
         lookup = self.lookup
@@ -231,7 +235,10 @@ class DecodeStep:
                        emb.data_ptr() if emb.dtype is torch.uint8 else None,
                        emb.data_ptr() if emb.dtype is not torch.uint8 else None, lookup.vocab,
                        lookup.cos_sin.data_ptr(), lookup.cos_sin.shape[0])
-        return self._call(rows, layers, pick, None, None, None, flat, width, lens,
+        out = self._out
+        if out is None or out.shape[0] != rows:
+            out = self._out = torch.empty(rows, self.shape.hidden, dtype=torch.bfloat16)
+        return self._call(rows, layers, pick, out, None, None, None, flat, width, lens,
                           (ctypes.c_int64 * rows)(*slots), ctypes.addressof(args))
 
     def _check(self, ids: list[int], positions: list[int], tables: list[list[int]],
@@ -254,12 +261,11 @@ class DecodeStep:
                 raise IndexError(f"native decode step: a block table that does not hold "
                                  f"position {p} in a cache of {blocks} blocks of {size}")
 
-    def _call(self, rows: int, layers, pick: bool, *inputs) -> tuple[torch.Tensor,
-                                                                      list[int] | None]:
-        """pd_decode_step over the bound ``layers``: ``inputs`` are its x, cos, sin, tables,
-        table stride, lengths, slots and lookup"""
+    def _call(self, rows: int, layers, pick: bool, out: torch.Tensor, *inputs
+              ) -> tuple[torch.Tensor, list[int] | None]:
+        """pd_decode_step over the bound ``layers`` into ``out`` [B, hidden] bfloat16:
+        ``inputs`` are its x, cos, sin, tables, table stride, lengths, slots and lookup"""
         x, cos, sin, tables, stride, lens, slots, lookup = inputs
-        out = torch.empty(rows, self.shape.hidden, dtype=torch.bfloat16)   # [B, hidden]
         head = self.head if pick else None
         tokens = (ctypes.c_int64 * rows)() if head is not None else None
         rc = _fn()(ctypes.addressof(layers), ctypes.addressof(self._model), rows, x,
