@@ -22,7 +22,10 @@ random prompts, ``--ignore-eos``, greedy: 256 in / 128 out at concurrency 16, 1,
 into several invocations makes one table); the markdown table is built from all of them.
 
 The memory floor of a batch-1 step: the weight bytes it reads (pdserve/bench/floor.py) over
-the read bandwidth measured at the start of each invocation, before any server starts.
+the read bandwidth, measured at the start of each invocation (before any server starts) and,
+for each server's batch-1 ratio, again just before and just after its batch-1 run (the
+server up and idle): on the 2-core dev machine the same measurement moved between 46 and
+78 GB/s within an hour.
 
 Set-up, once, outside the repository (WORK is ``--work-dir``):
 
@@ -346,16 +349,21 @@ def best_anchor(results: dict, workload: str) -> tuple[float, str] | None:
     return max(rates, default=None)
 
 
-def ratio_lines(results: dict, floor_stored_ms: float) -> list[str]:
-    """pdserve's batch-1 TPOT over the floor of the weights as stored and over llama.cpp's;
-    its output tok/s over the best anchor's per loaded workload."""
+def ratio_lines(results: dict, stored_bytes: int, gbs: float) -> list[str]:
+    """pdserve's batch-1 TPOT over the floor of the weights as stored (``stored_bytes``
+    over the bandwidth read around that run, else ``gbs``) and over llama.cpp's; its
+    output tok/s over the best anchor's per loaded workload."""
     out = []
     for name in (n for n in SERVERS if SERVERS[n].kind == "pdserve"):
         tpot = _b1_tpot(results, name)
         if tpot is None:
             continue
-        parts = [f"batch-1 TPOT {tpot / floor_stored_ms:.2f}x the floor of the weights as "
-                 "stored"]
+        around = results[name]["runs"][BATCH1].get("bandwidth_gbs")
+        floor = floor_ms(stored_bytes, statistics.mean(around) if around else gbs)
+        parts = [f"batch-1 TPOT {tpot / floor:.2f}x the floor of the weights as stored ("
+                 f"{floor:.2f} ms; read bandwidth " + (
+                     f"{around[0]:.1f} GB/s just before that run and {around[1]:.1f} after"
+                     if around else f"{gbs:.1f} GB/s") + ")"]
         for anchor in ("llama-q4_1", "llama-f32"):
             if (theirs := _b1_tpot(results, anchor)) is not None:
                 parts.append(f"{tpot / theirs:.2f}x {anchor}'s")
@@ -411,7 +419,10 @@ def prepare(p: Paths) -> None:
 
 def run_server(name: str, p: Paths, client: list[str], workloads: list[Workload],
                run_dir: Path, ready_timeout_s: float) -> dict:
-    """One server's entry: its runs per workload (figures, or why the run failed)."""
+    """One server's entry: its runs per workload (figures, or why the run failed); the
+    batch-1 run's also holds the read bandwidth measured just before and after it."""
+    from pdserve.bench.floor import read_bandwidth_gbs
+
     tokenizer = p.vllm_model if (p.vllm_model / "tokenizer.json").is_file() else p.gguf
     entry = {"date": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC", "runs": {}}
     try:
@@ -421,15 +432,21 @@ def run_server(name: str, p: Paths, client: list[str], workloads: list[Workload]
             for w in workloads:
                 result = run_dir / f"{name}-{w.input_len}-{w.output_len}-c{w.concurrency}.json"
                 cmd = client_cmd(client, url, model, tokenizer, w, result)
+                batch1 = w.name == BATCH1
+                before = read_bandwidth_gbs(CORES) if batch1 else None
                 with open(run_dir / f"{name}-client.log", "a") as log:
                     done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
                                           timeout=1800, env={**os.environ,
                                                              "HF_HUB_OFFLINE": "1"})
+                after = read_bandwidth_gbs(CORES) if batch1 else None
                 try:
                     if done.returncode:
                         raise ValueError(f"the client exited with {done.returncode} "
                                          f"(see {log.name})")
                     entry["runs"][w.name] = parse_result(json.loads(result.read_text()), w)
+                    if batch1:
+                        entry["runs"][w.name]["bandwidth_gbs"] = [round(before, 2),
+                                                                  round(after, 2)]
                 except (ValueError, OSError) as e:
                     entry["runs"][w.name] = f"failed: {e}"
                 print(f"{name}, {w.name}: {entry['runs'][w.name]}", flush=True)
@@ -454,7 +471,7 @@ def report(results: dict, header: list[str], p: Paths) -> list[str]:
     if forms and results["bandwidths"]:
         gbs = statistics.median(results["bandwidths"])
         lines += ["", *floor_lines(results["bandwidths"], forms), ""]
-        lines += ratio_lines(results["servers"], floor_ms(forms["Q4_1 file as stored"], gbs))
+        lines += ratio_lines(results["servers"], forms["Q4_1 file as stored"], gbs)
     return lines
 
 

@@ -185,14 +185,24 @@ def test_notes_name_every_failure():
 
 
 def test_ratios():
-    got = va.ratio_lines(RESULTS, floor_stored_ms=5.0)
+    got = va.ratio_lines(RESULTS, stored_bytes=100_000_000, gbs=20.0)   # a 5 ms floor
     assert len(got) == 1 and got[0].startswith("- pdserve-1p1d: ")
-    assert "batch-1 TPOT 12.50x the floor" in got[0]
+    assert "batch-1 TPOT 12.50x the floor of the weights as stored (5.00 ms; read " \
+        "bandwidth 20.0 GB/s)" in got[0]
     assert "4.55x llama-q4_1's" in got[0]   # 62.5 / 13.75
     assert f"{C16} out tok/s 0.27x the best anchor's (vllm-bf16-bound)" in got[0]
     assert C8 not in got[0]   # pdserve's run failed
     assert va.best_anchor(RESULTS, C8) == (104.3, "vllm-bf16-bound")
     assert va.best_anchor({"llama-f32": RESULTS["llama-f32"]}, C8) is None
+
+
+def test_a_batch1_ratio_takes_the_bandwidth_read_around_its_run():
+    runs = dict(RESULTS["pdserve-1p1d"]["runs"])
+    runs[C1] = {**runs[C1], "bandwidth_gbs": [40.0, 60.0]}   # 50 GB/s: a 2 ms floor
+    got = va.ratio_lines({**RESULTS, "pdserve-1p1d": {"runs": runs}}, stored_bytes=100_000_000,
+                         gbs=20.0)
+    assert "batch-1 TPOT 31.25x the floor of the weights as stored (2.00 ms; read bandwidth " \
+        "40.0 GB/s just before that run and 60.0 after)" in got[0]
 
 
 def test_floor_arithmetic():
