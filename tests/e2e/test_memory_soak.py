@@ -1,6 +1,6 @@
 """Memory that returns under every hostile case of issue 35 (the prompt cases are in
-test_memory.py): 10 rounds of each case (tests/e2e/memory_cases.py), a normal request
-after each, and each process's RSS read from /proc.
+test_memory.py): WARM + ROUNDS = 12 rounds of each case (tests/e2e/memory_cases.py), a
+normal request after each, and each process's RSS read from /proc.
 
 Per case and process: RSS after the last round is within 5 % of RSS after the first
 WARM rounds, 8 rounds later (the first rounds fill what stays: a compiled guide in the
