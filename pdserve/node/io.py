@@ -1,10 +1,18 @@
-"""The I/O side of a node: one thread owns every socket of the node.
+"""The I/O side of a node: one thread owns its sockets (the compute loop may send on one).
 
-The compute loop never touches a socket and never waits on one: it reads
-decoded messages from ``inbox`` and hands messages to send to ``send_*``,
-which queue them and wake this thread through a pipe. Heartbeats are sent
-from here on their own clock, so they keep flowing while a long forward runs
-(torch releases the GIL).
+The compute loop never waits on a socket: it reads decoded messages from
+``inbox`` and hands messages to send to ``send_*``, which queue them and wake
+this thread through a pipe. Heartbeats are sent from here on their own clock,
+so they keep flowing while a long forward runs (torch releases the GIL).
+
+One exception, for speed: a message to the routers leaves from the compute
+thread itself (``send_control``, NOBLOCK; that thread only) when this thread
+is between turns and has sent every control message queued before it (a KV
+message queued earlier may leave later: no peer relies on that order). Waking
+this thread for each token took ~0.1 ms of a batch-1 token's time (RESULTS.md).
+``_lock`` guards the control sockets and routers.py's state. This thread polls
+those sockets' descriptors, not the sockets (``Link.readable`` in routers.py
+says why), and a sender wakes it when a message waits unread.
 
 Channels (the first item of each inbox entry):
 - ``control``: a DEALER to each router's control socket (routers.py); entries carry the
@@ -31,12 +39,7 @@ from pdserve.common import protocol as P
 from pdserve.common.discovery import advertised
 from pdserve.common.logs import LogThrottle
 from pdserve.common.rate_limit import PeerBudgets
-from pdserve.common.security import (
-    CONTROL_MAX_MSG_BYTES,
-    KV_ACK_MAX_MSG_BYTES,
-    NodeCurves,
-    kv_max_msg_size,
-)
+from pdserve.common.security import CONTROL_MAX_MSG_BYTES, NodeCurves, kv_max_msg_size
 from pdserve.common.transport import (
     NAMED_ROUTER_HEARTBEAT_MS,
     SendError,
@@ -48,15 +51,16 @@ from pdserve.common.transport import (
     send_message,
     send_routed,
 )
+from pdserve.node.kv_out import KVOut
 from pdserve.node.routers import Link, RouterLinks
 
 log = logging.getLogger(__name__)
 
 CONTROL, KV_IN, KV_OUT = "control", "kv_in", "kv_out"
+NOBLOCK = int(zmq.NOBLOCK)  # a plain int: pyzmq's Flag enum costs an object per use
 INBOX_MAX = 10_000        # received messages not yet taken: past it, sockets are not read
 OUTBOX_MAX = 100_000      # messages to send: past it, the compute loop waits (backpressure)
-KV_OUT_IDLE_S = 120.0     # a KV socket to a decode node unused this long is closed
-MAX_KV_OUT = 256          # KV sockets open at once; past it, the least recently used closes
+POLL_MAX_MS = 500         # the longest the thread sleeps between turns with nothing to do
 # Message budgets on a decode node's KV socket (rate_limit.py): a prefill node that an open
 # reservation names sends at full speed; every other peer shares one small budget.
 KV_PEER_MSGS_PER_S, KV_PEER_BURST = 20_000.0, 40_000.0
@@ -107,13 +111,27 @@ class NodeIO(threading.Thread):
         os.set_blocking(self._wake_w, False)
         self._pipe_lock = threading.Lock()   # no write to the pipe once it is closed
         self._woken = False  # the pipe was written since the thread last read it
-        self._kv_used: dict[str, float] = {}  # KV address -> last send
+        self._lock = threading.Lock()  # the control sockets, self.links (the docstring)
+        self._open = False    # the control sockets are there to send on (under _lock)
+        self._queued = self._flushed = 0  # control messages queued; of those, sent
         self._stopping = threading.Event()
 
     # -- called from the compute thread ------------------------------------------------
     def send_control(self, msg: P.Message, to: str | None = None) -> None:
         """To the routers the message concerns (routers.py), or only to the router ``to``
-        (its control endpoint)."""
+        (its control endpoint). Sent from here when the I/O thread is between turns and
+        has sent every one queued before it (the order is kept); queued otherwise."""
+        if self._queued == self._flushed and self._lock.acquire(blocking=False):
+            try:
+                if self._open and self._queued == self._flushed:
+                    self._send_control(to, msg)
+                    return
+            finally:
+                if self._open and not self.inbox.full() and \
+                        any(link.readable for link in self.links.links.values()):
+                    self._wake()  # a message to read (its signal this send may have taken)
+                self._lock.release()
+        self._queued += 1
         self._put(CONTROL, to, msg)
 
     def send_kv_reply(self, peer: bytes, msg: P.Message) -> None:
@@ -173,73 +191,69 @@ class NodeIO(threading.Thread):
                 socks.append(kv_in)
                 address = advertised(endpoint_of(kv_in), self.advertise_host)
                 self.hello = msgspec.structs.replace(self.hello, kv_address=address)
-            kv_out: dict[str, zmq.Socket] = {}
             poller = zmq.Poller()
+            kv_out = KVOut(ctx, poller, socks, self.peer_identity(),
+                           self.curve.kv_client if self.curve else None)
             if kv_in is not None:
                 poller.register(kv_in, zmq.POLLIN)
             poller.register(self._wake_r, zmq.POLLIN)
-            self._sync_links(ctx, poller, socks)
+            with self._lock:
+                self._sync_links(ctx, poller, socks)
+                self._open = True
             next_beat = time.monotonic() + self.heartbeat_interval_s
             paused = zmq.Poller()  # while the inbox is full: only the wake pipe
             paused.register(self._wake_r, zmq.POLLIN)
             while not self._stopping.is_set():
+                with self._lock:  # read last before the poll, for its descriptor to signal
+                    unread = any(link.readable for link in self.links.links.values())
                 timeout_ms = max(0, int((next_beat - time.monotonic()) * 1000))
                 if self.inbox.full():  # backpressure: peers meet their high-water marks
                     events = dict(paused.poll(min(timeout_ms, 10)))
                 else:
-                    events = dict(poller.poll(min(timeout_ms, 500)))
-                if self._wake_r in events:
-                    # Read, then clear, then flush. Cleared before the read, a put in between
-                    # writes a byte this read takes too, leaving the flag set with the pipe
-                    # empty: every later put skips its write and waits for some socket event
-                    # (or the poll's timeout, up to 500 ms) to be sent.
-                    os.read(self._wake_r, 4096)
-                    self._woken = False
-                    if self.links.stale():
-                        self._sync_links(ctx, poller, socks)
-                self._drain_controls(events)
-                if kv_in is not None and kv_in in events:
-                    self._drain(kv_in, KV_IN, KV_IN_TYPES, routed=True)
-                for address, sock in list(kv_out.items()):
-                    if sock in events:
-                        self._drain(sock, KV_OUT, KV_OUT_TYPES, peer=address)
-                self._flush(kv_in, kv_out, ctx, poller, socks)
-                if time.monotonic() >= next_beat:
-                    self.links.broadcast(P.Heartbeat(node_id=self.hello.node_id,
-                                                     stats=self.stats))
-                    next_beat = time.monotonic() + self.heartbeat_interval_s
-                    self.links.check(self.hello, self.heartbeat_interval_s)
-                    if self.links.stale():  # a router etcd dropped may have gone silent
-                        self._sync_links(ctx, poller, socks)
-                    self._close_idle(kv_out, poller, socks)
+                    events = dict(poller.poll(0 if unread else min(timeout_ms, POLL_MAX_MS)))
+                with self._lock:  # (a direct send waits for none of it: see send_control)
+                    if self._wake_r in events:
+                        # Read, then clear, then flush. Cleared before the read, a put in
+                        # between writes a byte this read takes too, leaving the flag set
+                        # with the pipe empty: every later put skips its write and waits
+                        # for some socket event (or the poll's timeout) to be sent.
+                        os.read(self._wake_r, 4096)
+                        self._woken = False
+                        if self.links.stale():
+                            self._sync_links(ctx, poller, socks)
+                    self._drain_controls()
+                    if kv_in is not None and kv_in in events:
+                        self._drain(kv_in, KV_IN, KV_IN_TYPES, routed=True)
+                    for address, sock in list(kv_out.by_address.items()):
+                        if sock in events:
+                            self._drain(sock, KV_OUT, KV_OUT_TYPES, peer=address)
+                    self._flush(kv_in, kv_out)
+                    if time.monotonic() >= next_beat:
+                        self.links.broadcast(P.Heartbeat(node_id=self.hello.node_id,
+                                                         stats=self.stats))
+                        next_beat = time.monotonic() + self.heartbeat_interval_s
+                        self.links.check(self.hello, self.heartbeat_interval_s)
+                        if self.links.stale():  # a router etcd dropped may have gone silent
+                            self._sync_links(ctx, poller, socks)
+                        kv_out.close_idle()
             # Tell the routers we are going, if they are still there.
-            self.links.broadcast(P.Bye(node_id=self.hello.node_id, reason="shutdown"))
+            with self._lock:
+                self._open = False
+                self.links.broadcast(P.Bye(node_id=self.hello.node_id, reason="shutdown"))
         except BaseException as exc:  # surfaced to the compute loop, which stops the node
             log.exception("node I/O thread failed")
             self.failure = exc
             self.welcomed.set()
         finally:
-            for s in socks:
-                s.close()
+            with self._lock:
+                self._open = False
+                for s in socks:
+                    s.close()
             ctx.term()
             with self._pipe_lock:
                 os.close(self._wake_r)
                 os.close(self._wake_w)
                 self._wake_w = None
-
-    def _close_idle(self, kv_out: dict, poller, socks, keep: int = MAX_KV_OUT) -> None:
-        """Closes KV sockets of decode nodes not sent to for KV_OUT_IDLE_S (gone, most
-        likely), and the least recently used past ``keep`` open ones."""
-        now = time.monotonic()
-        by_age = sorted(kv_out, key=lambda a: self._kv_used.get(a, 0.0))
-        for i, address in enumerate(by_age):
-            if now - self._kv_used.get(address, 0.0) > KV_OUT_IDLE_S or len(by_age) - i > keep:
-                sock = kv_out.pop(address)
-                self._kv_used.pop(address, None)
-                poller.unregister(sock)
-                socks.remove(sock)
-                sock.close()
-                log.info("closed the idle KV socket to %s", address)
 
     def _sync_links(self, ctx, poller, socks) -> None:
         """Opens a control socket to each router newly wanted (and says Hello on it);
@@ -257,10 +271,10 @@ class NodeIO(threading.Thread):
                                            self.heartbeat_interval_s):
             self._inbox_put(InboxItem(CONTROL, endpoint, abort))
 
-    def _drain_controls(self, events) -> None:
-        """One message from each router with something to read, in turn, until none has
-        more (or the inbox is full): every router's requests get the same share."""
-        ready = [link for link in self.links.in_turn() if link.sock in events]
+    def _drain_controls(self) -> None:
+        """One message from each router with something to read (its events say, whatever
+        the poll said), in turn, until none has more or the inbox is full: fair shares."""
+        ready = [link for link in self.links.in_turn() if link.readable]
         while ready and not self.inbox.full():
             ready = [link for link in ready if self._drain(link.sock, CONTROL, CONTROL_IN,
                                                            link=link, one=True)]
@@ -338,42 +352,45 @@ class NodeIO(threading.Thread):
         except SendError:
             pass
 
-    def _flush(self, kv_in, kv_out, ctx, poller, socks) -> None:
+    def _flush(self, kv_in, kv_out: KVOut) -> None:
         while True:
             try:
                 channel, peer, msg = self._outbox.get_nowait()
             except queue.Empty:
                 return
+            if channel == CONTROL:
+                self._send_control(peer, msg)
+                self._flushed += 1
+                continue
             try:
-                if channel == CONTROL:
-                    routes = self.links.route(msg) if peer is None else \
-                        [(link, msg) for link in [self.links.links.get(peer)] if link is not None]
-                    for link, part in routes:
-                        send_message(link.sock, part, flags=zmq.NOBLOCK)
-                elif channel == KV_IN:
+                if channel == KV_IN:
                     send_routed(kv_in, peer, msg)
-                else:
-                    sock = kv_out.get(peer)
-                    if sock is None:
-                        self._close_idle(kv_out, poller, socks, keep=MAX_KV_OUT - 1)
-                        sock = make_socket(ctx, zmq.DEALER, connect=peer,
-                                           identity=self.peer_identity(),
-                                           max_msg_size=KV_ACK_MAX_MSG_BYTES,
-                                           curve=self.curve.kv_client if self.curve else None)
-                        kv_out[peer] = sock
-                        socks.append(sock)
-                        poller.register(sock, zmq.POLLIN)
-                    self._kv_used[peer] = time.monotonic()
-                    send_message(sock, msg, flags=zmq.NOBLOCK)
+                    continue
+                send_message(kv_out.socket(peer), msg, flags=NOBLOCK)
             except zmq.ZMQError as exc:  # e.g. an address that cannot be connected to
                 log.warning("cannot connect to %r for %s: %s", peer, type(msg).__name__, exc)
                 self._inbox_put(InboxItem(channel, peer, P.Error(
                     req_id=getattr(msg, "req_id", None), code=E.UNREACHABLE,
                     message=f"cannot connect to {peer!r}: {exc}")))
             except SendError as exc:
-                # Never silent: the compute loop learns the send failed and ends the request.
-                log.warning("send on %s to %r failed: %s", channel, peer, exc)
-                req_id = getattr(msg, "req_id", None)
-                self._inbox_put(InboxItem(channel, peer, P.Error(
-                    req_id=req_id, code=E.TIMEOUT if exc.reason == "full" else E.INTERNAL,
-                    message=f"send to {peer or 'router'} failed: {exc}")))
+                self._send_failed(channel, peer, msg, exc)
+
+    def _send_control(self, to: str | None, msg: P.Message) -> list[Link]:
+        """Sends to the routers ``msg`` concerns (or to ``to``), under ``_lock``; the links
+        it used."""
+        routes = self.links.route(msg) if to is None else \
+            [(link, msg) for link in [self.links.links.get(to)] if link is not None]
+        for link, part in routes:
+            try:
+                send_message(link.sock, part, flags=NOBLOCK)
+            except SendError as exc:
+                self._send_failed(CONTROL, to, part, exc)
+        return [link for link, _ in routes]
+
+    def _send_failed(self, channel: str, peer, msg: P.Message, exc: SendError) -> None:
+        """Never silent: the compute loop learns the send failed and ends the request."""
+        log.warning("send on %s to %r failed: %s", channel, peer, exc)
+        self._inbox_put(InboxItem(channel, peer, P.Error(
+            req_id=getattr(msg, "req_id", None),
+            code=E.TIMEOUT if exc.reason == "full" else E.INTERNAL,
+            message=f"send to {peer or 'router'} failed: {exc}")))

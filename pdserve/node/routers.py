@@ -14,8 +14,9 @@ their tokens go nowhere) and the compute loop keeps them for a resume, which mov
 stream to the router that asked (``Resumed``; a router that then does not want it hands
 it back, ``Release``). A router may abort only its own requests.
 
-Owned by the node's I/O thread, except ``set_wanted``, which any thread may call (the
-etcd watch does): it replaces the wanted list whole and wakes the I/O thread.
+Used under the node's I/O lock (node/io.py), by its I/O thread or by a send from the
+compute thread, except ``set_wanted``, which any thread may call (the etcd watch does): it
+replaces the wanted list whole and wakes the I/O thread.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 MAX_OWNED = 200_000  # requests whose router is remembered; past it the oldest are forgotten
 ITEMS = (P.FirstTokens, P.ReserveReply, P.TokenBatch)  # one message, many requests
 ORPHAN = ""  # the owner of a stream whose router is gone: what is about it goes nowhere
+EVENTS, POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enums cost objects
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,17 @@ class Link:
     last_message: float = 0.0   # anything heard from the router
     next_hello: float = 0.0     # a silent router is said Hello again once per window
     owned: set = field(default_factory=set)
+
+    @property
+    def fd(self) -> int:
+        return self.sock.getsockopt(zmq.FD)
+
+    @property
+    def readable(self) -> bool:
+        """Whether the router's socket holds a message. ZeroMQ's descriptor signals an
+        arrival only once this (or a receive) found the socket empty, and any operation on
+        the socket may take that signal: read it last before waiting on the descriptor."""
+        return bool(self.sock.getsockopt(EVENTS) & POLLIN)
 
 
 class RouterLinks:
@@ -117,14 +130,15 @@ class RouterLinks:
             told = self.orphan(link, "its router left the cluster")
             if told is not None:
                 aborts.append((link.endpoint, told))
-            poller.unregister(link.sock)
+            poller.unregister(link.fd)
             socks.remove(link.sock)
             link.sock.close(linger=0)
         for endpoint in self.added():
             sock = open_control(endpoint)
             socks.append(sock)
-            poller.register(sock, zmq.POLLIN)
-            self.send(self.open(endpoint, sock, time.monotonic()), hello)
+            link = self.open(endpoint, sock, time.monotonic())
+            poller.register(link.fd, zmq.POLLIN)  # its descriptor: see node/io.py
+            self.send(link, hello)
         return aborts
 
     def send(self, link: Link, msg: P.Message) -> None:
@@ -236,7 +250,8 @@ class RouterLinks:
     def _resumed(self, msg: P.Resumed) -> list[tuple[Link, P.Message]]:
         """A Resume's answer goes to the router that asked; a stream handed over is that
         router's from here on: every message about it queued after this one goes there
-        (this thread routes the outbox in order), every one before went to its old owner.
+        (messages are routed in the order they leave), every one before went to its old
+        owner.
         An old owner still linked (the producer resumed while its router still served the
         stream) is told it moved, after the last of its tokens, so that it ends its
         request now rather than at its deadline."""
