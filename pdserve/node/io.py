@@ -372,25 +372,24 @@ class NodeIO(threading.Thread):
                 self._inbox_put(InboxItem(channel, peer, P.Error(
                     req_id=getattr(msg, "req_id", None), code=E.UNREACHABLE,
                     message=f"cannot connect to {peer!r}: {exc}")))
-            except SendError as exc:
+            except (SendError, P.ProtocolError) as exc:
                 self._send_failed(channel, peer, msg, exc)
 
-    def _send_control(self, to: str | None, msg: P.Message) -> list[Link]:
-        """Sends to the routers ``msg`` concerns (or to ``to``), under ``_lock``; the links
-        it used."""
+    def _send_control(self, to: str | None, msg: P.Message) -> None:
+        """Sends to the routers ``msg`` concerns (or to ``to``), under ``_lock``."""
         routes = self.links.route(msg) if to is None else \
             [(link, msg) for link in [self.links.links.get(to)] if link is not None]
         for link, part in routes:
             try:
                 send_message(link.sock, part, flags=NOBLOCK)
-            except SendError as exc:
+            except (SendError, P.ProtocolError) as exc:  # full, gone, or cannot be encoded
                 self._send_failed(CONTROL, to, part, exc)
-        return [link for link, _ in routes]
 
-    def _send_failed(self, channel: str, peer, msg: P.Message, exc: SendError) -> None:
+    def _send_failed(self, channel: str, peer, msg: P.Message,
+                     exc: SendError | P.ProtocolError) -> None:
         """Never silent: the compute loop learns the send failed and ends the request."""
         log.warning("send on %s to %r failed: %s", channel, peer, exc)
         self._inbox_put(InboxItem(channel, peer, P.Error(
             req_id=getattr(msg, "req_id", None),
-            code=E.TIMEOUT if exc.reason == "full" else E.INTERNAL,
+            code=E.TIMEOUT if getattr(exc, "reason", None) == "full" else E.INTERNAL,
             message=f"send to {peer or 'router'} failed: {exc}")))

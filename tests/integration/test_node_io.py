@@ -12,6 +12,7 @@ import time
 import pytest
 import zmq
 
+from pdserve.common import errors as E
 from pdserve.common import protocol as P
 from pdserve.node import io as node_io
 from pdserve.node.io import NodeIO
@@ -85,6 +86,29 @@ def test_a_burst_arrives_whole_and_in_order_with_few_wake_ups(io_and_router):
         io.send_control(error(f"late{i}"))
         driver.take(P.Error, lambda m, r=f"late{i}": m.req_id == r, timeout_s=10)
     assert len(wakes) - before < 10, len(wakes) - before
+
+
+def test_a_message_that_cannot_be_encoded_fails_alone(io_and_router):
+    """An Error whose text holds a lone surrogate (a client's JSON can carry one, escaped)
+    cannot be encoded: the compute loop is told (an Error for that request in its inbox),
+    and the next message still leaves, whether sent from the compute thread or queued for
+    the I/O thread (which, before, died of it and took the node down)."""
+    io, driver = io_and_router
+    io.start()
+    assert io.welcomed.wait(30) and io.welcome.accepted
+    for how in ("direct", "queued"):
+        bad = P.Error(req_id=f"bad-{how}", code="bad_message", message="\ud800")
+        if how == "queued":
+            with io._lock:
+                io.send_control(bad)
+        else:
+            io.send_control(bad)
+        item = io.inbox.get(timeout=10)
+        assert (item.msg.req_id, item.msg.code) == (f"bad-{how}", E.INTERNAL), item
+        assert "cannot pack" in item.msg.message
+        io.send_control(error(f"after-{how}"))
+        driver.take(P.Error, lambda m, r=f"after-{how}": m.req_id == r, timeout_s=10)
+    assert io.is_alive() and io.failure is None
 
 
 def test_a_router_message_arriving_while_the_compute_thread_sends_is_read(monkeypatch):
