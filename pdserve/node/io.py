@@ -9,7 +9,7 @@ One exception, for speed: a message to the routers leaves from the compute
 thread itself (``send_control``, NOBLOCK; that thread only) when this thread
 is between turns and has sent every control message queued before it (a KV
 message queued earlier may leave later: no peer relies on that order). Waking
-this thread for each token took ~0.1 ms of a batch-1 token's time (RESULTS.md).
+this thread for each token cost up to ~0.1 ms of a batch-1 token (RESULTS.md).
 ``_lock`` guards the control sockets and routers.py's state. This thread polls
 those sockets' descriptors, not the sockets (``Link.readable`` in routers.py
 says why), and a sender wakes it when a message waits unread.
