@@ -2,8 +2,9 @@
 against the stand-in router: what the compute loop hands it reaches the router whole and
 in order, whether it leaves from the compute thread or is queued for the I/O thread; a
 queued burst wakes the thread far fewer times than it has messages, a put that races the
-thread's read of its wake pipe does not stop later puts waking it, and a router's message
-arriving while the compute thread sends is still read."""
+thread's read of its wake pipe does not stop later puts waking it, a router's message
+arriving while the compute thread sends is still read, and neither a message that cannot be
+encoded nor a router that stops reading stops the node."""
 import os
 import queue
 import threading
@@ -14,6 +15,7 @@ import zmq
 
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
+from pdserve.common.transport import endpoint_of, make_socket
 from pdserve.node import io as node_io
 from pdserve.node.io import NodeIO
 from tests import node_driver
@@ -109,6 +111,36 @@ def test_a_message_that_cannot_be_encoded_fails_alone(io_and_router):
         io.send_control(error(f"after-{how}"))
         driver.take(P.Error, lambda m, r=f"after-{how}": m.req_id == r, timeout_s=10)
     assert io.is_alive() and io.failure is None
+
+
+def test_a_router_that_stops_reading_fails_messages_not_the_node(monkeypatch):
+    """A router that reads nothing (not even the Hello): the node's sends fill its queue to
+    the high-water mark (made 1,000 here, for time), and then each message that does not
+    fit comes back to the compute loop as a TIMEOUT Error for its request. The compute
+    thread is never blocked, nothing is dropped in silence, and the I/O thread lives on."""
+    monkeypatch.setattr(node_io, "OUTBOX_MAX", 1000)
+    ctx = zmq.Context()
+    router = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*")  # never read
+    io = NodeIO([endpoint_of(router)], hello())
+    try:
+        io.start()
+        failed = None
+        for i in range(400_000):  # the kernel's socket buffers hold some 100,000 too
+            io.send_control(error(f"r{i}"))
+            if not io.inbox.empty():
+                failed = io.inbox.get_nowait()
+                break
+        assert failed is not None, "the router's queue never filled"
+        # (sent from this thread, or queued behind an I/O turn and failed there)
+        assert failed.msg.code == E.TIMEOUT, failed
+        assert node_io.OUTBOX_MAX <= int(failed.msg.req_id[1:]) <= i  # at the mark, not sooner
+        assert io.is_alive() and io.failure is None
+    finally:
+        io.stop()
+        if io.is_alive():
+            io.join(timeout=5)
+        router.close(0)
+        ctx.term()
 
 
 def test_a_router_message_arriving_while_the_compute_thread_sends_is_read(monkeypatch):
