@@ -174,6 +174,9 @@ async def async_recv_routed(sock: zmq.asyncio.Socket, expected: Optional[tuple] 
 
 # ---------------------------------------------------------------- asyncio without futures
 
+# Plain ints of the constants a per-message path passes: pyzmq's enum members cost an
+# object (a Flag operation) each time they are tested or combined.
+EVENTS, POLLIN, NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 DRAIN_MAX = 256  # messages received without an await before the event loop gets a turn
 
 
@@ -230,8 +233,7 @@ class PlainTwin:
             loop.add_reader(self._fd, self._wake)
             self._loop = loop
         sock = self.plain
-        # (plain ints: pyzmq's enum constants cost a Flag object per test)
-        events, pollin, noblock = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+        events, pollin, noblock = EVENTS, POLLIN, NOBLOCK
         while True:
             for _ in range(limit):
                 if not sock.getsockopt(events) & pollin:

@@ -42,6 +42,7 @@ from pdserve.common.rate_limit import PeerBudgets
 from pdserve.common.security import CONTROL_MAX_MSG_BYTES, NodeCurves, kv_max_msg_size
 from pdserve.common.transport import (
     NAMED_ROUTER_HEARTBEAT_MS,
+    NOBLOCK,
     SendError,
     Throttled,
     endpoint_of,
@@ -57,7 +58,6 @@ from pdserve.node.routers import Link, RouterLinks
 log = logging.getLogger(__name__)
 
 CONTROL, KV_IN, KV_OUT = "control", "kv_in", "kv_out"
-NOBLOCK = int(zmq.NOBLOCK)  # a plain int: pyzmq's Flag enum costs an object per use
 INBOX_MAX = 10_000        # received messages not yet taken: past it, sockets are not read
 OUTBOX_MAX = 100_000      # messages to send: past it, the compute loop waits (backpressure)
 POLL_MAX_MS = 500         # the longest the thread sleeps between turns with nothing to do
@@ -211,6 +211,12 @@ class NodeIO(threading.Thread):
                     events = dict(paused.poll(min(timeout_ms, 10)))
                 else:
                     events = dict(poller.poll(0 if unread else min(timeout_ms, POLL_MAX_MS)))
+                # The KV sockets are this thread's alone: read outside the lock.
+                if kv_in is not None and kv_in in events:
+                    self._drain(kv_in, KV_IN, KV_IN_TYPES, routed=True)
+                for address, sock in list(kv_out.by_address.items()):
+                    if sock in events:
+                        self._drain(sock, KV_OUT, KV_OUT_TYPES, peer=address)
                 with self._lock:  # (a direct send waits for none of it: see send_control)
                     if self._wake_r in events:
                         # Read, then clear, then flush. Cleared before the read, a put in
@@ -222,11 +228,6 @@ class NodeIO(threading.Thread):
                         if self.links.stale():
                             self._sync_links(ctx, poller, socks)
                     self._drain_controls()
-                    if kv_in is not None and kv_in in events:
-                        self._drain(kv_in, KV_IN, KV_IN_TYPES, routed=True)
-                    for address, sock in list(kv_out.by_address.items()):
-                        if sock in events:
-                            self._drain(sock, KV_OUT, KV_OUT_TYPES, peer=address)
                     self._flush(kv_in, kv_out)
                     if time.monotonic() >= next_beat:
                         self.links.broadcast(P.Heartbeat(node_id=self.hello.node_id,

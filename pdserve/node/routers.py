@@ -29,14 +29,13 @@ import zmq
 
 from pdserve.common import errors as E
 from pdserve.common import protocol as P
-from pdserve.common.transport import SendError, send_message
+from pdserve.common.transport import EVENTS, POLLIN, SendError, send_message
 
 log = logging.getLogger(__name__)
 
 MAX_OWNED = 200_000  # requests whose router is remembered; past it the oldest are forgotten
 ITEMS = (P.FirstTokens, P.ReserveReply, P.TokenBatch)  # one message, many requests
 ORPHAN = ""  # the owner of a stream whose router is gone: what is about it goes nowhere
-EVENTS, POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enums cost objects
 
 
 @dataclass(frozen=True)
