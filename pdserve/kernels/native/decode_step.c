@@ -22,6 +22,8 @@
  *   are the same), split further by kv head and spread over the team: a kv head's sums are
  *   its own, so the result depends on neither the thread nor the split.
  * - A thread done with its share of a phase takes what is left of the others' (take).
+ * - While gate and up stream their weights, each thread asks for the next layer's K and V
+ *   rows that its share of that layer's attention will read (kv_ahead).
  * A greedy batch's step can also look its tokens up (look_up) and pick them from a Q8_0
  * LM head (final_rows), so that a decode step is one call from token ids to tokens.
  */
@@ -203,6 +205,60 @@ static void split_spans(uint64_t *spans, size_t stride, int phase, int n, int nt
     }
 }
 
+/* The next layer's K and V, asked for into L2 while this layer's gate and up stream their
+ * weights: attention reads a few hundred positions of cache rows scattered over pages, and
+ * after a step's ~100 MB of weights have passed through the caches every row is a miss
+ * that the next one waits behind (the kernel's own prefetch, one tile ahead, is too short
+ * a distance). Asked for during gate/up, the misses overlap the weights' stream. A thread
+ * asks for the rows of its own share of the next layer's attention items (the even split
+ * of their span, which it takes first), a few rows per gate/up chunk it computes. */
+typedef struct {
+    int c, c1;   /* attention items [c, c1): (task, kv head) as the attention phase numbers them */
+    int t;       /* the next position of item c */
+    int per;     /* positions asked for per gate/up chunk */
+} kv_ahead;
+
+#ifndef KV_AHEAD
+#define KV_AHEAD 1  /* 0: not asked for ahead (benchmarks/decode_step_builds.py compares) */
+#endif
+
+/* own: the thread's span of the next layer's attention items; chunks: how many gate/up
+ * chunks it has of its own */
+static kv_ahead kv_ahead_plan(const uint64_t *own, const da_task *tasks, int KVH, int chunks) {
+    const uint64_t v = __atomic_load_n(own, __ATOMIC_RELAXED);
+    kv_ahead k = {(int)(uint32_t)v, (int)(uint32_t)(v >> 32), 0, 0};
+    int64_t rows = 0;
+    for (int c = k.c; c < k.c1; c++) rows += tasks[c / KVH].t1 - tasks[c / KVH].t0;
+    k.per = chunks > 0 ? (int)((rows + chunks - 1) / chunks) : 0;
+    return k;
+}
+
+static void kv_ahead_next(kv_ahead *k, const pd_model *m, const pd_layer *ly,
+                          const da_task *tasks, const int32_t *tables, int64_t bt_s) {
+    const int KVH = m->KVH, D = m->D, bs = m->block_size;
+    const int64_t page = (int64_t)bs * KVH * D, row = (int64_t)KVH * D;
+    for (int n = KV_AHEAD ? k->per : 0; n > 0 && k->c < k->c1;) {
+        const da_task *tk = &tasks[k->c / KVH];
+        if (k->t < tk->t0) k->t = tk->t0;
+        if (k->t >= tk->t1) {
+            k->c++;
+            k->t = 0;
+            continue;
+        }
+        const int64_t blk = tables[tk->b * bt_s + k->t / bs];
+        if (blk >= 0) {
+            const int64_t at = (blk * page + (int64_t)(k->t % bs) * row
+                                + (int64_t)(k->c % KVH) * D) * 2;
+            for (int x = 0; x < D * 2; x += 64) {
+                _mm_prefetch(ly->k_cache + at + x, _MM_HINT_T1);
+                _mm_prefetch(ly->v_cache + at + x, _MM_HINT_T1);
+            }
+        }
+        k->t++;
+        n--;
+    }
+}
+
 /* blocks of 16 outputs of an int4 projection with k inputs (10 bytes a group of 32 an
  * output) in about CHUNK_BYTES of weights */
 static inline int chunk_blocks(int k) {
@@ -378,7 +434,15 @@ int pd_decode_step(const pd_layer *layers, const pd_model *m, int B, bf16 *x,
                                s.sx, s.sumx, B, (char *)x, (size_t)hidden * 2, 1);
 #pragma omp barrier
             norm_rows(m, B, x, ly->ln2, 0, &s);
+            kv_ahead ahead = {0, 0, 0, 0};
+            if (li + 1 < m->L) {
+                const uint64_t gate_up = __atomic_load_n(sp + 3 + (size_t)t * stride,
+                                                         __ATOMIC_RELAXED);
+                ahead = kv_ahead_plan(sp + PHASES + 1 + (size_t)t * stride, tasks, KVH,
+                                      (int)(uint32_t)(gate_up >> 32) - (int)(uint32_t)gate_up);
+            }
             while ((c = take(sp + 3, stride, t, threads)) >= 0) {  /* gate's blocks and up's */
+                kv_ahead_next(&ahead, m, &layers[li + 1], tasks, tables, bt_s);
                 const int c0 = c * gc, c1 = min_int(c0 + gc, I / 16);
                 pd_int4_blocks(ly->gate_up, hidden, c0, c1, s.xq, s.sx, s.sumx, B, (char *)gu,
                                (size_t)I * 4, 1);

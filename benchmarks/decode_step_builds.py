@@ -1,0 +1,127 @@
+"""Two builds of the native CPU kernels side by side in one engine: the library as shipped
+against one built with ``-D`` flags that switch a piece of it off (issue 34, item 4).
+
+On a shared 2-core machine the step moves by tens of percent from one minute to the next,
+so two runs one after the other cannot tell a few percent apart. Here one Engine (the
+default model, bfloat16, its int4 projections: launch's defaults on this CPU) serves
+``--batch`` greedy sequences, and its native decode step is switched between the two
+libraries every ``--segment`` steps, in ABBA order (the context grows through a round: the
+build that runs second would otherwise always see the longer one). Printed per build: the
+step's median and mean; then the median of the paired differences between segments of a
+round, how many rounds the default build won, and the ratio of the medians.
+
+    python benchmarks/decode_step_builds.py --define KV_AHEAD=0 [--batch 1,16]
+        [--rounds 40] [--segment 20] [--prompt-len 32] [--max-len 400]
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+
+def build(defines: list[str], out: Path) -> ctypes.CDLL:
+    """The native library built as the nodes build it, plus ``-D`` defines."""
+    from pdserve.kernels import native
+
+    subprocess.run(["cc", *native.CFLAGS, *(f"-D{d}" for d in defines), "-o", str(out),
+                    *map(str, native.SOURCES)], check=True)
+    return ctypes.CDLL(str(out))
+
+
+def compare(engine, steps: list, batch: int, rounds: int, segment: int, prompt_len: int,
+            max_len: int) -> tuple[list[list[float]], list[list[float]]]:
+    """Per build: every step's seconds, and each round's segment median."""
+    import torch
+
+    from pdserve.common.sampling import SamplingParams
+    from pdserve.kernels.native import decode_step
+
+    gen = torch.Generator().manual_seed(batch)
+    live: list[str] = []
+
+    def restart():
+        for req_id in live:
+            engine.finish(req_id)
+        while engine.has_unfinished():
+            engine.step()
+        live.clear()
+        for _ in range(batch):
+            req_id = f"{batch}-{time.monotonic_ns()}-{len(live)}"
+            prompt = torch.randint(3, 40000, (prompt_len,), generator=gen).tolist()
+            engine.add_request(req_id, prompt, SamplingParams(
+                max_tokens=max_len, temperature=0, ignore_eos=True))
+            live.append(req_id)
+        for _ in range(2):  # the prefill, and a decode step
+            engine.step()
+
+    times: list[list[float]] = [[], []]
+    medians: list[list[float]] = [[], []]
+    restart()
+    decoded = 0
+    for r in range(rounds):
+        if decoded + 2 * segment > max_len - 8:
+            restart()
+            decoded = 0
+        for which in ((0, 1) if r % 2 == 0 else (1, 0)):
+            decode_step._fn = steps[which]
+            seg = []
+            for _ in range(segment):
+                t0 = time.perf_counter()
+                engine.step()
+                seg.append(time.perf_counter() - t0)
+            decoded += segment
+            times[which] += seg
+            medians[which].append(statistics.median(seg))
+    return times, medians
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--define", action="append", required=True,
+                    help="a -D flag for the other build (repeatable): KV_AHEAD=0")
+    ap.add_argument("--batch", default="1,16", help="sequences decoded at once, comma-separated")
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--segment", type=int, default=20, help="steps before switching builds")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--max-len", type=int, default=400, help="tokens a sequence decodes")
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+
+    from pdserve.bench.cluster import machine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import Engine
+    from pdserve.kernels.native import decode_step
+
+    engine = Engine(EngineConfig(dtype="bfloat16", quantization="auto", threads=a.threads,
+                                 kv_cache_memory_gb=1 / 4), detokenize=False)
+    if engine.model.native_step is None:
+        raise SystemExit("the native decode step does not serve this model here")
+    shipped = decode_step._fn()  # the library the node loaded
+    with tempfile.TemporaryDirectory() as tmp:
+        other = build(a.define, Path(tmp) / "other.so").pd_decode_step
+        other.argtypes, other.restype = shipped.argtypes, shipped.restype
+        steps = [lambda: shipped, lambda: other]
+        names = ["as shipped", " ".join(f"-D{d}" for d in a.define)]
+        print(f"{datetime.now():%Y-%m-%d %H:%M}; {machine()}; threads {a.threads}; "
+              f"{a.rounds} rounds of 2 x {a.segment} steps, ABBA")
+        for batch in (int(b) for b in a.batch.split(",")):
+            times, medians = compare(engine, steps, batch, a.rounds, a.segment,
+                                     a.prompt_len, a.max_len)
+            for name, ts in zip(names, times):
+                print(f"batch {batch:3d} {name:>16}: step median {statistics.median(ts) * 1e3:7.3f}"
+                      f" ms, mean {statistics.mean(ts) * 1e3:7.3f}")
+            diffs = [x - y for x, y in zip(medians[0], medians[1])]
+            print(f"batch {batch:3d} as shipped - other: median paired difference "
+                  f"{statistics.median(diffs) * 1e3:+.3f} ms, faster in "
+                  f"{sum(d < 0 for d in diffs)}/{len(diffs)} rounds; ratio of medians "
+                  f"{statistics.median(times[0]) / statistics.median(times[1]):.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
