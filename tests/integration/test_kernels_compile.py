@@ -31,9 +31,13 @@ def compiler_env() -> dict[str, str]:
     return env
 
 
+COMPILE = [sys.executable, "-m", "pdserve.cli", "kernels", "compile"]
+ARCHS = {"default": None, "qwen2": "qwen2", "mistral": "mistral"}
+
+
 def run_compile(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdserve.cli", "kernels", "compile", *args],
-                          capture_output=True, text=True, timeout=280, env=compiler_env())
+    return subprocess.run([*COMPILE, *args], capture_output=True, text=True, timeout=280,
+                          env=compiler_env())
 
 
 def defined_kernels() -> set[str]:
@@ -54,10 +58,40 @@ def model_config(tmp_path: Path, arch: str) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("arch", [None, "qwen2", "mistral"], ids=["default", "qwen2", "mistral"])
-def test_every_kernel_compiles_for_sm80_and_sm90(tmp_path, arch):
-    args = ["--arch", "80,90"] + (["--model", model_config(tmp_path, arch)] if arch else [])
-    out = run_compile(*args)
+@pytest.fixture(scope="module")
+def compiles(tmp_path_factory):
+    """The compile command for each model, all started at once (each compiler is one
+    thread: on 2 cores the three take about half the time one after another would); a
+    test waits for its own. Their output goes to files (a full pipe would stall one)."""
+    tmp = tmp_path_factory.mktemp("compile")
+    runs = {}
+    try:
+        for name, arch in ARCHS.items():
+            args = ["--arch", "80,90"] + (["--model", model_config(tmp, arch)] if arch else [])
+            out, err = open(tmp / f"{name}.out", "w+"), open(tmp / f"{name}.err", "w+")
+            runs[name] = (subprocess.Popen([*COMPILE, *args], stdout=out, stderr=err,
+                                           text=True, env=compiler_env()), out, err)
+        yield runs
+    finally:
+        for proc, out, err in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            out.close()
+            err.close()
+
+
+def finished(run, timeout_s: float) -> subprocess.CompletedProcess:
+    proc, out, err = run
+    proc.wait(timeout=timeout_s)
+    out.seek(0)
+    err.seek(0)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_every_kernel_compiles_for_sm80_and_sm90(compiles, arch):
+    out = finished(compiles[arch], timeout_s=280)
     lines = [line for line in out.stdout.splitlines() if not line.startswith("#")]
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     rows = [LINE.match(line) for line in lines[:-1]]
