@@ -99,7 +99,7 @@ def main() -> None:
     from pdserve.kernels.native import decode_step
 
     engine = Engine(EngineConfig(dtype="bfloat16", quantization="auto", threads=a.threads,
-                                 kv_cache_memory_gb=1 / 4), detokenize=False)
+                                 kv_cache_memory_gb=0.5), detokenize=False)
     if engine.model.native_step is None:
         raise SystemExit("the native decode step does not serve this model here")
     shipped = decode_step._fn()  # the library the node loaded
