@@ -8,7 +8,7 @@ default model, bfloat16, its int4 projections: launch's defaults on this CPU) se
 libraries every ``--segment`` steps, in ABBA order (the context grows through a round: the
 build that runs second would otherwise always see the longer one). Printed per build: the
 step's median and mean; then the median of the paired differences between segments of a
-round, how many rounds the default build won, and the ratio of the medians.
+round, how many rounds the build as shipped won, and the ratio of the medians.
 
     python benchmarks/decode_step_builds.py --define KV_AHEAD=0 [--batch 1,16]
         [--rounds 40] [--segment 20] [--prompt-len 32] [--max-len 400]
@@ -92,6 +92,14 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=400, help="tokens a sequence decodes")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
+    try:
+        batches = [int(b) for b in a.batch.split(",")]
+    except ValueError:
+        ap.error(f"--batch {a.batch!r}: whole numbers, comma-separated")
+    if min(batches) < 1 or a.rounds < 1 or a.segment < 1 or a.prompt_len < 1:
+        ap.error("--batch, --rounds, --segment and --prompt-len must be at least 1")
+    if a.max_len < 2 * a.segment + 8:  # a round's two segments must fit in one sequence
+        ap.error(f"--max-len must be at least 2 * --segment + 8 ({2 * a.segment + 8})")
 
     from pdserve.bench.cluster import machine
     from pdserve.engine.config import EngineConfig
@@ -110,7 +118,7 @@ def main() -> None:
         names = ["as shipped", " ".join(f"-D{d}" for d in a.define)]
         print(f"{datetime.now():%Y-%m-%d %H:%M}; {machine()}; threads {a.threads}; "
               f"{a.rounds} rounds of 2 x {a.segment} steps, ABBA")
-        for batch in (int(b) for b in a.batch.split(",")):
+        for batch in batches:
             times, medians = compare(engine, steps, batch, a.rounds, a.segment,
                                      a.prompt_len, a.max_len)
             for name, ts in zip(names, times):

@@ -113,7 +113,7 @@ static inline __attribute__((always_inline)) void da_chunk(
         float *acc) {
     const int KVH = a->KVH, D = DV * 16;
     const int esize = DTYPE == DA_F32 ? 4 : 2;
-    const int64_t row = (int64_t)KVH * D, page = (int64_t)a->bs * row;
+    const int64_t row = (int64_t)KVH * D;
     for (int h = k0 * G; h < k1 * G; h++) {
         m[h] = -INFINITY;
         l[h] = 0.0f;
@@ -127,7 +127,7 @@ static inline __attribute__((always_inline)) void da_chunk(
         const int n = t1 - t < DA_TILE ? t1 - t : DA_TILE;
         for (int i = 0; i < n; i++) {  /* this tile's rows: (page, offset) -> bytes */
             int64_t blk = da_index(table, (t + i) / a->bs, a->tables64);
-            off[i] = (blk * page + (int64_t)((t + i) % a->bs) * row) * esize;
+            off[i] = pd_kv_slot(blk, t + i, a->bs) * row * esize;
         }
         const __mmask16 valid = (__mmask16)((1u << n) - 1);
         /* the next tile's K and V rows, one page or two anywhere in memory: the hardware
@@ -135,7 +135,7 @@ static inline __attribute__((always_inline)) void da_chunk(
          * stream (a few KiB) */
         for (int i = t + DA_TILE; i < t1 && i < t + 2 * DA_TILE; i++) {
             int64_t blk = da_index(table, i / a->bs, a->tables64);
-            const char *kp = a->k + (blk * page + (int64_t)(i % a->bs) * row + k0 * D) * esize;
+            const char *kp = a->k + (pd_kv_slot(blk, i, a->bs) * row + k0 * D) * esize;
             const char *vp = a->v + (kp - a->k);
             for (int64_t x = 0; x < (int64_t)(k1 - k0) * D * esize; x += 64) {
                 _mm_prefetch(kp + x, _MM_HINT_T0);

@@ -222,21 +222,24 @@ typedef struct {
 #define KV_AHEAD 1  /* 0: not asked for ahead (benchmarks/decode_step_builds.py compares) */
 #endif
 
-/* own: the thread's span of the next layer's attention items; chunks: how many gate/up
- * chunks it has of its own */
-static kv_ahead kv_ahead_plan(const uint64_t *own, const da_task *tasks, int KVH, int chunks) {
-    const uint64_t v = __atomic_load_n(own, __ATOMIC_RELAXED);
+/* items: the thread's span of the next layer's attention items; chunks: its span of this
+ * layer's gate/up chunks (the rows are spread over them) */
+static kv_ahead kv_ahead_plan(const uint64_t *items, const uint64_t *chunks,
+                              const da_task *tasks, int KVH) {
+    const uint64_t v = __atomic_load_n(items, __ATOMIC_RELAXED);
+    const uint64_t w = __atomic_load_n(chunks, __ATOMIC_RELAXED);
+    const int n = (int)(uint32_t)(w >> 32) - (int)(uint32_t)w;
     kv_ahead k = {(int)(uint32_t)v, (int)(uint32_t)(v >> 32), 0, 0};
     int64_t rows = 0;
     for (int c = k.c; c < k.c1; c++) rows += tasks[c / KVH].t1 - tasks[c / KVH].t0;
-    k.per = chunks > 0 ? (int)((rows + chunks - 1) / chunks) : 0;
+    k.per = n > 0 ? (int)((rows + n - 1) / n) : 0;
     return k;
 }
 
 static void kv_ahead_next(kv_ahead *k, const pd_model *m, const pd_layer *ly,
                           const da_task *tasks, const int32_t *tables, int64_t bt_s) {
-    const int KVH = m->KVH, D = m->D, bs = m->block_size;
-    const int64_t page = (int64_t)bs * KVH * D, row = (int64_t)KVH * D;
+    const int KVH = m->KVH, D = m->D;
+    const int64_t row = (int64_t)KVH * D;
     for (int n = KV_AHEAD ? k->per : 0; n > 0 && k->c < k->c1;) {
         const da_task *tk = &tasks[k->c / KVH];
         if (k->t < tk->t0) k->t = tk->t0;
@@ -245,11 +248,11 @@ static void kv_ahead_next(kv_ahead *k, const pd_model *m, const pd_layer *ly,
             k->t = 0;
             continue;
         }
-        const int64_t blk = tables[tk->b * bt_s + k->t / bs];
+        const int64_t blk = tables[tk->b * bt_s + k->t / m->block_size];
         if (blk >= 0) {
-            const int64_t at = (blk * page + (int64_t)(k->t % bs) * row
-                                + (int64_t)(k->c % KVH) * D) * 2;
-            for (int x = 0; x < D * 2; x += 64) {
+            const int64_t at = (pd_kv_slot(blk, k->t, m->block_size) * row
+                                + (int64_t)(k->c % KVH) * D) * (int64_t)sizeof(bf16);
+            for (int x = 0; x < D * (int)sizeof(bf16); x += 64) {
                 _mm_prefetch(ly->k_cache + at + x, _MM_HINT_T1);
                 _mm_prefetch(ly->v_cache + at + x, _MM_HINT_T1);
             }
@@ -435,12 +438,9 @@ int pd_decode_step(const pd_layer *layers, const pd_model *m, int B, bf16 *x,
 #pragma omp barrier
             norm_rows(m, B, x, ly->ln2, 0, &s);
             kv_ahead ahead = {0, 0, 0, 0};
-            if (li + 1 < m->L) {
-                const uint64_t gate_up = __atomic_load_n(sp + 3 + (size_t)t * stride,
-                                                         __ATOMIC_RELAXED);
-                ahead = kv_ahead_plan(sp + PHASES + 1 + (size_t)t * stride, tasks, KVH,
-                                      (int)(uint32_t)(gate_up >> 32) - (int)(uint32_t)gate_up);
-            }
+            if (li + 1 < m->L)
+                ahead = kv_ahead_plan(sp + PHASES + 1 + (size_t)t * stride,
+                                      sp + 3 + (size_t)t * stride, tasks, KVH);
             while ((c = take(sp + 3, stride, t, threads)) >= 0) {  /* gate's blocks and up's */
                 kv_ahead_next(&ahead, m, &layers[li + 1], tasks, tables, bt_s);
                 const int c0 = c * gc, c1 = min_int(c0 + gc, I / 16);

@@ -68,6 +68,12 @@ typedef struct {
 
 typedef struct { int b, t0, t1; } da_task;  /* sequence b, positions [t0, t1) */
 
+/* The slot (row index) of a sequence's position pos in a paged K or V cache
+ * [num_blocks, bs, KVH, D], blk the block its block table names for it */
+static inline int64_t pd_kv_slot(int64_t blk, int64_t pos, int bs) {
+    return blk * bs + pos % bs;
+}
+
 /* the shapes the kernel's per-task stack arrays hold */
 static inline int pd_da_shape_ok(int H, int KVH, int D) {
     return KVH > 0 && H % KVH == 0 && H / KVH <= DA_MAX_GROUP && D > 0 && D % 16 == 0

@@ -30,6 +30,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "native.h"
+
 #define BN 64           /* keys per block: 4 vectors of 16 */
 #define BM 32           /* query tokens per work item */
 #define R_MAX 6         /* query rows per panel: 6 x 4 float32 accumulators + 4 loads */
@@ -210,7 +212,7 @@ typedef struct {
 
 static inline int64_t key_row(const keys_t *kr, int n) {
     if (!kr->table) return kr->first + n;
-    return kr->table[n / kr->block_size] * kr->block_size + n % kr->block_size;
+    return pd_kv_slot(kr->table[n / kr->block_size], n, kr->block_size);
 }
 
 /* K of one sequence and KV head (k, v: that head's column), keys n of block b →
