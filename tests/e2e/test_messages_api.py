@@ -3,7 +3,7 @@ decode) on the default model, SmolLM2-135M-Instruct: the anthropic client's
 messages.create and messages.stream (text equal to chat completions', token for
 token), tool use (tool_choice any and tool, a tool_result turn), count_tokens equal to
 what a request is billed, and bad input answered in Anthropic's error shape while the
-server goes on serving."""
+server goes on serving. It serves the dtype a user gets (tests/cluster.py, USERS_DTYPE)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +16,7 @@ import pytest
 
 from pdserve.model.default_model import bundled_model
 from pdserve.model.loader import model_name
-from tests.cluster import launched
+from tests.cluster import USERS_DTYPE, launched
 from tests.e2e.test_metrics import eventually, scrape, value
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
@@ -31,7 +31,7 @@ def cluster(tmp_path_factory):
     path, why = bundled_model()
     if path is None:
         pytest.skip(f"the bundled model is not installed: {why}")
-    with launched(path, 1, 1, log_dir=tmp_path_factory.mktemp("launch")) as c:
+    with launched(path, 1, 1, *USERS_DTYPE, log_dir=tmp_path_factory.mktemp("launch")) as c:
         c.model = model_name(path)
         yield c
 

@@ -5,7 +5,8 @@ with_structured_output; LiteLLM with tools; an openai-agents Agent through chat
 completions; a conversation with a tool result; bad tools refused with an error naming
 the field while the server goes on serving; and a decode node SIGKILLed while a call's
 arguments stream, which still gives the arguments whole, once, equal to a run without the
-fault. Greedy decoding throughout, so runs are comparable."""
+fault. Greedy decoding throughout, so runs are comparable; the dtype a user gets
+(tests/cluster.py, USERS_DTYPE)."""
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ import openai
 import pytest
 
 from pdserve.model.default_model import bundled_model
-from tests.cluster import launched
+from tests.cluster import USERS_DTYPE, launched
 from tests.e2e.test_structured_output import decode_steps, kill_busy_decode_node
 
 WEATHER = {"type": "object", "properties": {
@@ -40,7 +41,7 @@ def cluster(tmp_path_factory):
         pytest.skip(f"the bundled model is not installed: {why}")
     # Three SmolLM2 processes on a shared 2-core host: a 3 s heartbeat window, not 1.5 s
     # (once, under a load of 8, every node was declared dead just after start).
-    with launched(path, 1, 2, log_dir=tmp_path_factory.mktemp("launch"),
+    with launched(path, 1, 2, *USERS_DTYPE, log_dir=tmp_path_factory.mktemp("launch"),
                   heartbeat=1.0) as c:
         yield c
 
