@@ -8,7 +8,9 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # Every node, router and launch a test starts serves float32 (the token-exact comparisons
 # with transformers are in float32), whatever `--dtype auto` would choose on this CPU;
-# in-process engines pin it themselves. tests/e2e/test_dtype_auto.py clears it.
+# in-process engines pin it themselves. tests/e2e/test_dtype_auto.py clears it; modules
+# that check no arithmetic pass tests/cluster.py's USERS_DTYPE, and test_readme.py runs
+# the README as a user's terminal would, without it.
 os.environ.setdefault("PDSERVE_DTYPE", "float32")
 
 import pytest  # noqa: E402

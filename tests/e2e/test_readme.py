@@ -50,8 +50,11 @@ def test_readme_runs_as_written(tmp_path):
     ports = {"8000": free_port(), "5557": free_port(), "5556": free_port()}
     args = (f"--http-port {ports['8000']} --control tcp://127.0.0.1:{ports['5556']} "
             f"--ingress tcp://127.0.0.1:{ports['5557']}")
+    # a user's terminal: neither make's nor pytest's variables, nor conftest's float32 pin
+    # (the README's outputs are what `make serve`'s default dtype prints)
     env = {k: v for k, v in os.environ.items()
-           if k not in ("MAKEFLAGS", "MAKELEVEL", "VIRTUAL_ENV", "TRITON_INTERPRET")}
+           if k not in ("MAKEFLAGS", "MAKELEVEL", "VIRTUAL_ENV", "TRITON_INTERPRET",
+                        "PDSERVE_DTYPE")}
     env["PATH"] = "/usr/local/bin:/usr/bin:/bin"   # a new terminal: no venv on it
     make = subprocess.Popen(["make", "-s", "-o", f"{venv}/.installed", "serve", f"VENV={venv}",
                              f"ARGS={args}"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
