@@ -48,7 +48,13 @@ def test_decode_node_killed_while_its_requests_share_cached_blocks(tiny_model, t
 
     from pdserve import LLM
     from pdserve.router import streams as S
-    from tests.integration.test_router_core import Harness, _kill, collect, greedy
+    from tests.integration.test_router_core import (
+        Harness,
+        _kill,
+        collect,
+        greedy,
+        streaming_decode_node,
+    )
 
     model = tiny_model("llama")
     prefix = [(11 * i) % 900 + 3 for i in range(48)]
@@ -61,16 +67,18 @@ def test_decode_node_killed_while_its_requests_share_cached_blocks(tiny_model, t
         async def run(kill: bool):
             streams = [h.core.submit(S.GenerationRequest(p, greedy(40))) for p in prompts]
             tasks = [asyncio.create_task(collect(s)) for s in streams]
-            if kill:
-                while not h.core.dispatch.placement.num_requests("sd0") or \
-                        min(len(f.out.token_ids) for f in h.core.requests.values()) < 3:
+            victim = None
+            if kill:  # the node streaming the most, as soon as one streams (test_router_core)
+                while (victim := streaming_decode_node(h.core.requests.values())) is None:
                     await asyncio.sleep(0.005)
-                _kill(h.procs["sd0"])
-            return await asyncio.gather(*tasks)
+                assert h.core.dispatch.placement.num_requests(victim)
+                _kill(h.procs[victim])
+            return victim, await asyncio.gather(*tasks)
 
-        assert [g[0] for g in h.run(run(kill=False))] == want   # fills both nodes' caches
-        assert [g[0] for g in h.run(run(kill=True))] == want
-        survivor = h.core.registry.nodes["sd1"]
+        assert [g[0] for g in h.run(run(kill=False))[1]] == want   # fills both nodes' caches
+        victim, got = h.run(run(kill=True))
+        assert [g[0] for g in got] == want
+        survivor = h.core.registry.nodes[{"sd0": "sd1", "sd1": "sd0"}[victim]]
         h.wait(lambda: survivor.stats.num_free_blocks == survivor.stats.num_total_blocks)
     finally:
         h.close()
