@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,15 +30,11 @@ import time
 import urllib.error
 import urllib.request
 
+from pdserve.common.sockets import free_port
+
 CWD = tempfile.gettempdir()
 IMPORT = ("import time, sys; t = time.perf_counter(); import pdserve.router.main; "
           "print(time.perf_counter() - t, 'torch' in sys.modules, 'triton' in sys.modules)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def status(url: str) -> int | None:

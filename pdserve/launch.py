@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,7 +26,7 @@ from pdserve.common.config_fields import check_fields, flag
 from pdserve.common.config_io import ENV, child_env
 from pdserve.common.kv_events import KVEventsConfig
 from pdserve.common.logs import DEFAULT_LEVEL
-from pdserve.common.sockets import free_port
+from pdserve.common.sockets import PortPicker
 from pdserve.engine.config import EngineConfig
 from pdserve.forked_nodes import ForkedNode, ForkServer
 from pdserve.node.config import NodeConfig
@@ -92,39 +90,6 @@ def connect_address(bind: str) -> str:
 def _child(role: str) -> list[str]:
     """A child's argv: its role only; its config comes in its environment (config_io)."""
     return [sys.executable, "-m", "pdserve.cli", role, "--config-env"]
-
-
-class PortPicker:
-    """Free ports for the endpoints launch names, taken under the kernel's ephemeral range
-    (ip_local_port_range) and never twice. A socket bound to port 0, or connecting out,
-    never gets such a port, so none is taken between launch picking it and its process
-    binding it: 64 forked simulated nodes start within seconds, opening hundreds of
-    sockets, and 2 of 64 found their /metrics port (free_port's, in that range) taken."""
-
-    def __init__(self, host: str = "127.0.0.1"):
-        try:
-            with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-                self.high = int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            self.high = 0
-        self.host, self.low, self.taken = host, 20000, set()
-
-    def __call__(self) -> int:
-        for _ in range(1000 if self.high - self.low >= 1000 else 0):
-            port = random.randrange(self.low, self.high)
-            if port not in self.taken and _bindable(self.host, port):
-                self.taken.add(port)
-                return port
-        return free_port(self.host)
-
-
-def _bindable(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-            return True
-        except OSError:
-            return False
 
 
 def _node_config(cfg: LaunchConfig, role: str, index: int, k: int,

@@ -7,6 +7,7 @@ torch): the queue-ingress client starts fast. Sending and receiving protocol mes
 ``transport.py``'s.
 """
 import dataclasses
+import random
 import socket
 from typing import Iterable, Optional, Union
 
@@ -167,9 +168,52 @@ def endpoint_of(sock: zmq.Socket) -> str:
     return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
 
 
+class PortPicker:
+    """Free TCP ports on ``host``, chosen at random under the kernel's ephemeral range
+    (ip_local_port_range) and never twice. A socket bound to port 0, or connecting out,
+    never gets such a port, so none is taken between the pick and the bind by whoever
+    asked for it. Seen when ports came from that range: 64 forked simulated nodes,
+    starting within seconds and opening hundreds of sockets, found 2 of their /metrics
+    ports taken; and a node of test_fleet's lost its port to the fleet's own links."""
+
+    LOW = 20000  # under Linux's default range (32768-60999), above the well-known ports
+
+    def __init__(self, host: str = "127.0.0.1"):
+        try:
+            with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+                self.high = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            self.high = 0
+        # Its own generator: a caller's random.seed() must not make two processes pick
+        # the same ports in the same order.
+        self.host, self.taken, self._random = host, set(), random.SystemRandom()
+
+    def __call__(self) -> int:
+        for _ in range(1000 if self.high - self.LOW >= 1000 else 0):
+            port = self._random.randrange(self.LOW, self.high)
+            if port not in self.taken and _bindable(self.host, port):
+                self.taken.add(port)
+                return port
+        with socket.socket() as s:  # no room under the range: the kernel's pick
+            s.bind((self.host, 0))
+            return s.getsockname()[1]
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+_PICKERS: dict[str, PortPicker] = {}
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` now, for endpoints picked at start (launch, benchmarks,
-    tests): another process may take it before it is bound, which those callers accept."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    tests), from this process's PortPicker for ``host``: no outgoing connection can take
+    it before it is bound; another process binding that very port still can."""
+    picker = _PICKERS.get(host) or _PICKERS.setdefault(host, PortPicker(host))
+    return picker()
