@@ -54,6 +54,7 @@ def test_decode_node_killed_while_its_requests_share_cached_blocks(tiny_model, t
         collect,
         greedy,
         streaming_decode_node,
+        until,
     )
 
     model = tiny_model("llama")
@@ -69,8 +70,8 @@ def test_decode_node_killed_while_its_requests_share_cached_blocks(tiny_model, t
             tasks = [asyncio.create_task(collect(s)) for s in streams]
             victim = None
             if kill:  # the node streaming the most, as soon as one streams (test_router_core)
-                while (victim := streaming_decode_node(h.core.requests.values())) is None:
-                    await asyncio.sleep(0.005)
+                victim = await until(lambda: streaming_decode_node(h.core.requests.values()),
+                                     "no decode node streamed")
                 assert h.core.dispatch.placement.num_requests(victim)
                 _kill(h.procs[victim])
             return victim, await asyncio.gather(*tasks)

@@ -28,18 +28,32 @@ def offline(model):
     return LLM(dtype="float32", model=model)
 
 
+async def until(cond, what: str, timeout_s: float = 60.0):
+    """cond()'s first truthy value, polled every 5 ms on the running loop; TimeoutError
+    saying ``what`` once ``timeout_s`` has passed without one."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := cond()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} (after {timeout_s:.0f} s)")
+        await asyncio.sleep(0.005)
+    return value
+
+
 class Harness:
     """Runs the core on an event loop in a thread of its own, as the router process runs
     it: always turning, heartbeating its nodes. Nodes are child processes."""
 
-    def __init__(self, model, log_dir, heartbeat_interval_s=0.2):
+    def __init__(self, model, log_dir, heartbeat_interval_s=0.2, liveness=10):
+        # Beats every 0.2 s, so a killed node is dropped within seconds; a liveness of 10
+        # (2 s) rather than the default 3 (0.6 s): on a loaded machine a node starting up
+        # (the suite's other worker beside it) missed 0.6 s right after registering.
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.control = f"tcp://127.0.0.1:{free_port()}"
         self.core = RouterCore(RouterConfig(model=str(model), control=self.control,
                                             ingress=None, heartbeat_interval_s=heartbeat_interval_s,
-                                            policy="least_loaded"))
+                                            liveness=liveness, policy="least_loaded"))
         self.run(self.core.start())
         self.model, self.log_dir, self.procs = model, log_dir, {}
 
@@ -55,13 +69,7 @@ class Harness:
 
     def wait(self, cond, timeout_s=60.0):
         """Polls cond on the core's loop (the core is not thread-safe)."""
-        async def poll():
-            deadline = time.monotonic() + timeout_s
-            while not cond():
-                if time.monotonic() > deadline:
-                    raise TimeoutError("condition not met")
-                await asyncio.sleep(0.05)
-        self.run(poll())
+        self.run(until(cond, "condition not met", timeout_s))
 
     def run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
@@ -275,8 +283,8 @@ def test_decode_node_killed_mid_stream_loses_no_token(model, offline, tmp_path):
             # Wait until tokens flow from a decode node, then kill it. (Not a node named
             # in advance: on a loaded machine the prefills can come far enough apart that
             # one node's requests all finish before the other's first tokens.)
-            while (victim := streaming_decode_node(h.core.requests.values())) is None:
-                await asyncio.sleep(0.005)
+            victim = await until(lambda: streaming_decode_node(h.core.requests.values()),
+                                 "no decode node streamed")
             victims = h.core.dispatch.placement.requests(victim)
             assert victims, "nothing was running on the node about to die"
             _kill(h.procs[victim])
@@ -299,8 +307,8 @@ def test_prefill_node_killed_with_a_batch_in_flight(model, offline, tmp_path):
         async def go():
             streams = [h.core.submit(S.GenerationRequest(p, greedy(4))) for p in ps]
             tasks = [asyncio.create_task(collect(s)) for s in streams]
-            while not h.core.dispatch.placement.requests("kp0"):
-                await asyncio.sleep(0.005)
+            await until(lambda: h.core.dispatch.placement.requests("kp0"),
+                        "kp0 was given no request")
             _kill(h.procs["kp0"])
             return await asyncio.gather(*tasks)
         got = h.run(go())
@@ -312,7 +320,7 @@ def test_prefill_node_killed_with_a_batch_in_flight(model, offline, tmp_path):
 def test_no_node_before_the_deadline_is_a_timeout_error(model, tmp_path):
     # Beats every 1 s: the killed node stays "live" for 3 s, past the request's 2 s deadline,
     # however slowly this machine gets from the kill to the submit.
-    h = Harness(model, tmp_path, heartbeat_interval_s=1.0)
+    h = Harness(model, tmp_path, heartbeat_interval_s=1.0, liveness=3)
     try:
         h.start("decode", "lonely-d")
         h.start("prefill", "lonely-p")
@@ -347,14 +355,12 @@ def test_sigterm_drains_a_node_then_it_exits_cleanly(model, offline, tmp_path):
             tasks = [asyncio.create_task(collect(s)) for s in first]
             # SIGTERM while dd0 streams a request it has begun: waiting for every request's
             # second token instead let dd0 finish all of its own first on a loaded machine
-            deadline = time.monotonic() + 60
-            while not any(len(h.core.requests[r].out.token_ids) >= 2
-                          for r in h.core.dispatch.placement.requests("dd0")):
-                assert time.monotonic() < deadline, "dd0 was given no request to stream"
-                await asyncio.sleep(0.005)
+            await until(lambda: any(len(h.core.requests[r].out.token_ids) >= 2
+                                    for r in h.core.dispatch.placement.requests("dd0")),
+                        "dd0 was given no request to stream")
             h.procs["dd0"].terminate()  # SIGTERM
-            while h.core.registry.nodes["dd0"].state != "draining":
-                await asyncio.sleep(0.005)
+            await until(lambda: h.core.registry.nodes["dd0"].state == "draining",
+                        "dd0 did not say it drains")
             late = h.core.submit(S.GenerationRequest(ps[0], greedy(80)))
             assert h.core.requests[late.request_id].decode_node == "dd1"
             return await asyncio.gather(*tasks, collect(late))
@@ -372,8 +378,10 @@ def test_restarted_router_gets_its_nodes_back(model, offline, tmp_path):
         h.start("decode", "rd")
         h.wait(lambda: h.core.health()[0])
         h.run(h.core.stop())
-        time.sleep(1.0)  # the router is away for longer than the nodes' liveness window
-        h.core = RouterCore(h.core.config)   # a new router process would do the same
+        config = h.core.config
+        # the router is away for longer than the nodes' liveness window
+        time.sleep(config.liveness * config.heartbeat_interval_s + 0.5)
+        h.core = RouterCore(config)   # a new router process would do the same
         h.run(h.core.start())
         h.wait(lambda: h.core.health()[0], timeout_s=20)
         want = offline.generate([[3, 4, 5]], greedy(6))[0].token_ids
