@@ -66,6 +66,7 @@ def stream_times(url: str, model: str, prompt: list[int]) -> tuple[float, list[f
     return arrivals[0] - start, [b - a for a, b in zip(arrivals, arrivals[1:])]
 
 
+@pytest.mark.alone   # its ITL bound is 10 % of a step: no other test's load beside it
 def test_2p2d_ttft_and_itl_match_the_profile(slow_profile):
     predicted = plan(slow_profile, prompt_len=PROMPT_LEN, batch=1,
                      context=PROMPT_LEN + MAX_TOKENS // 2)

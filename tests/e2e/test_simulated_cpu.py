@@ -18,6 +18,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from pdserve.bench.cluster import launched
 from pdserve.sim import roofline as R
@@ -90,6 +91,7 @@ def compare(threads: int, path) -> list[tuple[str, float, float]]:
     return list(zip(("TTFT", "ITL"), simulated, real))
 
 
+@pytest.mark.alone   # calibrates this machine and times it: no other test's load beside it
 def test_a_simulated_cluster_on_this_cpu_s_profile_matches_the_real_one(tmp_path):
     """The calibration and the real cluster run a few seconds apart, and this shared host
     changes speed within seconds: once (2026-12-07) the real ITL came out 0.78 of the
