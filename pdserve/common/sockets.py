@@ -174,7 +174,8 @@ class PortPicker:
     never gets such a port, so none is taken between the pick and the bind by whoever
     asked for it. Seen when ports came from that range: 64 forked simulated nodes,
     starting within seconds and opening hundreds of sockets, found 2 of their /metrics
-    ports taken; and a node of test_fleet's lost its port to the fleet's own links."""
+    ports taken; and a node of test_fleet's found its /metrics port, free_port's pick
+    then, in use when it bound it."""
 
     LOW = 20000  # under Linux's default range (32768-60999), above the well-known ports
 
