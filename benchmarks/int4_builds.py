@@ -16,7 +16,6 @@ checks that first. Printed: each build's median time and GB/s of weights, the ra
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import tempfile
 import time
@@ -28,13 +27,7 @@ from decode_step_builds import build
 from vnni_int4 import build as weights
 
 from pdserve.bench.cluster import machine
-
-
-def gemm(lib: ctypes.CDLL):
-    f = lib.vnni_int4_mm
-    f.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
-    f.restype = ctypes.c_int
-    return f
+from pdserve.kernels.native import int4_gemm
 
 
 def compare(fns, layers: int, rows: int, rounds: int) -> tuple[list[float], list[float], int]:
@@ -71,9 +64,11 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2", help="torch's threads, comma-separated")
     ap.add_argument("--rounds", type=int, default=15)
     a = ap.parse_args()
+    shipped = int4_gemm._mm()  # the library the nodes load, its signature declared there
     with tempfile.TemporaryDirectory() as tmp:
-        fns = [gemm(build([], Path(tmp) / "shipped.so")),
-               gemm(build(a.define, Path(tmp) / "other.so"))]
+        other = build(a.define, Path(tmp) / "other.so").vnni_int4_mm
+        other.argtypes, other.restype = shipped.argtypes, shipped.restype
+        fns = [shipped, other]
         print(f"{datetime.now():%Y-%m-%d %H:%M}; {machine()}; {a.rounds} rounds, ABBA; "
               f"other: -D{' -D'.join(a.define)}")
         print("| threads | layers (MB) | rows | as shipped ms | GB/s | other ms | GB/s "
