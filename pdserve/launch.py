@@ -26,7 +26,7 @@ from pdserve.common.config_fields import check_fields, flag
 from pdserve.common.config_io import ENV, child_env
 from pdserve.common.kv_events import KVEventsConfig
 from pdserve.common.logs import DEFAULT_LEVEL
-from pdserve.common.sockets import PortPicker
+from pdserve.common.sockets import PortPicker, port_picker
 from pdserve.engine.config import EngineConfig
 from pdserve.forked_nodes import ForkedNode, ForkServer
 from pdserve.node.config import NodeConfig
@@ -294,7 +294,7 @@ def run_launch(cfg: LaunchConfig) -> int:
         return bool(requested) or make_interrupted()
     children: dict[str, subprocess.Popen | ForkedNode] = {}
     host = "127.0.0.1" if _open(cfg) else cfg.router.host
-    ports = PortPicker()
+    ports = port_picker()  # the process's one: shared with free_port's other callers
     routers = _routers(cfg, ports)  # once: every node must name the same ones
     https = [f"http://{host}:{r.http_port}" for r in routers]
     http = https[0]

@@ -212,9 +212,13 @@ def _bindable(host: str, port: int) -> bool:
 _PICKERS: dict[str, PortPicker] = {}
 
 
+def port_picker(host: str = "127.0.0.1") -> PortPicker:
+    """This process's one PortPicker for ``host``: every caller shares its "never twice"."""
+    return _PICKERS.get(host) or _PICKERS.setdefault(host, PortPicker(host))
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` now, for endpoints picked at start (launch, benchmarks,
     tests), from this process's PortPicker for ``host``: no outgoing connection can take
     it before it is bound; another process binding that very port still can."""
-    picker = _PICKERS.get(host) or _PICKERS.setdefault(host, PortPicker(host))
-    return picker()
+    return port_picker(host)()
