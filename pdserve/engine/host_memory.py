@@ -22,6 +22,8 @@ The same settings keep what loading the model freed (the GGUF's dequantized floa
 copies, the weights oneDNN reordered) in the heap: ``trim_malloc`` hands it back once,
 after loading. ``lazy_buffer`` is memory the OS maps only as it is written: the KV cache,
 of which a node uses a part, reads as zeros without taking any memory for the rest.
+``into_huge_pages`` moves the weights a decode step streams into memory the kernel maps
+with 2 MiB pages.
 """
 from __future__ import annotations
 
@@ -30,8 +32,10 @@ import ctypes.util
 import logging
 import mmap
 import os
+import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -42,6 +46,10 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20   # glibc's maximum on 64-bit (HEAP_MAX_SIZE / 2)
 TRIM_THRESHOLD = 1 << 30
+MADV_HUGEPAGE = 14
+HUGE_PAGE = 2 << 20
+ALIGN = 64                  # each tensor in the arena starts on a cache line
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 _done: bool | None = None
 
@@ -51,7 +59,7 @@ def _libc():
     if not sys.platform.startswith("linux"):
         return None
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except OSError:
         return None
 
@@ -105,6 +113,84 @@ def lazy_buffer(nbytes: int, reserve: bool = False) -> tuple[mmap.mmap, torch.Te
         flags |= getattr(mmap, "MAP_NORESERVE", 0x4000)
     mm = mmap.mmap(-1, max(1, nbytes), flags=flags)
     return mm, torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
+
+
+def thp_mode() -> str | None:
+    """The kernel's transparent huge page mode ("always", "madvise" or "never"), or None
+    where it has none (not Linux, or a kernel built without them)."""
+    try:
+        text = Path(THP_ENABLED).read_text()
+    except OSError:
+        return None
+    found = re.search(r"\[(\w+)\]", text)
+    return found.group(1) if found else None
+
+
+def _huge_bytes(start: int, end: int) -> int:
+    """Bytes of [start, end) in this process that the kernel maps with huge pages (the
+    AnonHugePages of /proc/self/smaps's mappings that lie inside it)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+                lo, hi = (int(x, 16) for x in line.split(" ", 1)[0].split("-"))
+                inside = lo >= start and hi <= end
+            elif inside and line.startswith("AnonHugePages:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def into_huge_pages(tensors: list[torch.Tensor]) -> str:
+    """Moves ``tensors`` (CPU, contiguous, each the only view of its storage) into one
+    arena the kernel backs with 2 MiB pages (madvise MADV_HUGEPAGE), one after another in
+    the order given; each tensor stays the same object (``set_``), so whoever holds it
+    reads the new memory, but an address taken before (a native kernel's bound pointers)
+    is stale: LlamaForCausalLM.place_streamed_weights rebinds its step. Returns what was
+    done, for the start-up log.
+
+    Why: a batch-1 decode step streams every weight once, ~97 MB for the default model,
+    over 4 KiB pages a miss in the TLB each: the default model's batch-1 step, these
+    weights in 2 MiB pages against 4 KiB ones in one engine, ABBA, 2.87 against 3.13 ms,
+    shorter in 28/30 rounds (benchmarks/huge_pages.py; RESULTS.md "the packed weights in
+    2 MiB pages"). PDSERVE_HUGE_PAGES=0 leaves them in place (to measure it)."""
+    tensors = list({id(t): t for t in tensors}.values())
+    if not tensors:
+        return "none to place"
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    size = f"{nbytes / 2**20:.1f} MiB"
+    mode = thp_mode()
+    libc = _libc()
+    why = ("PDSERVE_HUGE_PAGES=0" if os.environ.get("PDSERVE_HUGE_PAGES", "1") == "0"
+           else "no transparent huge pages on this system" if mode is None or libc is None
+           else "the kernel's transparent huge pages are off (never)" if mode == "never"
+           else None)
+    if why is not None:
+        return f"{size} in 4 KiB pages: {why}"
+    for t in tensors:
+        if t.device.type != "cpu" or not t.is_contiguous() or t.storage_offset() != 0 \
+                or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            raise ValueError("into_huge_pages: a tensor that is not a whole contiguous CPU "
+                             f"storage ({t.dtype}, {list(t.shape)}, {t.device})")
+    offsets, at = [], 0
+    for t in tensors:
+        offsets.append(at)
+        at += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    span = -(-at // HUGE_PAGE) * HUGE_PAGE
+    raw = torch.empty(span + HUGE_PAGE, dtype=torch.uint8)
+    base = raw.data_ptr() + (-raw.data_ptr()) % HUGE_PAGE
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    if libc.madvise(base, span, MADV_HUGEPAGE) != 0:
+        return (f"{size} in 4 KiB pages: madvise(MADV_HUGEPAGE) failed: "
+                f"{os.strerror(ctypes.get_errno())}")
+    storage, first = raw.untyped_storage(), base - raw.data_ptr()
+    for t, offset in zip(tensors, offsets):
+        n = t.numel() * t.element_size()
+        raw[first + offset:first + offset + n].copy_(t.view(-1).view(torch.uint8))
+        t.set_(storage, (first + offset) // t.element_size(), t.shape)
+    huge = min(_huge_bytes(base, base + span), nbytes)
+    return (f"{size} in one arena, {huge / 2**20:.1f} MiB of it in 2 MiB pages "
+            f"(transparent huge pages: {mode})")
 
 
 @dataclass(frozen=True)

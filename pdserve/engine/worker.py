@@ -15,7 +15,7 @@ from pdserve.common.sampling import SamplingParams
 from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.decode_window import window_default_bytes
-from pdserve.engine.host_memory import trim_malloc, tune_malloc
+from pdserve.engine.host_memory import into_huge_pages, trim_malloc, tune_malloc
 from pdserve.engine.logits_processors import LogitsProcessors
 from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from pdserve.engine.scheduler import Scheduler
@@ -77,6 +77,9 @@ class Worker:
                                   window_default_bytes(num_blocks * per_block, self.dtype)
                                   if window_gb is None else int(window_gb * 2**30),
                                   config.cpu_linear)
+        if self.runner.device.type == "cpu":
+            log.info("packed weights: %s",
+                     self.model.place_streamed_weights(into_huge_pages))
         log.info("decode attention: %s; prefill attention: %s",
                  self.runner.describe_decode_attention(),
                  self.runner.describe_prefill_attention())

@@ -264,6 +264,29 @@ class LlamaForCausalLM(nn.Module):
         return (picks if why_head is None else None,
                 lookup if why_lookup is None else None)
 
+    def streamed_weights(self) -> list[torch.Tensor]:
+        """The packed weights a decode step reads whole, in the order it reads them: each
+        layer's int4 projections (with torch's kernel, their scales and zeros too), then the
+        Q8_0 tables (the embedding, and an LM head of its own). Dense weights are not
+        listed: nn.Linear's and oneDNN's reordered copies stay where they are."""
+        out = []
+        for layer in self.model.layers:
+            for m in layer.modules():
+                if isinstance(m, Int4Linear) and m.packed is not None:
+                    out += [t for t in (m.packed, m.scales_and_zeros) if t is not None]
+        tables = [self.model.embed_tokens, getattr(self.lm_head, "table", None)]
+        out += [t.packed for t in tables if isinstance(t, Q8Embedding)]
+        return list({id(t): t for t in out}.values())
+
+    def place_streamed_weights(self, place: Callable[[list[torch.Tensor]], str]) -> str:
+        """Hands ``streamed_weights()`` to ``place``, which may move their memory (keeping
+        each tensor object: engine/host_memory.py's into_huge_pages), then has the native
+        step take their addresses again. Returns what ``place`` says."""
+        said = place(self.streamed_weights())
+        if self.native_step is not None:
+            self.native_step.rebind()
+        return said
+
     def use_onednn(self) -> None:
         """Every projection and the LM head through oneDNN with reordered weights
         (model/cpu_linear.py), after ``fuse_projections``. A tied LM head keeps the

@@ -170,6 +170,11 @@ class DecodeStep:
         self._bound = (pairs, array)
         return array
 
+    def rebind(self) -> None:
+        """The weights' memory moved (their tensors are the same objects): the next call
+        takes every address again."""
+        self._bound = None
+
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
