@@ -169,7 +169,8 @@ def main() -> None:
                                  capture_output=True, text=True, check=True)
             runs[dtype, quant, path].append(json.loads(out.stdout.strip().splitlines()[-1]))
     gbs = statistics.median(bw)
-    print(f"read bandwidth {gbs:.1f} GB/s (torch.sum, 512 MiB; median of {len(bw)})")
+    print(f"read bandwidth {gbs:.1f} GB/s (torch.sum, 512 MiB in the weights' pages; "
+          f"median of {len(bw)})")
     print(f"{'dtype':>9} {'quant':>12} {'step ms':>7} {'min':>6} {'floor':>6} {'/floor':>6} "
           f"{'proj':>6} {'small':>6} {'head':>5} {'engine':>6} {'ops':>5} "
           f"{'matmul':>6} {'view':>5} {'sync':>4} {'other':>5}")

@@ -91,7 +91,8 @@ def main() -> None:
                     capture_output=True, text=True, check=True)
                 results[dtype, quant].append(json.loads(out.stdout.strip().splitlines()[-1]))
         gbs = statistics.median(bw)
-        print(f"\nthreads {threads}; read bandwidth {gbs:.1f} GB/s (torch.sum, 512 MiB)")
+        print(f"\nthreads {threads}; read bandwidth {gbs:.1f} GB/s (torch.sum, 512 MiB in "
+              "the weights' pages)")
         print(f"{'dtype':>9} {'quant':>5} {'TPOT ms':>8} {'ratio':>6} {'RSS MiB':>8} "
               f"{'(bare)':>7} {'weights MB':>10} {'floor ms':>8} {'TPOT/floor':>10}")
         base = None

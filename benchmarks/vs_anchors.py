@@ -335,8 +335,9 @@ def floor_lines(bandwidths: list[float], step_bytes: dict[str, int]) -> list[str
     """The read bandwidth(s) measured and each weight form's floor at their median."""
     gbs = statistics.median(bandwidths)
     each = ", ".join(f"{b:.1f}" for b in bandwidths)
-    lines = [f"- read bandwidth {gbs:.1f} GB/s (torch.sum over 512 MiB of float32, "
-             f"{CORES} threads; median of the invocations' {each})"]
+    lines = [f"- read bandwidth {gbs:.1f} GB/s (torch.sum over 512 MiB of float32, in 2 MiB "
+             f"pages where the system has them as the weights are, {CORES} threads; median "
+             f"of the invocations' {each})"]
     for form, nbytes in step_bytes.items():
         lines.append(f"- weights a batch-1 step reads, {form}: {nbytes / 1e6:.1f} MB; "
                      f"floor {floor_ms(nbytes, gbs):.1f} ms a token")

@@ -1,5 +1,6 @@
 """The memory floor of a batch-1 decode step: the bytes of the weights it reads over the
-memory's read bandwidth, measured on this machine (torch.sum over a large tensor).
+memory's read bandwidth, measured on this machine (torch.sum over a large tensor in the
+pages the weights lie in).
 
 A step reads every weight once: each layer's projections and norms, and the LM head. With
 tied embeddings the LM head is the embedding, read whole; an untied model's embedding is
@@ -17,12 +18,19 @@ LM_HEAD = "output.weight"
 
 
 def read_bandwidth_gbs(threads: int | None = None, mib: int = 512, repeats: int = 5) -> float:
-    """GB/s reading ``mib`` MiB of float32 with torch.sum, median of ``repeats``."""
+    """GB/s reading ``mib`` MiB of float32 with torch.sum, median of ``repeats``. The tensor
+    lies in 2 MiB pages where the system has transparent huge pages, as a node's packed
+    weights do (engine/host_memory.py's into_huge_pages): over 4 KiB pages every page is a
+    TLB miss and the same reading is 10-30% lower (benchmarks/RESULTS.md, "the packed
+    weights in 2 MiB pages"), a floor that the weights' own reading would beat."""
     import torch
+
+    from pdserve.engine.host_memory import into_huge_pages
 
     if threads:
         torch.set_num_threads(threads)
     x = torch.ones(mib * 2**20 // 4)
+    into_huge_pages([x])
     x.sum()
     times = []
     for _ in range(repeats):
