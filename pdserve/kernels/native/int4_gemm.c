@@ -28,6 +28,9 @@
 #define BLOCK_BYTES 320
 #define MAX_TILE 8
 #define PREFETCH_BYTES 4096  /* ahead in a block stream */
+#ifndef PREFETCH_MIN_ROWS
+#define PREFETCH_MIN_ROWS 2  /* tiles of fewer rows leave the stream to the hardware */
+#endif
 #ifndef HI_IN_PLACE
 #define HI_IN_PLACE 1  /* 0: tiles of 1-3 rows unpack as 4 rows and more do (benchmarks) */
 #endif
@@ -67,9 +70,14 @@ static inline __attribute__((always_inline)) void tile(
         const uint8_t *p = wb + (size_t)g * BLOCK_BYTES;
         /* a thread's blocks are one stream of a few hundred KiB between two barriers of a
          * decode step: prefetching ahead keeps the misses in flight from its start (batch 1
-         * over SmolLM2's 30 layers: 63-64 -> 66-72 GB/s on the 2-core EPYC) */
-        for (int c = 0; c < BLOCK_BYTES; c += 64)
-            _mm_prefetch((const char *)p + PREFETCH_BYTES + c, _MM_HINT_T0);
+         * over SmolLM2's 30 layers: 63-64 -> 66-72 GB/s on the 2-core EPYC, weights in
+         * 4 KiB pages). At one row, with the weights in 2 MiB pages (host_memory.py), the
+         * hardware's prefetchers keep up alone and the five prefetches a group cost more
+         * than they bring: the decode step 0.90-0.92 times as long without them; at 8 rows
+         * and more it is 1.13-1.17 times as long (benchmarks/RESULTS.md) */
+        if (MT >= PREFETCH_MIN_ROWS)
+            for (int c = 0; c < BLOCK_BYTES; c += 64)
+                _mm_prefetch((const char *)p + PREFETCH_BYTES + c, _MM_HINT_T0);
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256)));
         __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288)));
         __m512i s[MAX_TILE];  /* each row's int32 dots for the block's 16 outputs */
