@@ -6,9 +6,10 @@ SmolLM2-135M's projections at ``--rows`` rows, ``--layers`` layers of them (vnni
 weights), called layer after layer through ctypes; the builds alternate ABBA, each run
 repeated to about 200 MB of weights. With 3 layers (6.6 MB) the weights stay in the L3
 cache and the kernel's compute is what is timed; with 30 (66 MB) they come from memory,
-as in a decode step. Both builds must give the same outputs, bit for bit; the script
-checks that first. Printed: each build's median time and GB/s of weights, the ratio
-(other / as shipped) and how many rounds the build as shipped won.
+as in a decode step; either way in one arena of 2 MiB pages, where a node puts them
+(engine/host_memory.py's into_huge_pages). Both builds must give the same outputs, bit
+for bit; the script checks that first. Printed: each build's median time and GB/s of
+weights, the ratio (other / as shipped) and how many rounds the build as shipped won.
 
     python benchmarks/int4_builds.py --define HI_IN_PLACE=0 [--layers 3,30] [--rows 1,2]
         [--rounds 15] [--threads 1,2]
@@ -27,12 +28,14 @@ from decode_step_builds import build
 from vnni_int4 import build as weights
 
 from pdserve.bench.cluster import machine
+from pdserve.engine.host_memory import into_huge_pages
 from pdserve.kernels.native import int4_gemm
 
 
 def compare(fns, layers: int, rows: int, rounds: int) -> tuple[list[float], list[float], int]:
     """Seconds a pass over every layer takes, per round, for each build; and the bytes."""
     ws = [(n, k, p) for n, k, _, _, p in weights(layers)]
+    into_huge_pages([p for _, _, p in ws])  # as a node places them
     xs = {k: torch.randn(rows, k).to(torch.bfloat16) for _, k, _ in ws}
     outs = [[torch.empty(rows, n, dtype=torch.bfloat16) for n, _, _ in ws] for _ in fns]
     calls = [[(xs[k].data_ptr(), 1, rows, k, n, p.data_ptr(), o.data_ptr(), 1)
