@@ -141,8 +141,9 @@ def _huge_bytes(start: int, end: int) -> int:
 
 
 def into_huge_pages(tensors: list[torch.Tensor]) -> str:
-    """Moves ``tensors`` (CPU, contiguous, each the only view of its storage) into one
-    arena the kernel backs with 2 MiB pages (madvise MADV_HUGEPAGE), one after another in
+    """Moves ``tensors`` (CPU, contiguous, each the whole of its storage; any other is
+    left where it is, and the sentence returned counts it) into one arena the kernel
+    backs with 2 MiB pages (madvise MADV_HUGEPAGE), one after another in
     the order given; each tensor stays the same object (``set_``), so whoever holds it
     reads the new memory, but an address taken before (a native kernel's bound pointers)
     is stale: LlamaForCausalLM.place_streamed_weights rebinds its step. Returns what was
@@ -166,11 +167,16 @@ def into_huge_pages(tensors: list[torch.Tensor]) -> str:
            else None)
     if why is not None:
         return f"{size} in 4 KiB pages: {why}"
-    for t in tensors:
-        if t.device.type != "cpu" or not t.is_contiguous() or t.storage_offset() != 0 \
-                or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-            raise ValueError("into_huge_pages: a tensor that is not a whole contiguous CPU "
-                             f"storage ({t.dtype}, {list(t.shape)}, {t.device})")
+    whole = [t for t in tensors
+             if t.device.type == "cpu" and t.is_contiguous() and t.storage_offset() == 0
+             and t.untyped_storage().nbytes() == t.numel() * t.element_size()]
+    left = "" if len(whole) == len(tensors) else (
+        f"; {len(tensors) - len(whole)} left in place (not a whole contiguous CPU storage)")
+    if not whole:
+        return f"{size} left in place: none is a whole contiguous CPU storage"
+    tensors = whole
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    size = f"{nbytes / 2**20:.1f} MiB"
     offsets, at = [], 0
     for t in tensors:
         offsets.append(at)
@@ -190,7 +196,7 @@ def into_huge_pages(tensors: list[torch.Tensor]) -> str:
         t.set_(storage, (first + offset) // t.element_size(), t.shape)
     huge = min(_huge_bytes(base, base + span), nbytes)
     return (f"{size} in one arena, {huge / 2**20:.1f} MiB of it in 2 MiB pages "
-            f"(transparent huge pages: {mode})")
+            f"(transparent huge pages: {mode}){left}")
 
 
 @dataclass(frozen=True)
