@@ -81,6 +81,24 @@ def compare(engine, steps: list, batch: int, rounds: int, segment: int, prompt_l
     return times, medians
 
 
+def report(engine, steps: list, names: list[str], batches: list[int], a) -> None:
+    """compare() at each batch size (``a``: the rounds, segment, prompt and length), then
+    per build the step's median and mean, and the median of the paired differences (the
+    first build's segment less the second's), the rounds the first was faster in and the
+    ratio of the medians (first / second)."""
+    for batch in batches:
+        times, medians = compare(engine, steps, batch, a.rounds, a.segment, a.prompt_len,
+                                 a.max_len)
+        for name, ts in zip(names, times):
+            print(f"batch {batch:3d} {name:>16}: step median {statistics.median(ts) * 1e3:7.3f}"
+                  f" ms, mean {statistics.mean(ts) * 1e3:7.3f}")
+        diffs = [x - y for x, y in zip(medians[0], medians[1])]
+        print(f"batch {batch:3d} {names[0]} - other: median paired difference "
+              f"{statistics.median(diffs) * 1e3:+.3f} ms, faster in "
+              f"{sum(d < 0 for d in diffs)}/{len(diffs)} rounds; ratio of medians "
+              f"{statistics.median(times[0]) / statistics.median(times[1]):.3f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--define", action="append", required=True,
@@ -118,17 +136,7 @@ def main() -> None:
         names = ["as shipped", " ".join(f"-D{d}" for d in a.define)]
         print(f"{datetime.now():%Y-%m-%d %H:%M}; {machine()}; threads {a.threads}; "
               f"{a.rounds} rounds of 2 x {a.segment} steps, ABBA")
-        for batch in batches:
-            times, medians = compare(engine, steps, batch, a.rounds, a.segment,
-                                     a.prompt_len, a.max_len)
-            for name, ts in zip(names, times):
-                print(f"batch {batch:3d} {name:>16}: step median {statistics.median(ts) * 1e3:7.3f}"
-                      f" ms, mean {statistics.mean(ts) * 1e3:7.3f}")
-            diffs = [x - y for x, y in zip(medians[0], medians[1])]
-            print(f"batch {batch:3d} as shipped - other: median paired difference "
-                  f"{statistics.median(diffs) * 1e3:+.3f} ms, faster in "
-                  f"{sum(d < 0 for d in diffs)}/{len(diffs)} rounds; ratio of medians "
-                  f"{statistics.median(times[0]) / statistics.median(times[1]):.3f}", flush=True)
+        report(engine, steps, names, batches, a)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,10 @@ The engine (the default model, bfloat16, int4 projections and the Q8_0 head: lau
 defaults on an AVX512 CPU) loads with PDSERVE_HUGE_PAGES=0, so its weights stay where
 loading put them, in 4 KiB pages; then into_huge_pages copies them into its arena, and
 the same tensors are switched between the two memories every ``--segment`` steps, ABBA
-(decode_step_builds.py's rounds: the context grows through a round). Printed per
-placement: the step's median and mean; then the median of the paired differences, how
-many rounds the arena won and the ratio of the medians.
+(decode_step_builds.py's rounds and report: the context grows through a round). Printed
+per placement: the step's median and mean; then the median of the paired differences
+(2 MiB less 4 KiB), how many rounds the arena won and the ratio of the medians (2 MiB /
+4 KiB).
 
     python benchmarks/huge_pages.py [--batch 1,16] [--rounds 30] [--segment 20]
         [--prompt-len 32] [--max-len 300]
@@ -16,10 +17,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 from datetime import datetime
 
-from decode_step_builds import compare
+from decode_step_builds import report
 
 
 def main() -> None:
@@ -65,18 +65,8 @@ def main() -> None:
 
     print(f"{datetime.now():%Y-%m-%d %H:%M}; {machine()}; threads {a.threads}; {a.rounds} "
           f"rounds of 2 x {a.segment} steps, ABBA; prompt {a.prompt_len}; arena: {said}")
-    names = ("4 KiB pages", "2 MiB pages")
-    for batch in (int(b) for b in a.batch.split(",")):
-        times, medians = compare(engine, [lambda: use(0), lambda: use(1)], batch, a.rounds,
-                                 a.segment, a.prompt_len, a.max_len)
-        for name, ts in zip(names, times):
-            print(f"batch {batch:3d} {name}: step median {statistics.median(ts) * 1e3:7.3f} ms,"
-                  f" mean {statistics.mean(ts) * 1e3:7.3f}")
-        diffs = [x - y for x, y in zip(medians[0], medians[1])]
-        print(f"batch {batch:3d} 4 KiB - 2 MiB: median paired difference "
-              f"{statistics.median(diffs) * 1e3:+.3f} ms, 2 MiB pages faster in "
-              f"{sum(d > 0 for d in diffs)}/{len(diffs)} rounds; ratio of medians "
-              f"{statistics.median(times[0]) / statistics.median(times[1]):.3f}", flush=True)
+    report(engine, [lambda: use(1), lambda: use(0)], ["2 MiB pages", "4 KiB pages"],
+           [int(b) for b in a.batch.split(",")], a)
 
 
 if __name__ == "__main__":
