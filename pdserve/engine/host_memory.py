@@ -157,46 +157,42 @@ def into_huge_pages(tensors: list[torch.Tensor]) -> str:
     tensors = list({id(t): t for t in tensors}.values())
     if not tensors:
         return "none to place"
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    size = f"{nbytes / 2**20:.1f} MiB"
-    mode = thp_mode()
-    libc = _libc()
+    mode, libc = thp_mode(), _libc()
     why = ("PDSERVE_HUGE_PAGES=0" if os.environ.get("PDSERVE_HUGE_PAGES", "1") == "0"
            else "no transparent huge pages on this system" if mode is None or libc is None
            else "the kernel's transparent huge pages are off (never)" if mode == "never"
            else None)
     if why is not None:
-        return f"{size} in 4 KiB pages: {why}"
-    whole = [t for t in tensors
-             if t.device.type == "cpu" and t.is_contiguous() and t.storage_offset() == 0
-             and t.untyped_storage().nbytes() == t.numel() * t.element_size()]
+        return f"{_mib(tensors)} in 4 KiB pages: {why}"
+    whole = [t for t in tensors if t.device.type == "cpu" and t.is_contiguous()
+             and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes]
+    if not whole:
+        return f"{_mib(tensors)} left in place: none is a whole contiguous CPU storage"
     left = "" if len(whole) == len(tensors) else (
         f"; {len(tensors) - len(whole)} left in place (not a whole contiguous CPU storage)")
-    if not whole:
-        return f"{size} left in place: none is a whole contiguous CPU storage"
-    tensors = whole
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    size = f"{nbytes / 2**20:.1f} MiB"
     offsets, at = [], 0
-    for t in tensors:
+    for t in whole:
         offsets.append(at)
-        at += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        at += -(-t.nbytes // ALIGN) * ALIGN
     span = -(-at // HUGE_PAGE) * HUGE_PAGE
     raw = torch.empty(span + HUGE_PAGE, dtype=torch.uint8)
     base = raw.data_ptr() + (-raw.data_ptr()) % HUGE_PAGE
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     libc.madvise.restype = ctypes.c_int
     if libc.madvise(base, span, MADV_HUGEPAGE) != 0:
-        return (f"{size} in 4 KiB pages: madvise(MADV_HUGEPAGE) failed: "
+        return (f"{_mib(tensors)} in 4 KiB pages: madvise(MADV_HUGEPAGE) failed: "
                 f"{os.strerror(ctypes.get_errno())}")
     storage, first = raw.untyped_storage(), base - raw.data_ptr()
-    for t, offset in zip(tensors, offsets):
-        n = t.numel() * t.element_size()
-        raw[first + offset:first + offset + n].copy_(t.view(-1).view(torch.uint8))
+    for t, offset in zip(whole, offsets):
+        raw[first + offset:first + offset + t.nbytes].copy_(t.view(-1).view(torch.uint8))
         t.set_(storage, (first + offset) // t.element_size(), t.shape)
-    huge = min(_huge_bytes(base, base + span), nbytes)
-    return (f"{size} in one arena, {huge / 2**20:.1f} MiB of it in 2 MiB pages "
+    huge = min(_huge_bytes(base, base + span), sum(t.nbytes for t in whole))
+    return (f"{_mib(whole)} in one arena, {huge / 2**20:.1f} MiB of it in 2 MiB pages "
             f"(transparent huge pages: {mode}){left}")
+
+
+def _mib(tensors: list[torch.Tensor]) -> str:
+    return f"{sum(t.nbytes for t in tensors) / 2**20:.1f} MiB"
 
 
 @dataclass(frozen=True)

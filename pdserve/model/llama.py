@@ -274,9 +274,10 @@ class LlamaForCausalLM(nn.Module):
             for m in layer.modules():
                 if isinstance(m, Int4Linear) and m.packed is not None:
                     out += [t for t in (m.packed, m.scales_and_zeros) if t is not None]
-        tables = [self.model.embed_tokens, getattr(self.lm_head, "table", None)]
-        out += [t.packed for t in tables if isinstance(t, Q8Embedding)]
-        return list({id(t): t for t in out}.values())
+        embed, head = self.model.embed_tokens, getattr(self.lm_head, "table", None)
+        out += [t.packed for t in (embed, head if head is not embed else None)
+                if isinstance(t, Q8Embedding)]
+        return out
 
     def place_streamed_weights(self, place: Callable[[list[torch.Tensor]], str]) -> str:
         """Hands ``streamed_weights()`` to ``place``, which may move their memory (keeping
