@@ -4,6 +4,8 @@ given, and a model's step computes the same bits from them; switched off by
 PDSERVE_HUGE_PAGES=0; a tensor it cannot move whole stays where it is, and the sentence
 it returns for the log counts it."""
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -41,6 +43,29 @@ def test_tensors_move_into_one_arena_with_their_values():
     assert found, said
     assert float(found.group(1)) == round(sum(t.nbytes for t in tensors) / 2**20, 1)
     assert float(found.group(2)) >= 2, said   # at least the whole 2 MiB pages inside it
+
+
+AFTER_THE_HEAP_GREW = """
+import torch
+from pdserve.engine.host_memory import into_huge_pages
+for _ in range(3):   # a freed large block raises glibc's mmap threshold: the next come
+    block = torch.empty(20 << 20, dtype=torch.uint8)   # from the heap, pages touched
+    block.fill_(1)
+    del block
+print(into_huge_pages([torch.ones(3 << 20, dtype=torch.uint8), torch.ones(5 << 18)]))
+"""
+
+
+@pytest.mark.skipif(not THP, reason=f"no transparent huge pages here ({thp_mode()})")
+def test_the_arena_is_in_huge_pages_after_the_heap_has_grown():
+    """Once a large block has been freed, glibc serves blocks up to 32 MiB from its heap,
+    whose pages are already 4 KiB ones (an arena of torch.empty's got none in 2 MiB pages
+    here): the arena is a mapping of its own. In a fresh process, where the heap's history
+    is this test's."""
+    said = subprocess.run([sys.executable, "-c", AFTER_THE_HEAP_GREW], capture_output=True,
+                          text=True, timeout=120, check=True).stdout.strip()
+    found = re.match(r"(\d+\.\d) MiB in one arena, (\d+\.\d) MiB of it in 2 MiB pages", said)
+    assert found and float(found.group(2)) >= 2, said
 
 
 def test_switched_off_it_moves_nothing(monkeypatch):
