@@ -10,15 +10,23 @@ build that runs second would otherwise always see the longer one). Printed per b
 step's median and mean; then the median of the paired differences between segments of a
 round, how many rounds the build as shipped won, and the ratio of the medians.
 
+``--beside N`` runs N processes beside the engine, each busy ``--busy-us`` of every
+``--period-us``: a stand-in for the router, a client and the I/O threads that share a
+node's cores through launch, which take a thread of the step's team off its core for a
+while (``--define TAKE_OVER=0`` against the step that goes past such a thread).
+
     python benchmarks/decode_step_builds.py --define KV_AHEAD=0 [--batch 1,16]
         [--rounds 40] [--segment 20] [--prompt-len 32] [--max-len 400]
+        [--beside 2 --busy-us 350 --period-us 5000]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from datetime import datetime
@@ -32,6 +40,30 @@ def build(defines: list[str], out: Path) -> ctypes.CDLL:
     subprocess.run(["cc", *native.CFLAGS, *(f"-D{d}" for d in defines), "-o", str(out),
                     *map(str, native.SOURCES)], check=True)
     return ctypes.CDLL(str(out))
+
+
+BUSY = """import sys, time
+busy, period = float(sys.argv[1]) * 1e-6, float(sys.argv[2]) * 1e-6
+while True:
+    t = time.perf_counter()
+    while time.perf_counter() - t < busy:
+        pass
+    time.sleep(period - busy)
+"""
+
+
+@contextlib.contextmanager
+def busy_beside(n: int, busy_us: float, period_us: float):
+    """n processes, each busy busy_us of every period_us, while the block runs; killed
+    after it, on success and failure alike"""
+    procs = [subprocess.Popen([sys.executable, "-c", BUSY, str(busy_us), str(period_us)])
+             for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def compare(engine, steps: list, batch: int, rounds: int, segment: int, prompt_len: int,
@@ -109,6 +141,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-len", type=int, default=400, help="tokens a sequence decodes")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--beside", type=int, default=0,
+                    help="processes busy beside the engine (a node's neighbours)")
+    ap.add_argument("--busy-us", type=float, default=350.0)
+    ap.add_argument("--period-us", type=float, default=5000.0)
     a = ap.parse_args()
     try:
         batches = [int(b) for b in a.batch.split(",")]
@@ -116,6 +152,8 @@ def main() -> None:
         ap.error(f"--batch {a.batch!r}: whole numbers, comma-separated")
     if min(batches) < 1 or a.rounds < 1 or a.segment < 1 or a.prompt_len < 1:
         ap.error("--batch, --rounds, --segment and --prompt-len must be at least 1")
+    if a.beside < 0 or not 0 < a.busy_us < a.period_us:
+        ap.error("--beside must be at least 0, --busy-us between 0 and --period-us")
     if a.max_len < 2 * a.segment + 8:  # a round's two segments must fit in one sequence
         ap.error(f"--max-len must be at least 2 * --segment + 8 ({2 * a.segment + 8})")
 
@@ -134,9 +172,12 @@ def main() -> None:
         other.argtypes, other.restype = shipped.argtypes, shipped.restype
         steps = [lambda: shipped, lambda: other]
         names = ["as shipped", " ".join(f"-D{d}" for d in a.define)]
+        beside = f"; beside {a.beside} x busy {a.busy_us:g} us of {a.period_us:g}" \
+            if a.beside else ""
         print(f"{datetime.now():%Y-%m-%d %H:%M}; {machine()}; threads {a.threads}; "
-              f"{a.rounds} rounds of 2 x {a.segment} steps, ABBA")
-        report(engine, steps, names, batches, a)
+              f"{a.rounds} rounds of 2 x {a.segment} steps, ABBA{beside}")
+        with busy_beside(a.beside, a.busy_us, a.period_us):
+            report(engine, steps, names, batches, a)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ hidden states and the same KV cache, bit for bit, as the same kernels called lay
 from Python, at batch sizes across the GEMM's row tiles, short contexts (one attention task
 a sequence) and long ones (split and combined), on one thread and on two; models it cannot
 take keep the layer path and the log says why; bad inputs are refused."""
+import ctypes
 import dataclasses
 import logging
 
@@ -164,11 +165,11 @@ def test_the_default_model_runs_it_and_generates_the_layer_paths_tokens():
 
 
 def random_int4_model(hidden: int, heads: int, kv_heads: int, head_dim: int,
-                      intermediate: int) -> LlamaForCausalLM:
-    """Two layers of random bfloat16 weights, every projection random int4 blocks."""
+                      intermediate: int, layers: int = 2) -> LlamaForCausalLM:
+    """Random bfloat16 weights, every projection random int4 blocks."""
     cfg = ModelConfig.from_dict(dict(
         architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=256,
-        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2))
@@ -205,16 +206,9 @@ SHAPES = {  # hidden, heads, kv heads, head_dim, intermediate
 }
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("batch,context,padded", [(1, 700, ()), (20, 40, ()), (5, 300, (1, 4))])
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_model_shapes_and_padding_rows_keep_the_layer_paths_bits(shape, batch, context,
-                                                                  padded, threads):
-    """The attention copies specialised for head_dim 64 and 128, groups 1 to 8, batches
-    past the GEMM's row tiles, split contexts, and rows of batch padding (length 0, slot
-    -1: zeros out, nothing stored); three threads on two cores (a thread waiting at a
-    barrier for one that is not running)."""
-    model = q4_random(shape)
+def random_step_inputs(model, batch: int, context: int, padded=()):
+    """A decode step's inputs over a random context (instead of a prefill): its caches and
+    ModelInputs, rows ``padded`` batch padding (length 0, slot -1)."""
     gen = torch.Generator().manual_seed(batch + context)
     lens = [context + 5 * i for i in range(batch)]
     per_seq = max(lens) // BLOCK + 2
@@ -231,6 +225,20 @@ def test_model_shapes_and_padding_rows_keep_the_layer_paths_bits(shape, batch, c
         lens_t[list(padded)], slots[list(padded)] = 0, -1
         inputs = dataclasses.replace(inputs, meta=dataclasses.replace(
             meta, seq_lens=lens_t, slot_mapping=slots, all_slots=False))
+    return caches, inputs
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("batch,context,padded", [(1, 700, ()), (20, 40, ()), (5, 300, (1, 4))])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_model_shapes_and_padding_rows_keep_the_layer_paths_bits(shape, batch, context,
+                                                                  padded, threads):
+    """The attention copies specialised for head_dim 64 and 128, groups 1 to 8, batches
+    past the GEMM's row tiles, split contexts, and rows of batch padding (length 0, slot
+    -1: zeros out, nothing stored); three threads on two cores (a thread waiting at a
+    barrier for one that is not running)."""
+    model = q4_random(shape)
+    caches, inputs = random_step_inputs(model, batch, context, padded)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -247,7 +255,53 @@ _RANDOM: dict[str, LlamaForCausalLM] = {}
 
 
 def q4_random(shape: str) -> LlamaForCausalLM:
+    """A SHAPES model of 2 layers, or NAME_L of L layers"""
     if shape not in _RANDOM:
-        _RANDOM[shape] = random_int4_model(*SHAPES[shape])
+        name, _, layers = shape.partition("_") if shape not in SHAPES else (shape, "", "2")
+        _RANDOM[shape] = random_int4_model(*SHAPES[name], layers=int(layers))
     assert _RANDOM[shape].native_step is not None
     return _RANDOM[shape]
+
+
+PHASES = ("q/k/v", "attention", "combine", "o", "gate/up", "down")  # decode_step.c's order
+
+
+STALLS = [(*case, where) for case in [
+    ("q/k/v", 1, 1, 700), ("attention", 0, 1, 700), ("combine", 1, 1, 700),
+    ("o", 2, 1, 700), ("gate/up", 0, 5, 40), ("down", 3, 5, 40),
+    ("down", 0, 96, 40),   # a ring of 2 layers' buffers at this batch: layer 2 waits
+    ("attention", 1, 96, 40)] for where in ("before", "after")] + [("start", -1, 96, 40, "before")]
+
+
+@pytest.mark.parametrize("phase,layer,batch,context,where", STALLS)
+def test_a_stalled_thread_is_gone_past_with_the_same_bits(phase, layer, batch, context, where):
+    """One of two threads sleeps 30 ms in its first chunk of a phase, before computing it
+    or after: the other computes that chunk itself and goes on (a preempted thread on a
+    shared machine), and the late thread's writes, when it wakes, are the same bits. Or it
+    sleeps before its first layer ("start"): the other does every chunk, and waits for it
+    before reusing a ring slot that the late thread's norms still read. The hidden states
+    and the caches are the layer path's, and the library counted each chunk it computed
+    again."""
+    fn = native.function("pd_decode_step_stall", [ctypes.c_int] * 4 + [ctypes.c_int64])
+    redone = native.function("pd_decode_step_redone", [], ctypes.c_uint64)
+    model = q4_random("smollm2_4")
+    caches, inputs = random_step_inputs(model, batch, context)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    fn(1, layer, PHASES.index(phase) if phase != "start" else -1,
+       ["before", "after"].index(where), 30_000)
+    try:
+        for _ in range(3):   # the other thread can take every chunk before this one starts
+            before = redone()
+            with torch.inference_mode():
+                (want, want_caches), (got, got_caches) = run_both(model, inputs, caches)
+            assert torch.equal(got, want)
+            for (k, v), (wk, wv) in zip(got_caches, want_caches):
+                assert torch.equal(k, wk) and torch.equal(v, wv)
+            if redone() > before or phase == "start":
+                break
+        if phase != "start":   # (it took no chunk: nothing to take over)
+            assert redone() > before, "no chunk was taken over from the stalled thread"
+    finally:
+        fn(-1, -1, -1, -1, 0)
+        torch.set_num_threads(old)

@@ -1,12 +1,12 @@
 /* A whole bfloat16 decode step of a Llama-family model with int4 projections, every layer
  * in one call (decode_step.py): the per-layer path's kernels (int4_gemm.c, decode_ops.c,
- * decode_attention.c) run inside one OpenMP team, with a barrier where a phase needs what
- * another thread wrote.
+ * decode_attention.c) run inside one OpenMP team, each phase of a layer starting once the
+ * one before is done.
  *
  * Why: at batch 1 SmolLM2-135M's projections are 166-553 KiB of weights each, a few
  * microseconds of reading on two cores, while each kernel call from Python cost about as
  * much again (ctypes, tensor views, waking the team): 150 calls and 265 views a step, 2.2 ms
- * of a 4.7 ms step (benchmarks/RESULTS.md). Here a step is one call and about 5 barriers a
+ * of a 4.7 ms step (benchmarks/RESULTS.md). Here a step is one call and 5 or 6 phases a
  * layer.
  *
  * The arithmetic is the per-layer path's, operation for operation and in its order, so the
@@ -21,7 +21,9 @@
  * - Attention runs decode_attention.c's tasks (planned once a step: every layer's lengths
  *   are the same), split further by kv head and spread over the team: a kv head's sums are
  *   its own, so the result depends on neither the thread nor the split.
- * - A thread done with its share of a phase takes what is left of the others' (take).
+ * - A thread done with its share of a phase takes what is left of the others' (take), and
+ *   one whose last chunk runs far too long (its thread preempted) it computes itself
+ *   (take_over): a phase does not wait for a thread the machine is not running.
  * - While gate and up stream their weights, each thread asks for the next layer's K and V
  *   rows that its share of that layer's attention will read (kv_ahead).
  * A greedy batch's step can also look its tokens up (look_up) and pick them from a Q8_0
@@ -29,8 +31,10 @@
  */
 #include <math.h>
 #include <omp.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "native.h"
 
@@ -101,35 +105,49 @@ static int look_up(const pd_lookup *lk, const pd_model *m, int B, bf16 *x, bf16 
 
 #define ALIGN(n) (((n) + 63) & ~(size_t)63)
 
-/* One thread's own buffers: its residual stream and a projection's quantized input. */
+/* bytes at *at, the next offset ALIGNed past them: a scratch's layout, planned before
+ * it is allocated */
+static size_t put(size_t *at, size_t bytes) {
+    const size_t o = *at;
+    *at += ALIGN(bytes);
+    return o;
+}
+
+/* One thread's own buffers: its residual stream, a projection's quantized input, and what
+ * a chunk computes before its final values are stored where the others read them (a chunk
+ * another thread may be computing again at the same time writes only final values there,
+ * the same bits: see "Work") */
 typedef struct {
     bf16 *res, *xn;             /* [B, hidden] each */
     int8_t *xq;                 /* [B, K] */
     float *sx, *sumx, *l, *acc; /* [B, K / 32] twice; combining: [H], [H, D] */
+    bf16 *head, *gu;            /* a q, k or v head [B, D]; gate then up [B, 2 * I] */
+    float *parts;               /* an attention item's m [H], l [H], acc [H, D] */
 } step_private;
 
-static size_t private_bytes(const pd_model *m, int B, int kmax) {
-    return 2 * ALIGN((size_t)B * m->hidden * 2) + ALIGN((size_t)B * kmax) +
-           2 * ALIGN((size_t)B * (kmax / 32) * 4) + ALIGN((size_t)m->H * 4) +
-           ALIGN((size_t)m->H * m->D * 4);
-}
-
-static step_private private_at(char *p, const pd_model *m, int B, int kmax) {
-    step_private s;
-    s.res = (bf16 *)p;
-    p += ALIGN((size_t)B * m->hidden * 2);
-    s.xn = (bf16 *)p;
-    p += ALIGN((size_t)B * m->hidden * 2);
-    s.xq = (int8_t *)p;
-    p += ALIGN((size_t)B * kmax);
-    s.sx = (float *)p;
-    p += ALIGN((size_t)B * (kmax / 32) * 4);
-    s.sumx = (float *)p;
-    p += ALIGN((size_t)B * (kmax / 32) * 4);
-    s.l = (float *)p;
-    p += ALIGN((size_t)m->H * 4);
-    s.acc = (float *)p;
-    return s;
+/* the private buffers' offsets from their start (s's pointers), and their size */
+static size_t private_layout(const pd_model *m, int B, int kmax, step_private *s) {
+    size_t at = 0;
+    size_t o[10];
+    o[0] = put(&at, (size_t)B * m->hidden * 2);
+    o[1] = put(&at, (size_t)B * m->hidden * 2);
+    o[2] = put(&at, (size_t)B * kmax);
+    o[3] = put(&at, (size_t)B * (kmax / 32) * 4);
+    o[4] = put(&at, (size_t)B * (kmax / 32) * 4);
+    o[5] = put(&at, (size_t)m->H * 4);
+    o[6] = put(&at, (size_t)m->H * m->D * 4);
+    o[7] = put(&at, (size_t)B * m->D * 2);
+    o[8] = put(&at, (size_t)B * 2 * m->I * 2);
+    o[9] = put(&at, (size_t)m->H * (m->D + 2) * 4);
+    if (s) {
+        char *p = (char *)s->res;  /* the start */
+        s->res = (bf16 *)(p + o[0]), s->xn = (bf16 *)(p + o[1]), s->xq = (int8_t *)(p + o[2]);
+        s->sx = (float *)(p + o[3]), s->sumx = (float *)(p + o[4]);
+        s->l = (float *)(p + o[5]), s->acc = (float *)(p + o[6]);
+        s->head = (bf16 *)(p + o[7]), s->gu = (bf16 *)(p + o[8]);
+        s->parts = (float *)(p + o[9]);
+    }
+    return at;
 }
 
 /* RMSNorm of every row of x (plus the residual after layer 0) into s->xn, then quantized
@@ -153,15 +171,30 @@ static void norm_rows(const pd_model *m, int B, const bf16 *x, const bf16 *w, in
  * its own in order, one at a time, from the front of its span; a thread that has run out
  * takes the others' from the back. On a shared machine one core is often slower for a
  * while (another tenant, an interrupt, the node's I/O thread): with a fixed split the
- * other would wait for it at every barrier. A thread's own chunks stay one forward stream
- * through the weights, which is what the memory's prefetchers keep up with (handing
- * chunks out in turn from one counter made the step 1.3 times as long). Which thread
- * computes an output does not change its bits.
- * A span is [lo, hi) of chunk indices in one word, lo in the low 32 bits. */
+ * other would wait for it at the end of every phase. A thread's own chunks stay one
+ * forward stream through the weights, which is what the memory's prefetchers keep up with
+ * (handing chunks out in turn from one counter made the step 1.3 times as long). Which
+ * thread computes an output does not change its bits.
+ * A span is [lo, hi) of chunk indices in one word, lo in the low 32 bits.
+ *
+ * A phase ends when all its chunks are done, not at a barrier: a thread that has run out
+ * of chunks waits for the others' last ones, and if one of them runs far longer than a
+ * chunk takes (its thread is preempted: on a machine whose cores the router, the clients
+ * and the node's I/O threads share, one of the team is, every few milliseconds, for tens
+ * to hundreds of microseconds), it computes that chunk itself and goes on. The chunk's
+ * thread, when it runs again, finishes it and writes the same bits where they already
+ * are, then runs through what is left, having no chunks to wait for. So every chunk writes
+ * only final values where the others read them (its partial results stay in its thread's
+ * own buffers), and each layer's outputs have buffers of their own (a ring of layers, see
+ * step_ctx), so that a late write never lands on a later layer's values. Each thread
+ * publishes the chunk it is running (worker); a chunk counts as done once: by its thread,
+ * or by the one that took it over, whichever's compare-and-swap on that word came first. */
 #ifndef CHUNK_BYTES
 #define CHUNK_BYTES 12288
 #endif
-#define PHASES 5        /* a layer's: q/k/v heads, attention, o, gate and up, down */
+/* a layer's phases, in order: q/k/v heads, attention, combining a split context's chunks,
+ * o, gate and up, down */
+enum { PH_QKV, PH_ATT, PH_COMB, PH_O, PH_GU, PH_DOWN, PHASES };
 #define HEAD_CHUNK 4    /* Q8_0 head blocks of 16 outputs a chunk (K = 576: 39 KiB) */
 
 static inline int min_int(int a, int b) { return a < b ? a : b; }
@@ -271,26 +304,310 @@ static inline int chunk_blocks(int k) {
 
 static inline int chunks(int n, int per) { return (n + per - 1) / per; }
 
-/* q, k and v heads [h0, h1) of every row into qkv; this thread's q and k heads rotated, its
- * k and v heads stored into their cache slots */
-static void qkv_heads(const pd_model *m, const pd_layer *ly, int B, int h0, int h1,
-                      const step_private *s, bf16 *qkv, const bf16 *cos, const bf16 *sin,
-                      const int64_t *slots) {
+/* A chunk's thread, as the others see it: the chunk it runs (RUNNING | layer * PHASES +
+ * phase in the high word | the chunk), TAKEN instead once another took it over, 0 between
+ * chunks; and the earliest layer whose buffers it may still read (the ring's guard; -1
+ * before it has begun the step). */
+typedef struct {
+    uint64_t v;
+    int layer;
+    char pad[64 - 12];
+} worker;
+
+#define RUNNING ((uint64_t)1 << 63)
+#define TAKEN ((uint64_t)1 << 62)
+
+/* How long a thread that has run out of chunks waits for the others' last before it
+ * computes them itself, in time-stamp counter ticks (~0.4 ns each): three times its own
+ * mean chunk in this phase, plus REDO_AFTER; REDO_IDLE when it ran none. Past
+ * YIELD_AFTER, a wait gives up its core between looks (a team larger than the cores). */
+#ifndef REDO_AFTER
+#define REDO_AFTER 5000
+#endif
+#define REDO_IDLE 20000
+#define YIELD_AFTER 200000
+#ifndef TAKE_OVER
+#define TAKE_OVER 1  /* 0: wait for every chunk however long (decode_step_builds.py compares) */
+#endif
+/* The ring's size: as many layers' buffers as fit in RING_BYTES, at least 2, at most all */
+#ifndef RING_BYTES
+#define RING_BYTES (256 << 10)
+#endif
+
+/* What every thread of a step reads. Layer li's outputs lie in ring slot li % ring: q, k,
+ * v [B, nh, D], attention's [B, H, D] and a split context's parts (per task: m [H],
+ * l [H], acc [H, D]), o's [B, hidden], silu(gate) * up [B, I] and down's [B, hidden]. A
+ * thread starts a layer once every thread has passed the one whose slot it reuses. */
+typedef struct {
+    const pd_layer *layers;
+    const pd_model *m;
+    int B, threads, ring;
+    const bf16 *x0, *cos, *sin;  /* layer 0's input (the embeddings), the rotary tables */
+    const int32_t *tables, *seq_lens;
+    int64_t bt_s, per_task;
+    const int64_t *slots;
+    const da_task *tasks;
+    const int *first;            /* sequence g's tasks: [first[g], first[g + 1]) */
+    int whole, oc, gc, dc;
+    int n[PHASES];               /* each phase's chunks (every layer's alike) */
+    char *slot0;
+    size_t slot_bytes, at_att, at_parts, at_xo, at_act, at_xd;
+    uint64_t *spans;             /* [thread][layer * PHASES + phase, then the head's] */
+    size_t stride;
+    uint32_t *done;              /* chunks done, [thread][layer * PHASES + phase] */
+    size_t done_stride;
+    worker *workers;             /* [thread] */
+} step_ctx;
+
+static inline char *slot(const step_ctx *x, int li) {
+    return x->slot0 + (size_t)(li % x->ring) * x->slot_bytes;
+}
+static inline bf16 *qkv_of(const step_ctx *x, int li) { return (bf16 *)slot(x, li); }
+static inline bf16 *att_of(const step_ctx *x, int li) {
+    return (bf16 *)(slot(x, li) + x->at_att);
+}
+static inline float *parts_of(const step_ctx *x, int li) {
+    return (float *)(slot(x, li) + x->at_parts);
+}
+static inline bf16 *xo_of(const step_ctx *x, int li) { return (bf16 *)(slot(x, li) + x->at_xo); }
+static inline bf16 *act_of(const step_ctx *x, int li) {
+    return (bf16 *)(slot(x, li) + x->at_act);
+}
+static inline bf16 *xd_of(const step_ctx *x, int li) { return (bf16 *)(slot(x, li) + x->at_xd); }
+/* layer li's input: the embeddings, then the layer before's down projection */
+static inline const bf16 *input_of(const step_ctx *x, int li) {
+    return li ? xd_of(x, li - 1) : x->x0;
+}
+
+static da_args att_args(const step_ctx *x, int li) {
+    const pd_model *m = x->m;
+    const da_args a = {(const char *)qkv_of(x, li), (int64_t)(m->H + 2 * m->KVH) * m->D, m->D,
+                       x->layers[li].k_cache, x->layers[li].v_cache, x->tables, x->bt_s, 0,
+                       (char *)att_of(x, li), m->H, m->KVH, m->D, m->block_size, DA_BF16,
+                       m->scale};
+    return a;
+}
+
+/* q, k or v head h of every row: computed in s->head, q and k rotated, then stored into
+ * the layer's q/k/v, and k and v into their cache slots */
+static void qkv_head(const step_ctx *x, step_private *s, int li, int h) {
+    const pd_model *m = x->m;
     const int H = m->H, KVH = m->KVH, D = m->D, nh = H + 2 * KVH;
-    pd_int4_blocks(ly->qkv, m->hidden, h0 * (D / 16), h1 * (D / 16), s->xq, s->sx, s->sumx, B,
-                   (char *)qkv, (size_t)nh * D * 2, 1);
-    for (int b = 0; b < B; b++) {
-        bf16 *row = qkv + (size_t)b * nh * D;
-        for (int h = h0; h < h1 && h < H + KVH; h++)
-            pd_rotate_head(row + (size_t)h * D, D, cos + (size_t)b * D, sin + (size_t)b * D);
-        if (slots[b] < 0) continue;
-        for (int h = h0 > H ? h0 : H; h < h1; h++) {
-            const int is_k = h < H + KVH, kv = is_k ? h - H : h - H - KVH;
-            char *cache = is_k ? ly->k_cache : ly->v_cache;
-            memcpy(cache + (size_t)(slots[b] * KVH + kv) * D * 2, row + (size_t)h * D,
-                   (size_t)D * 2);
-        }
+    const pd_layer *ly = &x->layers[li];
+    const uint8_t *w = ly->qkv + (size_t)h * (D / 16) * (m->hidden / 32) * 320;
+    pd_int4_blocks(w, m->hidden, 0, D / 16, s->xq, s->sx, s->sumx, x->B, (char *)s->head,
+                   (size_t)D * 2, 1);
+    bf16 *qkv = qkv_of(x, li);
+    for (int b = 0; b < x->B; b++) {
+        bf16 *row = s->head + (size_t)b * D;
+        if (h < H + KVH)
+            pd_rotate_head(row, D, x->cos + (size_t)b * D, x->sin + (size_t)b * D);
+        memcpy(qkv + ((size_t)b * nh + h) * D, row, (size_t)D * 2);
+        if (h < H || x->slots[b] < 0) continue;
+        const int is_k = h < H + KVH, kv = is_k ? h - H : h - H - KVH;
+        char *cache = is_k ? ly->k_cache : ly->v_cache;
+        memcpy(cache + (size_t)(x->slots[b] * KVH + kv) * D * 2, row, (size_t)D * 2);
     }
+}
+
+/* Chunk c of layer li's phase ph, from this thread's s (its quantized input of the phase) */
+static void run_chunk(const step_ctx *x, step_private *s, int li, int ph, int c) {
+    const pd_model *m = x->m;
+    const pd_layer *ly = &x->layers[li];
+    const int B = x->B, H = m->H, KVH = m->KVH, D = m->D, hidden = m->hidden, I = m->I;
+    switch (ph) {
+    case PH_QKV:
+        qkv_head(x, s, li, c);
+        return;
+    case PH_ATT: {  /* (task, kv head): its heads' sums in s->parts, then stored */
+        const int i = c / KVH, k = c % KVH, G = H / KVH;
+        const da_args a = att_args(x, li);
+        float *p = s->parts;
+        pd_da_run(&a, &x->tasks[i], k, k + 1, 0,
+                  qkv_of(x, li) + (size_t)x->tasks[i].b * (H + 2 * KVH) * D, p, p + H,
+                  p + 2 * H);
+        if (x->whole) {
+            pd_da_write(&a, x->tasks[i].b, k * G, (k + 1) * G, p + H, p + 2 * H);
+            return;
+        }
+        float *to = parts_of(x, li) + i * x->per_task;
+        memcpy(to + k * G, p + k * G, sizeof(float) * G);
+        memcpy(to + H + k * G, p + H + k * G, sizeof(float) * G);
+        memcpy(to + 2 * H + (size_t)k * G * D, p + 2 * H + (size_t)k * G * D,
+               sizeof(float) * G * D);
+        return;
+    }
+    case PH_COMB: {  /* sequence c's chunks */
+        const da_args a = att_args(x, li);
+        pd_da_combine(&a, x->tasks, x->first[c], x->first[c + 1], parts_of(x, li),
+                      x->per_task, s->l, s->acc);
+        return;
+    }
+    case PH_O:
+        pd_int4_blocks(ly->o, H * D, c * x->oc, min_int((c + 1) * x->oc, hidden / 16), s->xq,
+                       s->sx, s->sumx, B, (char *)xo_of(x, li), (size_t)hidden * 2, 1);
+        return;
+    case PH_GU: {  /* gate's blocks and up's, then silu(gate) * up of those columns */
+        const int c0 = c * x->gc, c1 = min_int(c0 + x->gc, I / 16);
+        pd_int4_blocks(ly->gate_up, hidden, c0, c1, s->xq, s->sx, s->sumx, B, (char *)s->gu,
+                       (size_t)I * 4, 1);
+        pd_int4_blocks(ly->gate_up, hidden, I / 16 + c0, I / 16 + c1, s->xq, s->sx, s->sumx, B,
+                       (char *)s->gu, (size_t)I * 4, 1);
+        bf16 *act = act_of(x, li);
+        for (int b = 0; b < B; b++) {
+            const bf16 *row = s->gu + (size_t)b * 2 * I;
+            pd_silu_mul_row(row + c0 * 16, row + I + c0 * 16, act + (size_t)b * I + c0 * 16,
+                            (c1 - c0) * 16);
+        }
+        return;
+    }
+    case PH_DOWN:
+        pd_int4_blocks(ly->down, I, c * x->dc, min_int((c + 1) * x->dc, hidden / 16), s->xq,
+                       s->sx, s->sumx, B, (char *)xd_of(x, li), (size_t)hidden * 2, 1);
+        return;
+    }
+}
+
+/* A test's stall (pd_decode_step_stall): thread `thread` sleeps `us` microseconds in its
+ * first chunk of layer `layer`'s phase `phase`, before computing it (where 0) or after
+ * (where 1), or (layer and phase -1, where 0) before its first layer, in every step until
+ * it is cleared (us 0). While one is set, each step's
+ * scratch is filled with NaNs first: a chunk no thread computed cannot pass for one
+ * computed by an earlier step at the same address. */
+static struct {
+    int thread, layer, phase, where;
+    int64_t us;
+} stall = {-1, -1, -1, -1, 0};
+static uint64_t redone;  /* chunks computed again by a thread that did not take them */
+
+void pd_decode_step_stall(int thread, int layer, int phase, int where, int64_t us) {
+    stall.thread = thread, stall.layer = layer, stall.phase = phase, stall.where = where;
+    __atomic_store_n(&stall.us, us, __ATOMIC_RELEASE);
+}
+
+uint64_t pd_decode_step_redone(void) { return __atomic_load_n(&redone, __ATOMIC_RELAXED); }
+
+static inline void stall_point(int t, int li, int ph, int where, int first) {
+    if (__builtin_expect(__atomic_load_n(&stall.us, __ATOMIC_ACQUIRE) > 0, 0) && first
+            && t == stall.thread && li == stall.layer && ph == stall.phase
+            && where == stall.where) {
+        const struct timespec ts = {stall.us / 1000000, stall.us % 1000000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+}
+
+static inline void count_done(const step_ctx *x, int t, size_t at) {
+    uint32_t *d = &x->done[(size_t)t * x->done_stride + at];
+    __atomic_store_n(d, *d + 1, __ATOMIC_RELEASE);  /* only thread t writes its counts */
+}
+
+/* Each other thread's chunk of this phase that it is still running: taken over (its
+ * thread will not count it) and computed here */
+static void take_over(const step_ctx *x, step_private *s, int t, int li, int ph) {
+    const uint64_t at = (uint64_t)li * PHASES + ph;
+    for (int u = 0; u < x->threads; u++) {
+        if (u == t) continue;
+        uint64_t v = __atomic_load_n(&x->workers[u].v, __ATOMIC_ACQUIRE);
+        if (!(v & RUNNING) || ((v >> 32) & ~(uint64_t)0xC0000000u) != at) continue;
+        if (!__atomic_compare_exchange_n(&x->workers[u].v, &v, (v & ~RUNNING) | TAKEN, 0,
+                                         __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+            continue;  /* it finished meanwhile */
+        run_chunk(x, s, li, ph, (int)(uint32_t)v);
+        count_done(x, t, at);
+        __atomic_add_fetch(&redone, 1, __ATOMIC_RELAXED);
+    }
+}
+
+/* Until every chunk of layer li's phase ph is done: this thread ran `mine` of them since
+ * tick t0 */
+static void wait_phase(const step_ctx *x, step_private *s, int t, int li, int ph,
+                       uint64_t t0, int mine) {
+    const size_t at = (size_t)li * PHASES + ph;
+    uint64_t start = 0, patience = 0;
+    for (;;) {
+        uint32_t sum = 0;
+        for (int u = 0; u < x->threads; u++)
+            sum += __atomic_load_n(&x->done[(size_t)u * x->done_stride + at],
+                                   __ATOMIC_ACQUIRE);
+        if (sum >= (uint32_t)x->n[ph]) return;
+        const uint64_t now = __rdtsc();
+        if (!start) {
+            start = now;
+            patience = mine ? (now - t0) / mine * 3 + REDO_AFTER : REDO_IDLE;
+        } else if (TAKE_OVER && now - start > patience) {
+            take_over(x, s, t, li, ph);
+            patience += patience;
+        }
+        if (now - start > YIELD_AFTER)
+            sched_yield();
+        else
+            _mm_pause();
+    }
+}
+
+/* Layer li's phase ph on this thread: its chunks as take() hands them out, then the wait
+ * for the others' (kv: the next layer's K and V asked for along the way) */
+static void run_phase(const step_ctx *x, step_private *s, int t, int li, int ph,
+                      kv_ahead *kv) {
+    if (!x->n[ph]) return;
+    uint64_t *sp = x->spans + (size_t)li * PHASES + ph;
+    worker *me = &x->workers[t];
+    const uint64_t t0 = __rdtsc(), at = (uint64_t)li * PHASES + ph;
+    int mine = 0;
+    for (int c; (c = take(sp, x->stride, t, x->threads)) >= 0; mine++) {
+        if (kv) kv_ahead_next(kv, x->m, &x->layers[li + 1], x->tasks, x->tables, x->bt_s);
+        uint64_t v = RUNNING | at << 32 | (uint32_t)c;
+        __atomic_store_n(&me->v, v, __ATOMIC_RELEASE);
+        stall_point(t, li, ph, 0, mine == 0);
+        run_chunk(x, s, li, ph, c);
+        stall_point(t, li, ph, 1, mine == 0);
+        if (__atomic_compare_exchange_n(&me->v, &v, 0, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+            count_done(x, t, at);
+        else
+            __atomic_store_n(&me->v, 0, __ATOMIC_RELAXED);  /* taken over: counted there */
+    }
+    wait_phase(x, s, t, li, ph, t0, mine);
+}
+
+/* Before a thread writes layer li's ring slot: every thread of the team (nt) is past the
+ * layer that used it */
+static void wait_ring(const step_ctx *x, int li, int nt) {
+    if (li < x->ring) return;
+    const uint64_t start = __rdtsc();
+    for (int u = 0; u < nt; u++)
+        while (__atomic_load_n(&x->workers[u].layer, __ATOMIC_ACQUIRE) <= li - x->ring) {
+            if (__rdtsc() - start > YIELD_AFTER)
+                sched_yield();
+            else
+                _mm_pause();
+        }
+}
+
+/* Layer li on thread t of a team of nt */
+static void run_layer(const step_ctx *x, step_private *s, int t, int nt, int li) {
+    const pd_model *m = x->m;
+    const pd_layer *ly = &x->layers[li];
+    const int B = x->B;
+    norm_rows(m, B, input_of(x, li), ly->ln1, li == 0, s);
+    __atomic_store_n(&x->workers[t].layer, li, __ATOMIC_RELEASE);  /* done with li - 1's */
+    wait_ring(x, li, nt);
+    run_phase(x, s, t, li, PH_QKV, NULL);
+    bf16 *att = att_of(x, li);
+    for (int b = 0; b < B; b++)  /* batch padding: zeros, as the kernel's (every thread) */
+        if (x->seq_lens[b] == 0) memset(att + (size_t)b * m->H * m->D, 0, (size_t)m->H * m->D * 2);
+    run_phase(x, s, t, li, PH_ATT, NULL);
+    run_phase(x, s, t, li, PH_COMB, NULL);
+    pd_int4_quantize(att, 1, B, m->H * m->D, s->xq, s->sx, s->sumx);
+    run_phase(x, s, t, li, PH_O, NULL);
+    norm_rows(m, B, xo_of(x, li), ly->ln2, 0, s);
+    kv_ahead kv = {0, 0, 0, 0};
+    uint64_t *sp = x->spans + (size_t)li * PHASES;
+    if (li + 1 < m->L)
+        kv = kv_ahead_plan(sp + PHASES + PH_ATT + (size_t)t * x->stride,
+                           sp + PH_GU + (size_t)t * x->stride, x->tasks, m->KVH);
+    run_phase(x, s, t, li, PH_GU, li + 1 < m->L ? &kv : NULL);
+    pd_int4_quantize(act_of(x, li), 1, B, m->I, s->xq, s->sx, s->sumx);
+    run_phase(x, s, t, li, PH_DOWN, NULL);
 }
 
 /* The final norm of every row into this thread's s->xn (each thread's residual is the
@@ -321,8 +638,8 @@ static void final_rows(const pd_model *m, int B, const bf16 *x, const bf16 *norm
                             s->sx, corr, B, best, at);
 }
 
-/* The layers' forward for B decode tokens: x [B, hidden] the embeddings (overwritten: each
- * layer's output goes there), out [B, hidden] the final norm's. cos, sin [B, D] the
+/* The layers' forward for B decode tokens: x [B, hidden] the embeddings, out [B, hidden]
+ * the final norm's. cos, sin [B, D] the
  * rotary tables (sin with rotate_half's sign), tables int32 [B, bt_s], seq_lens int32 [B]
  * (cached + this token), slots int64 [B]. With head (q8_gemm.c's packing of a Q8_0 LM
  * head of vocab outputs), tokens [B] gets each row's greedy token: the index of its
@@ -331,7 +648,7 @@ static void final_rows(const pd_model *m, int B, const bf16 *x, const bf16 *norm
  * sin are not read (x may be NULL). Returns 0, -1 when out of memory, -2 for shapes the
  * kernels cannot take (the caller checks them first), -3 for a token id or position out
  * of lk's range. */
-int pd_decode_step(const pd_layer *layers, const pd_model *m, int B, bf16 *x,
+int pd_decode_step(const pd_layer *layers, const pd_model *m, int B, const bf16 *x,
                    const bf16 *norm_w, bf16 *out, const bf16 *cos, const bf16 *sin,
                    const int32_t *tables, int64_t bt_s, const int32_t *seq_lens,
                    const int64_t *slots, const uint8_t *head, int vocab, int64_t *tokens,
@@ -346,124 +663,90 @@ int pd_decode_step(const pd_layer *layers, const pd_model *m, int B, bf16 *x,
     const int threads = omp_get_max_threads();
     int parallel;
     const int split = pd_da_split(B, seq_lens, 0, KVH, threads, &parallel);
-    const int64_t per_task = (int64_t)H * (D + 2);
-    const size_t ntasks = (size_t)B * split, priv = private_bytes(m, B, kmax);
-    const size_t sizes[] = {ALIGN((size_t)B * nh * D * 2), ALIGN((size_t)B * H * D * 2),
-                            ALIGN((size_t)B * 2 * I * 2), ALIGN((size_t)B * I * 2),
-                            ALIGN(ntasks * per_task * 4), ALIGN(ntasks * sizeof(da_task)),
-                            ALIGN(((size_t)B + 1) * sizeof(int)),
-                            ALIGN((size_t)threads * B * 4), ALIGN((size_t)threads * B * 8),
-                            (size_t)threads * ALIGN(((size_t)m->L * PHASES + 1) * 8),
-                            lk ? ALIGN((size_t)B * hidden * 2) + 2 * ALIGN((size_t)B * D * 2)
-                               : 0};
+    const size_t ntasks = (size_t)B * split;
+    step_ctx c = {.layers = layers, .m = m, .B = B, .threads = threads, .x0 = x, .cos = cos,
+                  .sin = sin, .tables = tables, .seq_lens = seq_lens, .bt_s = bt_s,
+                  .per_task = (int64_t)H * (D + 2), .slots = slots, .whole = split == 1,
+                  .oc = chunk_blocks(H * D), .gc = (chunk_blocks(hidden) + 1) / 2,
+                  .dc = chunk_blocks(I)};
+    /* a ring slot: one layer's outputs */
+    size_t sb = 0;
+    put(&sb, (size_t)B * nh * D * 2);
+    c.at_att = put(&sb, (size_t)B * H * D * 2);
+    c.at_parts = put(&sb, c.whole ? 0 : ntasks * c.per_task * 4);
+    c.at_xo = put(&sb, (size_t)B * hidden * 2);
+    c.at_act = put(&sb, (size_t)B * I * 2);
+    c.at_xd = put(&sb, (size_t)B * hidden * 2);
+    c.slot_bytes = sb;
+    c.ring = RING_BYTES / sb < 2 ? 2 : (int)(RING_BYTES / sb);
+    if (c.ring > m->L) c.ring = m->L;
+    /* the scratch: every phase's spans and done counts, [thread][layer * PHASES + phase,
+     * then the head's spans], a thread's own on cache lines of their own */
+    c.stride = ALIGN(((size_t)m->L * PHASES + 1) * 8) / 8;
+    c.done_stride = ALIGN((size_t)m->L * PHASES * 4) / 4;
     size_t shared = 0;
-    for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) shared += sizes[i];
+    const size_t o_ring = put(&shared, (size_t)c.ring * sb);
+    const size_t o_tasks = put(&shared, ntasks * sizeof(da_task));
+    const size_t o_first = put(&shared, ((size_t)B + 1) * sizeof(int));
+    const size_t o_best = put(&shared, (size_t)threads * B * 4);  /* the head's pick */
+    const size_t o_at = put(&shared, (size_t)threads * B * 8);
+    const size_t o_spans = put(&shared, (size_t)threads * c.stride * 8);
+    const size_t o_done = put(&shared, (size_t)threads * c.done_stride * 4);
+    const size_t o_workers = put(&shared, (size_t)threads * sizeof(worker));
+    const size_t o_lookup = put(&shared, lk ? (size_t)B * hidden * 2 : 0);
+    const size_t o_cos = put(&shared, lk ? (size_t)B * D * 2 : 0);
+    const size_t o_sin = put(&shared, lk ? (size_t)B * D * 2 : 0);
+    const size_t priv = private_layout(m, B, kmax, NULL);
     char *mem = aligned_alloc(64, shared + (size_t)threads * priv);
     if (!mem) return -1;
-    char *p = mem;
-    bf16 *qkv = (bf16 *)p, *att = (bf16 *)(p += sizes[0]), *gu = (bf16 *)(p += sizes[1]);
-    bf16 *act = (bf16 *)(p += sizes[2]);
-    float *parts = (float *)(p += sizes[3]);
-    da_task *tasks = (da_task *)(p += sizes[4]);
-    int *first = (int *)(p += sizes[5]);  /* sequence groups: tasks [first[g], first[g + 1]) */
-    float *best = (float *)(p += sizes[6]);  /* the head's pick: [thread][B] */
-    int64_t *at = (int64_t *)(p += sizes[7]);
+    if (__atomic_load_n(&stall.us, __ATOMIC_ACQUIRE) > 0)  /* a test's: nothing left over */
+        memset(mem, 0xFF, shared + (size_t)threads * priv);  /* from a step before counts */
+    c.slot0 = mem + o_ring;
+    da_task *tasks = (da_task *)(mem + o_tasks);
+    int *first = (int *)(mem + o_first);
+    float *best = (float *)(mem + o_best);
+    int64_t *at = (int64_t *)(mem + o_at);
+    c.spans = (uint64_t *)(mem + o_spans);
+    c.done = (uint32_t *)(mem + o_done);
+    c.workers = (worker *)(mem + o_workers);
+    memset(c.done, 0, (size_t)threads * c.done_stride * 4);
+    for (int t = 0; t < threads; t++)  /* not started: the ring waits for it */
+        c.workers[t] = (worker){0, -1, {0}};
     int team = 1;
     const int count = pd_da_tasks(B, seq_lens, 0, split, tasks);
     int groups = 0;
     for (int i = 0; i < count; i++)
         if (i == 0 || tasks[i].b != tasks[i - 1].b) first[groups++] = i;
     first[groups] = count;
-    const int whole = split == 1;
-    /* every phase's spans, [thread][layer * PHASES + phase, then the head's], a thread's
-     * own on cache lines of their own */
-    const size_t stride = ALIGN(((size_t)m->L * PHASES + 1) * 8) / 8;
-    uint64_t *spans = (uint64_t *)(p += sizes[8]);
+    c.tasks = tasks, c.first = first;
     if (lk) {  /* x, cos and sin from the step's own lookup, in its scratch */
-        bf16 *own = (bf16 *)(p += sizes[9]);
-        x = own;
-        bf16 *c = (bf16 *)((char *)own + ALIGN((size_t)B * hidden * 2));
-        bf16 *sn = (bf16 *)((char *)c + ALIGN((size_t)B * D * 2));
-        cos = c, sin = sn;
-        if (look_up(lk, m, B, x, c, sn)) {
+        bf16 *own = (bf16 *)(mem + o_lookup), *cs = (bf16 *)(mem + o_cos);
+        bf16 *sn = (bf16 *)(mem + o_sin);
+        if (look_up(lk, m, B, own, cs, sn)) {
             free(mem);
             return -3;
         }
+        c.x0 = own, c.cos = cs, c.sin = sn;
     }
-    const int oc = chunk_blocks(H * D), gc = (chunk_blocks(hidden) + 1) / 2, dc = chunk_blocks(I);
-    for (int li = 0; li < m->L; li++) {
-        const int n[PHASES] = {nh, count * KVH, chunks(hidden / 16, oc), chunks(I / 16, gc),
-                               chunks(hidden / 16, dc)};
+    const int n[PHASES] = {nh, count * KVH, c.whole ? 0 : groups, chunks(hidden / 16, c.oc),
+                           chunks(I / 16, c.gc), chunks(hidden / 16, c.dc)};
+    memcpy(c.n, n, sizeof(n));
+    for (int li = 0; li < m->L; li++)
         for (int ph = 0; ph < PHASES; ph++)
-            split_spans(spans, stride, li * PHASES + ph, n[ph], threads);
-    }
-    split_spans(spans, stride, m->L * PHASES, chunks((vocab + 15) / 16, HEAD_CHUNK), threads);
+            split_spans(c.spans, c.stride, li * PHASES + ph, n[ph], threads);
+    split_spans(c.spans, c.stride, m->L * PHASES, chunks((vocab + 15) / 16, HEAD_CHUNK),
+                threads);
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        step_private s = private_at(mem + shared + (size_t)t * priv, m, B, kmax);
-        for (int li = 0; li < m->L; li++) {
-            const pd_layer *ly = &layers[li];
-            uint64_t *sp = spans + li * PHASES;
-            int c;
-            norm_rows(m, B, x, ly->ln1, li == 0, &s);
-            while ((c = take(sp, stride, t, threads)) >= 0)
-                qkv_heads(m, ly, B, c, c + 1, &s, qkv, cos, sin, slots);
-#pragma omp barrier
-            const da_args a = {(const char *)qkv, (int64_t)nh * D, D, ly->k_cache, ly->v_cache,
-                               tables, bt_s, 0, (char *)att, H, KVH, D, m->block_size,
-                               DA_BF16, m->scale};
-            for (int b = t; b < B; b += nt)  /* batch padding: zeros, as the kernel's */
-                if (seq_lens[b] == 0) memset(att + (size_t)b * H * D, 0, (size_t)H * D * 2);
-            while ((c = take(sp + 1, stride, t, threads)) >= 0) {  /* (task, kv head) */
-                const int i = c / KVH, k = c % KVH;
-                float *pt = parts + i * per_task;
-                pd_da_run(&a, &tasks[i], k, k + 1, 0, qkv + (size_t)tasks[i].b * nh * D, pt,
-                          pt + H, pt + 2 * H);
-                if (whole)
-                    pd_da_write(&a, tasks[i].b, k * (H / KVH), (k + 1) * (H / KVH), pt + H,
-                                pt + 2 * H);
-            }
-            if (!whole) {
-#pragma omp barrier
-                for (int g = t; g < groups; g += nt)
-                    pd_da_combine(&a, tasks, first[g], first[g + 1], parts, per_task, s.l,
-                                  s.acc);
-            }
-#pragma omp barrier
-            pd_int4_quantize(att, 1, B, H * D, s.xq, s.sx, s.sumx);
-            while ((c = take(sp + 2, stride, t, threads)) >= 0)
-                pd_int4_blocks(ly->o, H * D, c * oc, min_int((c + 1) * oc, hidden / 16), s.xq,
-                               s.sx, s.sumx, B, (char *)x, (size_t)hidden * 2, 1);
-#pragma omp barrier
-            norm_rows(m, B, x, ly->ln2, 0, &s);
-            kv_ahead ahead = {0, 0, 0, 0};
-            if (li + 1 < m->L)
-                ahead = kv_ahead_plan(sp + PHASES + 1 + (size_t)t * stride,
-                                      sp + 3 + (size_t)t * stride, tasks, KVH);
-            while ((c = take(sp + 3, stride, t, threads)) >= 0) {  /* gate's blocks and up's */
-                kv_ahead_next(&ahead, m, &layers[li + 1], tasks, tables, bt_s);
-                const int c0 = c * gc, c1 = min_int(c0 + gc, I / 16);
-                pd_int4_blocks(ly->gate_up, hidden, c0, c1, s.xq, s.sx, s.sumx, B, (char *)gu,
-                               (size_t)I * 4, 1);
-                pd_int4_blocks(ly->gate_up, hidden, I / 16 + c0, I / 16 + c1, s.xq, s.sx,
-                               s.sumx, B, (char *)gu, (size_t)I * 4, 1);
-                for (int b = 0; b < B; b++) {
-                    const bf16 *row = gu + (size_t)b * 2 * I;
-                    pd_silu_mul_row(row + c0 * 16, row + I + c0 * 16,
-                                    act + (size_t)b * I + c0 * 16, (c1 - c0) * 16);
-                }
-            }
-#pragma omp barrier
-            pd_int4_quantize(act, 1, B, I, s.xq, s.sx, s.sumx);
-            while ((c = take(sp + 4, stride, t, threads)) >= 0)
-                pd_int4_blocks(ly->down, I, c * dc, min_int((c + 1) * dc, hidden / 16), s.xq,
-                               s.sx, s.sumx, B, (char *)x, (size_t)hidden * 2, 1);
-#pragma omp barrier
-        }
+        step_private s = {.res = (bf16 *)(mem + shared + (size_t)t * priv)};
+        private_layout(m, B, kmax, &s);
+        stall_point(t, -1, -1, 0, 1);  /* a thread that comes to the step late */
+        for (int li = 0; li < m->L; li++) run_layer(&c, &s, t, nt, li);
         if (t == 0) team = nt;
-        final_rows(m, B, x, norm_w, head, vocab, spans + m->L * PHASES, stride, threads, t, nt,
-                   &s, out, best + (size_t)t * B, at + (size_t)t * B);
+        final_rows(m, B, xd_of(&c, m->L - 1), norm_w, head, vocab, c.spans + m->L * PHASES,
+                   c.stride, threads, t, nt, &s, out, best + (size_t)t * B,
+                   at + (size_t)t * B);
     }
     if (head)  /* the largest of the threads' picks; of equals, the first in the vocabulary */
         for (int b = 0; b < B; b++) {

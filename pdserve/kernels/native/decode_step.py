@@ -178,7 +178,7 @@ class DecodeStep:
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """x [B, hidden] bfloat16 contiguous, the embeddings (overwritten); cos, sin: the
+        """x [B, hidden] bfloat16 contiguous, the embeddings; cos, sin: the
         step's RotaryTables' ([B, 1, D] bfloat16, contiguous); block_tables int32 [B, n],
         seq_lens int32 [B], slots int64 [B], as the step's AttentionMetadata holds them.
         Returns the final norm's output [B, hidden]."""
