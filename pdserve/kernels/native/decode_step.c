@@ -24,8 +24,8 @@
  * - A thread done with its share of a phase takes what is left of the others' (take), and
  *   one whose last chunk runs far too long (its thread preempted) it computes itself
  *   (take_over): a phase does not wait for a thread the machine is not running.
- * - While gate and up stream their weights, each thread asks for the next layer's K and V
- *   rows that its share of that layer's attention will read (kv_ahead).
+ * - While q, k and v stream their weights, each thread asks for the K and V rows that its
+ *   share of the layer's attention will read (kv_ahead).
  * A greedy batch's step can also look its tokens up (look_up) and pick them from a Q8_0
  * LM head (final_rows), so that a decode step is one call from token ids to tokens.
  */
@@ -238,13 +238,15 @@ static void split_spans(uint64_t *spans, size_t stride, int phase, int n, int nt
     }
 }
 
-/* The next layer's K and V, asked for into L2 while this layer's gate and up stream their
- * weights: attention reads a few hundred positions of cache rows scattered over pages, and
- * after a step's ~100 MB of weights have passed through the caches every row is a miss
- * that the next one waits behind (the kernel's own prefetch, one tile ahead, is too short
- * a distance). Asked for during gate/up, the misses overlap the weights' stream. A thread
- * asks for the rows of its own share of the next layer's attention items (the even split
- * of their span, which it takes first), a few rows per gate/up chunk it computes. */
+/* A layer's K and V, asked for into L2 while its q, k and v stream their weights:
+ * attention reads a few hundred positions of cache rows scattered over pages, and after a
+ * step's ~100 MB of weights have passed through the caches every row is a miss that the
+ * next one waits behind (the kernel's own prefetch, one tile ahead, is too short a
+ * distance). Asked for during q/k/v, the misses overlap the weights' stream. A thread asks
+ * for the rows of its own share of the layer's attention items (the even split of their
+ * span, which it takes first), a few rows per q/k/v chunk it computes. (Asked for earlier,
+ * during the layer before's gate and up, the step was 2-3 % longer at batch 1: ~450 KiB a
+ * core of weights then pass through L2 before attention reads the rows; RESULTS.md.) */
 typedef struct {
     int c, c1;   /* attention items [c, c1): (task, kv head) as the attention phase numbers them */
     int t;       /* the next position of item c */
@@ -255,8 +257,8 @@ typedef struct {
 #define KV_AHEAD 1  /* 0: not asked for ahead (benchmarks/decode_step_builds.py compares) */
 #endif
 
-/* items: the thread's span of the next layer's attention items; chunks: its span of this
- * layer's gate/up chunks (the rows are spread over them) */
+/* items: the thread's span of the layer's attention items; chunks: its span of the layer's
+ * q/k/v chunks (the rows are spread over them) */
 static kv_ahead kv_ahead_plan(const uint64_t *items, const uint64_t *chunks,
                               const da_task *tasks, int KVH) {
     const uint64_t v = __atomic_load_n(items, __ATOMIC_RELAXED);
@@ -546,7 +548,7 @@ static void wait_phase(const step_ctx *x, step_private *s, int t, int li, int ph
 }
 
 /* Layer li's phase ph on this thread: its chunks as take() hands them out, then the wait
- * for the others' (kv: the next layer's K and V asked for along the way) */
+ * for the others' (kv: the layer's K and V asked for along the way) */
 static void run_phase(const step_ctx *x, step_private *s, int t, int li, int ph,
                       kv_ahead *kv) {
     if (!x->n[ph]) return;
@@ -555,7 +557,7 @@ static void run_phase(const step_ctx *x, step_private *s, int t, int li, int ph,
     const uint64_t t0 = __rdtsc(), at = (uint64_t)li * PHASES + ph;
     int mine = 0;
     for (int c; (c = take(sp, x->stride, t, x->threads)) >= 0; mine++) {
-        if (kv) kv_ahead_next(kv, x->m, &x->layers[li + 1], x->tasks, x->tables, x->bt_s);
+        if (kv) kv_ahead_next(kv, x->m, &x->layers[li], x->tasks, x->tables, x->bt_s);
         uint64_t v = RUNNING | at << 32 | (uint32_t)c;
         __atomic_store_n(&me->v, v, __ATOMIC_RELEASE);
         stall_point(t, li, ph, 0, mine == 0);
@@ -591,7 +593,9 @@ static void run_layer(const step_ctx *x, step_private *s, int t, int nt, int li)
     norm_rows(m, B, input_of(x, li), ly->ln1, li == 0, s);
     __atomic_store_n(&x->workers[t].layer, li, __ATOMIC_RELEASE);  /* done with li - 1's */
     wait_ring(x, li, nt);
-    run_phase(x, s, t, li, PH_QKV, NULL);
+    const uint64_t *sp = x->spans + (size_t)li * PHASES + (size_t)t * x->stride;
+    kv_ahead kv = kv_ahead_plan(sp + PH_ATT, sp + PH_QKV, x->tasks, m->KVH);
+    run_phase(x, s, t, li, PH_QKV, &kv);
     bf16 *att = att_of(x, li);
     for (int b = 0; b < B; b++)  /* batch padding: zeros, as the kernel's (every thread) */
         if (x->seq_lens[b] == 0) memset(att + (size_t)b * m->H * m->D, 0, (size_t)m->H * m->D * 2);
@@ -600,12 +604,7 @@ static void run_layer(const step_ctx *x, step_private *s, int t, int nt, int li)
     pd_int4_quantize(att, 1, B, m->H * m->D, s->xq, s->sx, s->sumx);
     run_phase(x, s, t, li, PH_O, NULL);
     norm_rows(m, B, xo_of(x, li), ly->ln2, 0, s);
-    kv_ahead kv = {0, 0, 0, 0};
-    uint64_t *sp = x->spans + (size_t)li * PHASES;
-    if (li + 1 < m->L)
-        kv = kv_ahead_plan(sp + PHASES + PH_ATT + (size_t)t * x->stride,
-                           sp + PH_GU + (size_t)t * x->stride, x->tasks, m->KVH);
-    run_phase(x, s, t, li, PH_GU, li + 1 < m->L ? &kv : NULL);
+    run_phase(x, s, t, li, PH_GU, NULL);
     pd_int4_quantize(act_of(x, li), 1, B, m->I, s->xq, s->sx, s->sumx);
     run_phase(x, s, t, li, PH_DOWN, NULL);
 }
