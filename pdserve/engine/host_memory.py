@@ -177,7 +177,8 @@ def into_huge_pages(tensors: list[torch.Tensor]) -> str:
     span = -(-at // HUGE_PAGE) * HUGE_PAGE
     # a mapping of its own, never touched before the advice: memory from malloc can be
     # reused heap (glibc serves blocks below its adaptive mmap threshold, up to 32 MiB,
-    # from there) whose pages are already 4 KiB ones
+    # from there) whose pages are already 4 KiB ones. The storage frombuffer made holds
+    # the mapping: it lives as long as a tensor placed in it.
     _, raw = lazy_buffer(span + HUGE_PAGE, reserve=True)
     base = raw.data_ptr() + (-raw.data_ptr()) % HUGE_PAGE
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

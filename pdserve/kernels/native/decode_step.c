@@ -250,7 +250,7 @@ static void split_spans(uint64_t *spans, size_t stride, int phase, int n, int nt
 typedef struct {
     int c, c1;   /* attention items [c, c1): (task, kv head) as the attention phase numbers them */
     int t;       /* the next position of item c */
-    int per;     /* positions asked for per gate/up chunk */
+    int per;     /* positions asked for per q/k/v chunk */
 } kv_ahead;
 
 #ifndef KV_AHEAD
@@ -320,7 +320,8 @@ typedef struct {
 #define TAKEN ((uint64_t)1 << 62)
 
 /* How long a thread that has run out of chunks waits for the others' last before it
- * computes them itself, in time-stamp counter ticks (~0.4 ns each): three times its own
+ * computes them itself, in time-stamp counter ticks (~0.4 ns each on the 2.6 GHz dev
+ * machine): three times its own
  * mean chunk in this phase, plus REDO_AFTER; REDO_IDLE when it ran none. Past
  * YIELD_AFTER, a wait gives up its core between looks (a team larger than the cores). */
 #ifndef REDO_AFTER
@@ -339,7 +340,8 @@ typedef struct {
 /* What every thread of a step reads. Layer li's outputs lie in ring slot li % ring: q, k,
  * v [B, nh, D], attention's [B, H, D] and a split context's parts (per task: m [H],
  * l [H], acc [H, D]), o's [B, hidden], silu(gate) * up [B, I] and down's [B, hidden]. A
- * thread starts a layer once every thread has passed the one whose slot it reuses. */
+ * thread writes a layer's slot once every thread has passed the layer that used it before
+ * (wait_ring). */
 typedef struct {
     const pd_layer *layers;
     const pd_model *m;
@@ -470,10 +472,11 @@ static void run_chunk(const step_ctx *x, step_private *s, int li, int ph, int c)
     }
 }
 
-/* A test's stall (pd_decode_step_stall): thread `thread` sleeps `us` microseconds in its
- * first chunk of layer `layer`'s phase `phase`, before computing it (where 0) or after
- * (where 1), or (layer and phase -1, where 0) before its first layer, in every step until
- * it is cleared (us 0). While one is set, each step's
+/* For tests only (tests/unit/test_native_decode_step.py), process-wide: a stall
+ * (pd_decode_step_stall). Thread `thread` sleeps `us` microseconds in its first chunk of
+ * layer `layer`'s phase `phase`, or with thread -1 whichever thread runs the phase's chunk
+ * 0, before computing it (where 0) or after (where 1); or (layer and phase -1, where 0)
+ * thread `thread` sleeps before its first layer. In every step until it is cleared (us 0). While one is set, each step's
  * scratch is filled with NaNs first: a chunk no thread computed cannot pass for one
  * computed by an earlier step at the same address. */
 static struct {
@@ -489,10 +492,10 @@ void pd_decode_step_stall(int thread, int layer, int phase, int where, int64_t u
 
 uint64_t pd_decode_step_redone(void) { return __atomic_load_n(&redone, __ATOMIC_RELAXED); }
 
-static inline void stall_point(int t, int li, int ph, int where, int first) {
-    if (__builtin_expect(__atomic_load_n(&stall.us, __ATOMIC_ACQUIRE) > 0, 0) && first
-            && t == stall.thread && li == stall.layer && ph == stall.phase
-            && where == stall.where) {
+static inline void stall_point(int t, int li, int ph, int where, int first, int c) {
+    if (__builtin_expect(__atomic_load_n(&stall.us, __ATOMIC_ACQUIRE) > 0, 0)
+            && (stall.thread < 0 ? c == 0 : first && t == stall.thread) && li == stall.layer
+            && ph == stall.phase && where == stall.where) {
         const struct timespec ts = {stall.us / 1000000, stall.us % 1000000 * 1000};
         nanosleep(&ts, NULL);
     }
@@ -557,12 +560,14 @@ static void run_phase(const step_ctx *x, step_private *s, int t, int li, int ph,
     const uint64_t t0 = __rdtsc(), at = (uint64_t)li * PHASES + ph;
     int mine = 0;
     for (int c; (c = take(sp, x->stride, t, x->threads)) >= 0; mine++) {
-        if (kv) kv_ahead_next(kv, x->m, &x->layers[li], x->tasks, x->tables, x->bt_s);
+        /* published first: a thread preempted from here on can be gone past (between
+         * take() and this store, and between the swap below and its count, it cannot) */
         uint64_t v = RUNNING | at << 32 | (uint32_t)c;
         __atomic_store_n(&me->v, v, __ATOMIC_RELEASE);
-        stall_point(t, li, ph, 0, mine == 0);
+        if (kv) kv_ahead_next(kv, x->m, &x->layers[li], x->tasks, x->tables, x->bt_s);
+        stall_point(t, li, ph, 0, mine == 0, c);
         run_chunk(x, s, li, ph, c);
-        stall_point(t, li, ph, 1, mine == 0);
+        stall_point(t, li, ph, 1, mine == 0, c);
         if (__atomic_compare_exchange_n(&me->v, &v, 0, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
             count_done(x, t, at);
         else
@@ -740,7 +745,7 @@ int pd_decode_step(const pd_layer *layers, const pd_model *m, int B, const bf16 
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         step_private s = {.res = (bf16 *)(mem + shared + (size_t)t * priv)};
         private_layout(m, B, kmax, &s);
-        stall_point(t, -1, -1, 0, 1);  /* a thread that comes to the step late */
+        stall_point(t, -1, -1, 0, 1, -1);  /* a thread that comes to the step late */
         for (int li = 0; li < m->L; li++) run_layer(&c, &s, t, nt, li);
         if (t == 0) team = nt;
         final_rows(m, B, xd_of(&c, m->L - 1), norm_w, head, vocab, c.spans + m->L * PHASES,
