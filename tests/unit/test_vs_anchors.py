@@ -224,3 +224,23 @@ def test_floor_lines():
     got = va.floor_lines([19.0, 21.0, 20.0], {"as stored": 100_000_000})
     assert "read bandwidth 20.0 GB/s" in got[0] and "19.0, 21.0, 20.0" in got[0]
     assert got[1] == "- weights a batch-1 step reads, as stored: 100.0 MB; floor 5.0 ms a token"
+
+
+def test_a_batch1_ratio_of_repeats_is_their_median_each_against_its_own_bandwidth():
+    runs = dict(RESULTS["pdserve-1p1d"]["runs"])
+    reps = [{**runs[C1], "tpot_ms": 4.0, "bandwidth_gbs": [50.0, 50.0]},    # 2 ms floor: 2.0x
+            {**runs[C1], "tpot_ms": 3.0, "bandwidth_gbs": [25.0, 25.0]},    # 4 ms: 0.75x
+            {**runs[C1], "tpot_ms": 3.5, "bandwidth_gbs": [100.0, 100.0]}]  # 1 ms: 3.5x
+    runs[C1] = {**reps[2], "repeats": reps}   # the run of median TPOT
+    got = va.ratio_lines({**RESULTS, "pdserve-1p1d": {"runs": runs}}, stored_bytes=100_000_000,
+                         gbs=20.0)
+    assert "batch-1 TPOT 2.00x the floor of the weights as stored, the median of 3 runs" \
+        in got[0]
+    assert "3.00 ms against 4.00 (25.0 / 25.0 GB/s): 0.75x" in got[0]
+    assert "0.25x llama-q4_1's" in got[0]   # 3.5 / 13.75: the median run's TPOT
+
+
+def test_args_batch1_repeats(tmp_path):
+    assert va.parse_args(["--work-dir", str(tmp_path)]).batch1_repeats == 3
+    with pytest.raises(SystemExit):
+        va.parse_args(["--work-dir", str(tmp_path), "--batch1-repeats", "0"])
