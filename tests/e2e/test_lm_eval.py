@@ -24,6 +24,13 @@ QUESTIONS = [
 TOL = 1e-3
 
 
+@pytest.fixture(scope="module")
+def cluster(tiny_model):
+    """One 1P1D cluster on the tiny Llama for both tests: lm-eval only reads from it."""
+    with launched(tiny_model("llama"), 1, 1) as c:
+        yield c
+
+
 def write_tasks(root) -> None:
     """Two tasks over one local JSONL: a multiple-choice (loglikelihood) one and a
     generate_until one."""
@@ -48,8 +55,11 @@ def evaluate(model: str, model_args: dict, root) -> dict:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
+    # include_defaults=False: only the two tasks above. lm-eval's own ~26,000 task files,
+    # which it otherwise parses on every TaskManager, took 12-15 s a call here.
     return simple_evaluate(model=model, model_args=model_args, tasks=["pd_mc", "pd_gen"],
-                           task_manager=TaskManager(include_path=str(root)),
+                           task_manager=TaskManager(include_path=str(root),
+                                                    include_defaults=False),
                            log_samples=True, bootstrap_iters=0)
 
 
@@ -59,19 +69,19 @@ def responses(results: dict, task: str) -> list:
                                                 key=lambda s: s["doc_id"])]
 
 
-def test_lm_eval_through_pdserve_equals_its_hf_model(tiny_model, tmp_path, monkeypatch):
+def test_lm_eval_through_pdserve_equals_its_hf_model(tiny_model, cluster, tmp_path,
+                                                     monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model_dir = tiny_model("llama")
     write_tasks(tmp_path)
     hf = evaluate("hf", {"pretrained": str(model_dir), "dtype": "float32", "device": "cpu",
                          "add_bos_token": True, "batch_size": 4}, tmp_path)
-    with launched(model_dir, 1, 1) as cluster:
-        served = evaluate("local-completions", {
-            "model": model_dir.name, "base_url": f"{cluster.http_url}/v1/completions",
-            "tokenizer": str(model_dir), "tokenizer_backend": "huggingface",
-            "add_bos_token": True, "batch_size": 4, "max_retries": 1,
-            "max_length": 512}, tmp_path)
+    served = evaluate("local-completions", {
+        "model": model_dir.name, "base_url": f"{cluster.http_url}/v1/completions",
+        "tokenizer": str(model_dir), "tokenizer_backend": "huggingface",
+        "add_bos_token": True, "batch_size": 4, "max_retries": 1,
+        "max_length": 512}, tmp_path)
 
     # Loglikelihood: every (document, choice) pair's score and greediness.
     got, want = responses(served, "pd_mc"), responses(hf, "pd_mc")
@@ -90,7 +100,7 @@ def test_lm_eval_through_pdserve_equals_its_hf_model(tiny_model, tmp_path, monke
         assert served["results"][task][metric] == hf["results"][task][metric]
 
 
-def test_lm_eval_with_only_what_pdserve_serves(tiny_model, tmp_path, monkeypatch):
+def test_lm_eval_with_only_what_pdserve_serves(tiny_model, cluster, tmp_path, monkeypatch):
     """tokenizer_backend=remote: lm-eval takes its tokenizer from the router's
     /tokenizer_info, /tokenize and /detokenize, no tokenizer folder given, and every
     sample's response equals the run with the checkpoint's own tokenizer. Without the
@@ -102,13 +112,12 @@ def test_lm_eval_with_only_what_pdserve_serves(tiny_model, tmp_path, monkeypatch
     # No add_bos_token: lm-eval's remote backend never adds special tokens (against vLLM
     # too), so the huggingface run is told the same.
     common = {"model": model_dir.name, "batch_size": 4, "max_retries": 1, "max_length": 512}
-    with launched(model_dir, 1, 1) as cluster:
-        url = f"{cluster.http_url}/v1/completions"
-        remote = evaluate("local-completions", {**common, "base_url": url,
-                                                "tokenizer_backend": "remote"}, tmp_path)
-        local = evaluate("local-completions", {**common, "base_url": url,
-                                               "tokenizer": str(model_dir),
-                                               "tokenizer_backend": "huggingface"}, tmp_path)
+    url = f"{cluster.http_url}/v1/completions"
+    remote = evaluate("local-completions", {**common, "base_url": url,
+                                            "tokenizer_backend": "remote"}, tmp_path)
+    local = evaluate("local-completions", {**common, "base_url": url,
+                                           "tokenizer": str(model_dir),
+                                           "tokenizer_backend": "huggingface"}, tmp_path)
     for task in ("pd_mc", "pd_gen"):
         assert len(responses(remote, task)) == len(QUESTIONS)
         assert responses(remote, task) == responses(local, task), task
