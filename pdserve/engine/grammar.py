@@ -56,7 +56,7 @@ class GrammarBackend:
         self.tokenizer = LLTokenizer(tokenizer._tok.to_str(), n_vocab=vocab_size,
                                      eos_token=list(eos_token_ids))
         # A GGUF file's tokenizer was read through its parsed reader, cached again since the
-        # engine released it after loading (Worker.release_load_memory): 140 MiB and more.
+        # engine released it after loading (Worker.release_load_memory).
         release_readers()
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids

@@ -190,7 +190,7 @@ def _parse_rope(raw: dict, source: str) -> RopeConfig:
 def read_token_space(model_path: str | Path) -> tuple[int, tuple[int, ...], int]:
     """(vocabulary size, EOS ids, context length) of a checkpoint: all a simulated node
     needs of the model it stands in for (engine/sim_runner.py). A GGUF file's parsed
-    reader is dropped at once: its metadata alone holds about 140 MiB."""
+    reader is dropped at once (its parsed vocabulary, and the file's mapping)."""
     model_path = Path(model_path)
     cfg = ModelConfig.from_dir(model_path)
     if model_path.is_file():

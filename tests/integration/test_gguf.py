@@ -86,8 +86,8 @@ def test_quantized_weights_are_dequantized(tiny_model, as_gguf):
 
 @pytest.mark.parametrize("qtype, dtype", [("F32", "float32"), ("Q4_1", "bfloat16")])
 def test_an_engine_keeps_nothing_of_the_file_once_built(as_gguf, qtype, dtype):
-    """After loading, the engine drops the file's parsed reader (issue 34: 140 MiB and more
-    for the bundled model), and no tensor it keeps (weights, int4 blocks and scales, norms)
+    """After loading, the engine drops the file's parsed reader (its vocabulary, and the
+    file's mapping), and no tensor it keeps (weights, int4 blocks and scales, norms)
     lies in the file's mapping: each owns its memory, and it still serves."""
     path = as_gguf("llama", qtype)
     data = gguf.reader(path).data           # the mapping stays while we hold it

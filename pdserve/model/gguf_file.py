@@ -1,0 +1,209 @@
+"""A GGUF file's metadata and tensor table, read for what pdserve takes from them (gguf.py,
+gguf_tokenizer.py).
+
+gguf's own ``GGUFReader`` makes two numpy arrays for every string of the file's arrays:
+about 200,000 for the bundled SmolLM2's 49,152 tokens and 48,900 merges, 2.8 s of every
+start of a node, of the router and of each ``pdserve model`` command on that file. This
+reads the same header in one pass with ``struct``, strings straight to ``str``, and maps
+each tensor's data as GGUFReader does (the same dtype and shape: the element type for
+F16, F32, F64 and the integer types, the blocks' bytes for a quantized type), so the
+loader and gguf's ``quants.dequantize`` read them unchanged.
+
+Little-endian files of GGUF versions 2 and 3 (what llama.cpp writes); anything else, and
+any count, length or offset that does not fit the file, is a ValueError saying where.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gguf.constants import (
+    GGML_QUANT_SIZES,
+    GGUF_DEFAULT_ALIGNMENT,
+    GGUF_MAGIC,
+    GGMLQuantizationType,
+    GGUFValueType,
+)
+from gguf.quants import quant_shape_to_byte_shape
+
+VERSIONS = (2, 3)
+_SCALARS = {GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H",
+            GGUFValueType.INT16: "h", GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i",
+            GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?", GGUFValueType.UINT64: "Q",
+            GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d"}
+_U64 = struct.Struct("<Q")
+_ELEMENTS = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
+             GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
+             GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
+             GGMLQuantizationType.I64: np.int64}
+
+
+@dataclass(frozen=True)
+class Field:
+    """One key's value: a str, int, float or bool, or a list of them (an array)."""
+    name: str
+    value: Any
+    types: tuple[GGUFValueType, ...]  # the value's type; an array's, then its elements'
+
+    def contents(self) -> Any:
+        """The value, as GGUFReader's ``contents()`` gives it (a new list for an array)."""
+        return list(self.value) if isinstance(self.value, list) else self.value
+
+    @property
+    def data(self) -> range:
+        """An index per element (an array's), or the one of a scalar."""
+        return range(len(self.value) if isinstance(self.value, list) else 1)
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]   # GGUF's order: the fastest-moving dimension first
+    n_elements: int
+    n_bytes: int
+    data_offset: int         # in the file
+    data: np.ndarray         # a view of the file's mapping
+
+
+class _Cursor:
+    """Reads values one after another from the file's bytes, each checked against its end."""
+
+    def __init__(self, buf: memoryview):
+        self.buf, self.at = buf, 0
+
+    def take(self, fmt: str) -> Any:
+        size = struct.calcsize("<" + fmt)
+        if self.at + size > len(self.buf):
+            raise ValueError(f"the file ends at byte {len(self.buf)}, inside a value at "
+                             f"{self.at}")
+        (v,) = struct.unpack_from("<" + fmt, self.buf, self.at)
+        self.at += size
+        return v
+
+    def string(self) -> str:
+        return self._strings(1)[0]
+
+    def value(self, vtype: GGUFValueType) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return self.string()
+        fmt = _SCALARS.get(vtype)
+        if fmt is None:
+            raise ValueError(f"value type {vtype!r} at byte {self.at} is not a scalar")
+        return self.take(fmt)
+
+    def array(self) -> tuple[list, GGUFValueType]:
+        etype = GGUFValueType(self.take("I"))
+        n = self.take("Q")
+        # every element takes 1 byte at least (8 for a string's length)
+        least = 8 if etype == GGUFValueType.STRING else struct.calcsize(
+            "<" + _SCALARS.get(etype, "B"))
+        if n > (len(self.buf) - self.at) // least:
+            raise ValueError(f"an array of {n} elements at byte {self.at - 12} cannot fit "
+                             "the rest of the file")
+        if etype == GGUFValueType.ARRAY:
+            raise ValueError(f"an array of arrays at byte {self.at - 12}: not supported")
+        if etype == GGUFValueType.STRING:
+            return self._strings(n), etype
+        fmt = _SCALARS.get(etype)
+        if fmt is None:
+            raise ValueError(f"array element type {etype!r} at byte {self.at - 12}")
+        size = struct.calcsize("<" + fmt)
+        out = list(struct.unpack_from(f"<{n}{fmt}", self.buf, self.at))
+        self.at += n * size
+        return out, etype
+
+
+    def _strings(self, n: int) -> list[str]:
+        """n strings one after another (a vocabulary's: the loop is the parse's time)"""
+        buf, at, end, length, out = self.buf, self.at, len(self.buf), _U64.unpack_from, []
+        for _ in range(n):
+            if at + 8 > end:
+                raise ValueError(f"the file ends at byte {end}, inside a string's length")
+            (k,) = length(buf, at)
+            at += 8
+            if k > end - at:
+                raise ValueError(f"a string of {k} bytes at byte {at - 8} runs past the "
+                                 f"file's end ({end})")
+            out.append(str(buf[at:at + k], "utf-8"))
+            at += k
+        self.at = at
+        return out
+
+
+class GGUFFile:
+    """The file's ``fields`` (key -> Field, in file order, GGUF.version, GGUF.tensor_count
+    and GGUF.kv_count first), ``tensors`` (in file order) and ``data`` (the whole file,
+    memory-mapped read-only: the tensors' views keep it mapped)."""
+
+    def __init__(self, path: str):
+        self.data = np.memmap(path, mode="r")
+        cur = _Cursor(memoryview(self.data))
+        if cur.take("I") != GGUF_MAGIC:
+            raise ValueError("no GGUF magic at its start")
+        version = cur.take("I")
+        if version not in VERSIONS:
+            hint = " (a big-endian file?)" if version & 0xFFFF == 0 else ""
+            raise ValueError(f"GGUF version {version}{hint}; pdserve reads versions "
+                             f"{', '.join(map(str, VERSIONS))}, little-endian")
+        tensor_count, kv_count = cur.take("Q"), cur.take("Q")
+        self.fields: dict[str, Field] = {}
+        for name, value, vtype in (("GGUF.version", version, GGUFValueType.UINT32),
+                                   ("GGUF.tensor_count", tensor_count, GGUFValueType.UINT64),
+                                   ("GGUF.kv_count", kv_count, GGUFValueType.UINT64)):
+            self.fields[name] = Field(name, value, (vtype,))
+        for _ in range(kv_count):
+            key = cur.string()
+            vtype = GGUFValueType(cur.take("I"))
+            if vtype == GGUFValueType.ARRAY:
+                value, etype = cur.array()
+                field = Field(key, value, (vtype, etype))
+            else:
+                field = Field(key, cur.value(vtype), (vtype,))
+            if key in self.fields:
+                raise ValueError(f"key {key!r} appears twice")
+            self.fields[key] = field
+        infos = []
+        for _ in range(tensor_count):
+            name = cur.string()
+            n_dims = cur.take("I")
+            if n_dims > 8:
+                raise ValueError(f"tensor {name!r} has {n_dims} dimensions")
+            dims = tuple(cur.take("Q") for _ in range(n_dims))
+            infos.append((name, dims, GGMLQuantizationType(cur.take("I")), cur.take("Q")))
+        align = self.fields.get("general.alignment")
+        alignment = GGUF_DEFAULT_ALIGNMENT
+        if align is not None:
+            if align.types != (GGUFValueType.UINT32,) or align.value <= 0 \
+                    or align.value & (align.value - 1):
+                raise ValueError(f"general.alignment {align.value!r}: not a power of two")
+            alignment = align.value
+        start = -(-cur.at // alignment) * alignment
+        self.tensors: list[Tensor] = []
+        seen = set()
+        for name, dims, ttype, offset in infos:
+            if name in seen:
+                raise ValueError(f"tensor {name!r} appears twice")
+            seen.add(name)
+            self.tensors.append(self._tensor(name, dims, ttype, start + offset))
+
+    def _tensor(self, name: str, dims: tuple[int, ...], ttype: GGMLQuantizationType,
+                at: int) -> Tensor:
+        n = int(np.prod(dims, dtype=object)) if dims else 1
+        block, type_size = GGML_QUANT_SIZES[ttype]
+        if n % block:
+            raise ValueError(f"tensor {name!r}: {n} elements, not whole blocks of {block}")
+        n_bytes = n // block * type_size
+        if at + n_bytes > len(self.data):
+            raise ValueError(f"tensor {name!r} ({n_bytes} bytes at {at}) runs past the "
+                             f"file's end ({len(self.data)})")
+        shape = tuple(reversed(dims))
+        element = _ELEMENTS.get(ttype)
+        if element is None:  # quantized: the blocks' bytes, rows of them
+            raw = self.data[at:at + n_bytes]
+            data = raw.reshape(quant_shape_to_byte_shape(shape, ttype))
+        else:
+            data = self.data[at:at + n_bytes].view(element).reshape(shape)
+        return Tensor(name, ttype, dims, n, n_bytes, at, data)
