@@ -331,10 +331,16 @@ def notes(results: dict, names: list[str]) -> list[str]:
         for w, r in entry.get("runs", {}).items():
             if isinstance(r, str):
                 out.append(f"- {name}, {w}: {r}")
-            elif r["failed"] or r["short_tokens"]:
-                out.append(f"- {name}, {w}: {r['failed']} requests failed; the completed "
-                           f"ones {r['short_tokens']} output tokens short of --ignore-eos's "
-                           "(as the client counted them)")
+                continue
+            if r.get("error"):
+                out.append(f"- {name}, {w}: {r['error']}")
+            reps = r.get("repeats") or [r]
+            for i, x in enumerate(reps):
+                if x["failed"] or x["short_tokens"]:
+                    run = f" (run {i + 1} of {len(reps)})" if len(reps) > 1 else ""
+                    out.append(f"- {name}, {w}{run}: {x['failed']} requests failed; the "
+                               f"completed ones {x['short_tokens']} output tokens short of "
+                               "--ignore-eos's (as the client counted them)")
     return out
 
 
@@ -367,8 +373,8 @@ def best_anchor(results: dict, workload: str) -> tuple[float, str] | None:
 def ratio_lines(results: dict, stored_bytes: int, gbs: float) -> list[str]:
     """pdserve's batch-1 TPOT over the floor of the weights as stored (``stored_bytes``
     over the bandwidth read around each batch-1 run, else ``gbs``: the median of the runs'
-    ratios, each shown) and over llama.cpp's (the runs' median TPOTs); its
-    output tok/s over the best anchor's per loaded workload."""
+    ratios (of two middle ones, the lower), each shown) and over llama.cpp's (the median
+    runs' TPOTs); its output tok/s over the best anchor's per loaded workload."""
     out = []
     for name in (n for n in SERVERS if SERVERS[n].kind == "pdserve"):
         tpot = _b1_tpot(results, name)
@@ -390,7 +396,7 @@ def ratio_lines(results: dict, stored_bytes: int, gbs: float) -> list[str]:
         else:
             each = "; ".join(f"{t:.2f} ms against {f:.2f} ({a[0]:.1f} / {a[1]:.1f} GB/s): "
                              f"{x:.2f}x" for x, t, f, a in ratios)
-            parts = [f"batch-1 TPOT {statistics.median(x[0] for x in ratios):.2f}x the floor "
+            parts = [f"batch-1 TPOT {statistics.median_low(x[0] for x in ratios):.2f}x the floor "
                      f"of the weights as stored, the median of {len(ratios)} runs, each "
                      f"against the bandwidth read just before and after it ({each})"]
         for anchor in ("llama-q4_1", "llama-f32"):
@@ -449,8 +455,11 @@ def prepare(p: Paths) -> None:
 def client_run(cmd: list[str], result: Path, w: Workload, log_path: Path) -> dict | str:
     """One run of the benchmark client: its figures, or why there are none."""
     with open(log_path, "a") as log:
-        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=1800,
-                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        try:
+            done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=1800,
+                                  env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        except subprocess.TimeoutExpired:
+            return f"failed: the client ran past 1800 s (see {log_path})"
     try:
         if done.returncode:
             raise ValueError(f"the client exited with {done.returncode} (see {log_path})")
@@ -464,7 +473,9 @@ def batch1_runs(name: str, url: str, model: str, client: list[str], tokenizer: P
     """The batch-1 workload ``repeats`` times, the read bandwidth measured before the first
     and after each: this host's bandwidth moves between levels within seconds (RESULTS.md),
     so each run is set against the readings around it. The figures are those of the run of
-    median TPOT, with every run's under "repeats"; the first failure ends it."""
+    median TPOT (median_run), with every run's under "repeats"; a failed run ends it, its
+    reason under "error" beside the runs before it (or the entry itself, if it was the
+    first)."""
     from pdserve.bench.floor import read_bandwidth_gbs
 
     readings, reps = [read_bandwidth_gbs(CORES)], []
@@ -474,9 +485,17 @@ def batch1_runs(name: str, url: str, model: str, client: list[str], tokenizer: P
                        run_dir / f"{name}-client.log")
         readings.append(read_bandwidth_gbs(CORES))
         if isinstance(r, str):
-            return r if not reps else f"{r} (run {i + 1} of {repeats})"
+            if not reps:
+                return r
+            return {**median_run(reps), "repeats": reps, "error": f"{r} (run {i + 1} of "
+                                                                  f"{repeats})"}
         reps.append({**r, "bandwidth_gbs": [round(readings[i], 2), round(readings[i + 1], 2)]})
-    return {**sorted(reps, key=lambda r: r["tpot_ms"])[(len(reps) - 1) // 2], "repeats": reps}
+    return {**median_run(reps), "repeats": reps}
+
+
+def median_run(reps: list[dict]) -> dict:
+    """The run of median TPOT (of two middle ones, the faster: statistics.median_low)."""
+    return sorted(reps, key=lambda r: r["tpot_ms"])[(len(reps) - 1) // 2]
 
 
 def run_server(name: str, p: Paths, client: list[str], workloads: list[Workload],

@@ -9,8 +9,11 @@ each tensor's data as GGUFReader does (the same dtype and shape: the element typ
 F16, F32, F64 and the integer types, the blocks' bytes for a quantized type), so the
 loader and gguf's ``quants.dequantize`` read them unchanged.
 
-Little-endian files of GGUF versions 2 and 3 (what llama.cpp writes); anything else, and
-any count, length or offset that does not fit the file, is a ValueError saying where.
+Little-endian files of GGUF versions 2 and 3 (what llama.cpp writes). Refused, each with a
+ValueError saying where: other versions and big-endian files (their quantized blocks would
+be read as little-endian ones), arrays of arrays (pdserve reads none), strings that are
+not UTF-8, and any count, length or offset that does not fit the file. Numeric arrays
+stay views of the mapping until ``contents()`` asks for them.
 """
 from __future__ import annotations
 
@@ -33,6 +36,10 @@ _SCALARS = {GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UIN
             GGUFValueType.INT16: "h", GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i",
             GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?", GGUFValueType.UINT64: "Q",
             GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d"}
+_ARRAYS = {GGUFValueType.UINT8: "<u1", GGUFValueType.INT8: "<i1", GGUFValueType.UINT16: "<u2",
+           GGUFValueType.INT16: "<i2", GGUFValueType.UINT32: "<u4", GGUFValueType.INT32: "<i4",
+           GGUFValueType.FLOAT32: "<f4", GGUFValueType.BOOL: "?", GGUFValueType.UINT64: "<u8",
+           GGUFValueType.INT64: "<i8", GGUFValueType.FLOAT64: "<f8"}
 _U64 = struct.Struct("<Q")
 _ELEMENTS = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
              GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
@@ -42,19 +49,24 @@ _ELEMENTS = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.
 
 @dataclass(frozen=True)
 class Field:
-    """One key's value: a str, int, float or bool, or a list of them (an array)."""
+    """One key's value: a str, int, float or bool; an array of strings as a list, a numeric
+    array as a view of the file's mapping."""
     name: str
     value: Any
     types: tuple[GGUFValueType, ...]  # the value's type; an array's, then its elements'
 
     def contents(self) -> Any:
-        """The value, as GGUFReader's ``contents()`` gives it (a new list for an array)."""
+        """The value, as GGUFReader's ``contents()`` gives it: Python values, a new list
+        for an array."""
+        if isinstance(self.value, np.ndarray):
+            return self.value.tolist()
         return list(self.value) if isinstance(self.value, list) else self.value
 
     @property
     def data(self) -> range:
         """An index per element (an array's), or the one of a scalar."""
-        return range(len(self.value) if isinstance(self.value, list) else 1)
+        array = isinstance(self.value, (list, np.ndarray))
+        return range(len(self.value) if array else 1)
 
 
 @dataclass(frozen=True)
@@ -68,11 +80,18 @@ class Tensor:
     data: np.ndarray         # a view of the file's mapping
 
 
+def value_type(raw: int, at: int) -> GGUFValueType:
+    try:
+        return GGUFValueType(raw)
+    except ValueError:
+        raise ValueError(f"value type {raw} at byte {at} is not one of GGUF's") from None
+
+
 class _Cursor:
     """Reads values one after another from the file's bytes, each checked against its end."""
 
-    def __init__(self, buf: memoryview):
-        self.buf, self.at = buf, 0
+    def __init__(self, mapped: np.ndarray):
+        self.mapped, self.buf, self.at = mapped, memoryview(mapped), 0
 
     def take(self, fmt: str) -> Any:
         size = struct.calcsize("<" + fmt)
@@ -86,6 +105,14 @@ class _Cursor:
     def string(self) -> str:
         return self._strings(1)[0]
 
+    def field(self, key: str) -> Field:
+        at = self.at
+        vtype = value_type(self.take("I"), at)
+        if vtype == GGUFValueType.ARRAY:
+            value, etype = self.array()
+            return Field(key, value, (vtype, etype))
+        return Field(key, self.value(vtype), (vtype,))
+
     def value(self, vtype: GGUFValueType) -> Any:
         if vtype == GGUFValueType.STRING:
             return self.string()
@@ -94,30 +121,25 @@ class _Cursor:
             raise ValueError(f"value type {vtype!r} at byte {self.at} is not a scalar")
         return self.take(fmt)
 
-    def array(self) -> tuple[list, GGUFValueType]:
-        etype = GGUFValueType(self.take("I"))
+    def array(self) -> tuple[list | np.ndarray, GGUFValueType]:
+        at = self.at
+        etype = value_type(self.take("I"), at)
         n = self.take("Q")
-        # every element takes 1 byte at least (8 for a string's length)
-        least = 8 if etype == GGUFValueType.STRING else struct.calcsize(
-            "<" + _SCALARS.get(etype, "B"))
-        if n > (len(self.buf) - self.at) // least:
-            raise ValueError(f"an array of {n} elements at byte {self.at - 12} cannot fit "
-                             "the rest of the file")
         if etype == GGUFValueType.ARRAY:
-            raise ValueError(f"an array of arrays at byte {self.at - 12}: not supported")
+            raise ValueError(f"an array of arrays at byte {at}: not supported")
+        # every element takes its size at least (8 bytes for a string's length)
+        least = 8 if etype == GGUFValueType.STRING else np.dtype(_ARRAYS[etype]).itemsize
+        if n > (len(self.buf) - self.at) // least:
+            raise ValueError(f"an array of {n} elements at byte {at} cannot fit the rest of "
+                             "the file")
         if etype == GGUFValueType.STRING:
             return self._strings(n), etype
-        fmt = _SCALARS.get(etype)
-        if fmt is None:
-            raise ValueError(f"array element type {etype!r} at byte {self.at - 12}")
-        size = struct.calcsize("<" + fmt)
-        out = list(struct.unpack_from(f"<{n}{fmt}", self.buf, self.at))
-        self.at += n * size
+        out = self.mapped[self.at:self.at + n * least].view(_ARRAYS[etype])
+        self.at += n * least
         return out, etype
 
-
     def _strings(self, n: int) -> list[str]:
-        """n strings one after another (a vocabulary's: the loop is the parse's time)"""
+        """n strings one after another (a vocabulary's: the loop is the parse's time)."""
         buf, at, end, length, out = self.buf, self.at, len(self.buf), _U64.unpack_from, []
         for _ in range(n):
             if at + 8 > end:
@@ -127,7 +149,11 @@ class _Cursor:
             if k > end - at:
                 raise ValueError(f"a string of {k} bytes at byte {at - 8} runs past the "
                                  f"file's end ({end})")
-            out.append(str(buf[at:at + k], "utf-8"))
+            try:
+                out.append(str(buf[at:at + k], "utf-8"))
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"the string at byte {at - 8} is not UTF-8 ({exc.reason} at "
+                                 f"its byte {exc.start})") from None
             at += k
         self.at = at
         return out
@@ -140,7 +166,7 @@ class GGUFFile:
 
     def __init__(self, path: str):
         self.data = np.memmap(path, mode="r")
-        cur = _Cursor(memoryview(self.data))
+        cur = _Cursor(self.data)
         if cur.take("I") != GGUF_MAGIC:
             raise ValueError("no GGUF magic at its start")
         version = cur.take("I")
@@ -156,15 +182,12 @@ class GGUFFile:
             self.fields[name] = Field(name, value, (vtype,))
         for _ in range(kv_count):
             key = cur.string()
-            vtype = GGUFValueType(cur.take("I"))
-            if vtype == GGUFValueType.ARRAY:
-                value, etype = cur.array()
-                field = Field(key, value, (vtype, etype))
-            else:
-                field = Field(key, cur.value(vtype), (vtype,))
             if key in self.fields:
                 raise ValueError(f"key {key!r} appears twice")
-            self.fields[key] = field
+            try:
+                self.fields[key] = cur.field(key)
+            except ValueError as exc:
+                raise ValueError(f"key {key!r}: {exc}") from None
         infos = []
         for _ in range(tensor_count):
             name = cur.string()
@@ -172,13 +195,19 @@ class GGUFFile:
             if n_dims > 8:
                 raise ValueError(f"tensor {name!r} has {n_dims} dimensions")
             dims = tuple(cur.take("Q") for _ in range(n_dims))
-            infos.append((name, dims, GGMLQuantizationType(cur.take("I")), cur.take("Q")))
+            raw = cur.take("I")
+            try:
+                ttype = GGMLQuantizationType(raw)
+            except ValueError:
+                raise ValueError(f"tensor {name!r}: type {raw} is not one of GGML's") from None
+            infos.append((name, dims, ttype, cur.take("Q")))
         align = self.fields.get("general.alignment")
         alignment = GGUF_DEFAULT_ALIGNMENT
         if align is not None:
-            if align.types != (GGUFValueType.UINT32,) or align.value <= 0 \
-                    or align.value & (align.value - 1):
-                raise ValueError(f"general.alignment {align.value!r}: not a power of two")
+            if align.types != (GGUFValueType.UINT32,):
+                raise ValueError(f"general.alignment is a {align.types[0].name}, not a UINT32")
+            if align.value <= 0 or align.value & (align.value - 1):
+                raise ValueError(f"general.alignment {align.value}: not a power of two")
             alignment = align.value
         start = -(-cur.at // alignment) * alignment
         self.tensors: list[Tensor] = []
@@ -187,18 +216,21 @@ class GGUFFile:
             if name in seen:
                 raise ValueError(f"tensor {name!r} appears twice")
             seen.add(name)
-            self.tensors.append(self._tensor(name, dims, ttype, start + offset))
+            try:
+                self.tensors.append(self._tensor(name, dims, ttype, start + offset))
+            except ValueError as exc:  # (numpy's and gguf's shape errors too)
+                raise ValueError(f"tensor {name!r}: {exc}") from None
 
     def _tensor(self, name: str, dims: tuple[int, ...], ttype: GGMLQuantizationType,
                 at: int) -> Tensor:
         n = int(np.prod(dims, dtype=object)) if dims else 1
         block, type_size = GGML_QUANT_SIZES[ttype]
         if n % block:
-            raise ValueError(f"tensor {name!r}: {n} elements, not whole blocks of {block}")
+            raise ValueError(f"{n} elements, not whole blocks of {block}")
         n_bytes = n // block * type_size
         if at + n_bytes > len(self.data):
-            raise ValueError(f"tensor {name!r} ({n_bytes} bytes at {at}) runs past the "
-                             f"file's end ({len(self.data)})")
+            raise ValueError(f"{n_bytes} bytes at {at} run past the file's end "
+                             f"({len(self.data)})")
         shape = tuple(reversed(dims))
         element = _ELEMENTS.get(ttype)
         if element is None:  # quantized: the blocks' bytes, rows of them

@@ -26,9 +26,17 @@ TOL = 1e-3
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model):
-    """One 1P1D cluster on the tiny Llama for both tests: lm-eval only reads from it."""
-    with launched(tiny_model("llama"), 1, 1) as c:
-        yield c
+    """One 1P1D cluster on the tiny Llama for both tests (lm-eval only reads from it),
+    offline as the tests are: nothing of either reaches the Hugging Face hub."""
+    with pytest.MonkeyPatch.context() as mp:
+        offline(mp)
+        with launched(tiny_model("llama"), 1, 1) as c:
+            yield c
+
+
+def offline(mp) -> None:
+    mp.setenv("HF_DATASETS_OFFLINE", "1")
+    mp.setenv("HF_HUB_OFFLINE", "1")
 
 
 def write_tasks(root) -> None:
@@ -71,8 +79,7 @@ def responses(results: dict, task: str) -> list:
 
 def test_lm_eval_through_pdserve_equals_its_hf_model(tiny_model, cluster, tmp_path,
                                                      monkeypatch):
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    offline(monkeypatch)
     model_dir = tiny_model("llama")
     write_tasks(tmp_path)
     hf = evaluate("hf", {"pretrained": str(model_dir), "dtype": "float32", "device": "cpu",
@@ -105,8 +112,7 @@ def test_lm_eval_with_only_what_pdserve_serves(tiny_model, cluster, tmp_path, mo
     /tokenizer_info, /tokenize and /detokenize, no tokenizer folder given, and every
     sample's response equals the run with the checkpoint's own tokenizer. Without the
     endpoint lm-eval refuses to start (it asks for /tokenizer_info first)."""
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    offline(monkeypatch)
     model_dir = tiny_model("llama")
     write_tasks(tmp_path)
     # No add_bos_token: lm-eval's remote backend never adds special tokens (against vLLM

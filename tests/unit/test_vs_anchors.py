@@ -244,3 +244,42 @@ def test_args_batch1_repeats(tmp_path):
     assert va.parse_args(["--work-dir", str(tmp_path)]).batch1_repeats == 3
     with pytest.raises(SystemExit):
         va.parse_args(["--work-dir", str(tmp_path), "--batch1-repeats", "0"])
+
+
+def test_batch1_runs_pairs_each_run_with_the_readings_around_it(monkeypatch, tmp_path):
+    """batch1_runs with the client and the bandwidth reading stood in for (what they return
+    is all it reads): the run of median TPOT on top, each run with the reading before it
+    and the one after; a later run's failure kept beside the runs before it, and named in
+    the notes with every run's failed requests."""
+    import pdserve.bench.floor as floor
+
+    readings = iter([10.0, 20.0, 30.0, 40.0])
+    monkeypatch.setattr(floor, "read_bandwidth_gbs", lambda threads=None: next(readings))
+    runs = iter([run(1.0, 1, 5.0), run(1.0, 1, 3.0, failed=2), run(1.0, 1, 4.0)])
+    names = []
+
+    def client(cmd, result, w, log):
+        names.append(result.name)
+        return next(runs)
+    monkeypatch.setattr(va, "client_run", client)
+    w = va.WORKLOADS[2]
+    got = va.batch1_runs("pd", "http://x", "m", ["c"], tmp_path, w, tmp_path, 3)
+    assert names == [f"pd-128-128-c1-{i}.json" for i in range(3)]
+    assert [r["bandwidth_gbs"] for r in got["repeats"]] == [[10.0, 20.0], [20.0, 30.0],
+                                                            [30.0, 40.0]]
+    assert got["tpot_ms"] == 4.0 and "error" not in got
+    notes = va.notes({"pd": {"runs": {C1: got}}}, ["pd"])
+    assert notes == [f"- pd, {C1} (run 2 of 3): 2 requests failed; the completed ones 0 "
+                     "output tokens short of --ignore-eos's (as the client counted them)"]
+
+    readings = iter([10.0, 20.0, 30.0])
+    runs = iter([run(1.0, 1, 5.0), "failed: the client exited with 1"])
+    got = va.batch1_runs("pd", "http://x", "m", ["c"], tmp_path, w, tmp_path, 3)
+    assert got["tpot_ms"] == 5.0 and len(got["repeats"]) == 1
+    assert got["error"] == "failed: the client exited with 1 (run 2 of 3)"
+    assert va.notes({"pd": {"runs": {C1: got}}}, ["pd"]) == [f"- pd, {C1}: {got['error']}"]
+
+    readings = iter([10.0, 20.0])
+    runs = iter(["failed: the client exited with 1"])
+    assert va.batch1_runs("pd", "http://x", "m", ["c"], tmp_path, w, tmp_path, 3) == \
+        "failed: the client exited with 1"
