@@ -32,11 +32,8 @@ from gguf.constants import (
 from gguf.quants import quant_shape_to_byte_shape
 
 VERSIONS = (2, 3)
-_SCALARS = {GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H",
-            GGUFValueType.INT16: "h", GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i",
-            GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?", GGUFValueType.UINT64: "Q",
-            GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d"}
-_ARRAYS = {GGUFValueType.UINT8: "<u1", GGUFValueType.INT8: "<i1", GGUFValueType.UINT16: "<u2",
+# the numeric value types as numpy reads them (GGUFReader's own, so the same Python values)
+_NUMERIC = {GGUFValueType.UINT8: "<u1", GGUFValueType.INT8: "<i1", GGUFValueType.UINT16: "<u2",
            GGUFValueType.INT16: "<i2", GGUFValueType.UINT32: "<u4", GGUFValueType.INT32: "<i4",
            GGUFValueType.FLOAT32: "<f4", GGUFValueType.BOOL: "?", GGUFValueType.UINT64: "<u8",
            GGUFValueType.INT64: "<i8", GGUFValueType.FLOAT64: "<f8"}
@@ -116,10 +113,13 @@ class _Cursor:
     def value(self, vtype: GGUFValueType) -> Any:
         if vtype == GGUFValueType.STRING:
             return self.string()
-        fmt = _SCALARS.get(vtype)
-        if fmt is None:
-            raise ValueError(f"value type {vtype!r} at byte {self.at} is not a scalar")
-        return self.take(fmt)
+        dtype = np.dtype(_NUMERIC[vtype])  # (value_type: one of GGUF's; not an array)
+        if self.at + dtype.itemsize > len(self.buf):
+            raise ValueError(f"the file ends at byte {len(self.buf)}, inside a value at "
+                             f"{self.at}")
+        v = self.mapped[self.at:self.at + dtype.itemsize].view(dtype)[0].item()
+        self.at += dtype.itemsize
+        return v
 
     def array(self) -> tuple[list | np.ndarray, GGUFValueType]:
         at = self.at
@@ -128,13 +128,13 @@ class _Cursor:
         if etype == GGUFValueType.ARRAY:
             raise ValueError(f"an array of arrays at byte {at}: not supported")
         # every element takes its size at least (8 bytes for a string's length)
-        least = 8 if etype == GGUFValueType.STRING else np.dtype(_ARRAYS[etype]).itemsize
+        least = 8 if etype == GGUFValueType.STRING else np.dtype(_NUMERIC[etype]).itemsize
         if n > (len(self.buf) - self.at) // least:
             raise ValueError(f"an array of {n} elements at byte {at} cannot fit the rest of "
                              "the file")
         if etype == GGUFValueType.STRING:
             return self._strings(n), etype
-        out = self.mapped[self.at:self.at + n * least].view(_ARRAYS[etype])
+        out = self.mapped[self.at:self.at + n * least].view(_NUMERIC[etype])
         self.at += n * least
         return out, etype
 
