@@ -452,6 +452,11 @@ def prepare(p: Paths) -> None:
         print(f"wrote {p.gguf_f32}")
 
 
+def result_path(run_dir: Path, name: str, w: Workload, suffix: str = "") -> Path:
+    """Where the client saves a run's JSON."""
+    return run_dir / f"{name}-{w.input_len}-{w.output_len}-c{w.concurrency}{suffix}.json"
+
+
 def client_run(cmd: list[str], result: Path, w: Workload, log_path: Path) -> dict | str:
     """One run of the benchmark client: its figures, or why there are none."""
     with open(log_path, "a") as log:
@@ -480,7 +485,7 @@ def batch1_runs(name: str, url: str, model: str, client: list[str], tokenizer: P
 
     readings, reps = [read_bandwidth_gbs(CORES)], []
     for i in range(repeats):
-        result = run_dir / f"{name}-{w.input_len}-{w.output_len}-c{w.concurrency}-{i}.json"
+        result = result_path(run_dir, name, w, f"-{i}")
         r = client_run(client_cmd(client, url, model, tokenizer, w, result), result, w,
                        run_dir / f"{name}-client.log")
         readings.append(read_bandwidth_gbs(CORES))
@@ -513,8 +518,7 @@ def run_server(name: str, p: Paths, client: list[str], workloads: list[Workload]
                     entry["runs"][w.name] = batch1_runs(name, url, model, client, tokenizer, w,
                                                         run_dir, repeats)
                 else:
-                    result = run_dir / f"{name}-{w.input_len}-{w.output_len}-c{w.concurrency}" \
-                        ".json"
+                    result = result_path(run_dir, name, w)
                     entry["runs"][w.name] = client_run(
                         client_cmd(client, url, model, tokenizer, w, result), result, w,
                         run_dir / f"{name}-client.log")

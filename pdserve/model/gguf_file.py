@@ -4,7 +4,7 @@ gguf_tokenizer.py).
 gguf's own ``GGUFReader`` makes two numpy arrays for every string of the file's arrays:
 about 200,000 for the bundled SmolLM2's 49,152 tokens and 48,900 merges, 2.8 s of every
 start of a node, of the router and of each ``pdserve model`` command on that file. This
-reads the same header in one pass with ``struct``, strings straight to ``str``, and maps
+reads the same header in one pass (``struct`` and numpy), strings straight to ``str``, and maps
 each tensor's data as GGUFReader does (the same dtype and shape: the element type for
 F16, F32, F64 and the integer types, the blocks' bytes for a quantized type), so the
 loader and gguf's ``quants.dequantize`` read them unchanged.
@@ -44,7 +44,7 @@ _ELEMENTS = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.
              GGMLQuantizationType.I64: np.int64}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (equality would compare a numeric array's elements)
 class Field:
     """One key's value: a str, int, float or bool; an array of strings as a list, a numeric
     array as a view of the file's mapping."""
@@ -66,7 +66,7 @@ class Field:
         return range(len(self.value) if array else 1)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Tensor:
     name: str
     tensor_type: GGMLQuantizationType
