@@ -229,12 +229,16 @@ def random_step_inputs(model, batch: int, context: int, padded=()):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("batch,context,padded", [(1, 700, ()), (20, 40, ()), (5, 300, (1, 4))])
+@pytest.mark.parametrize("batch,context,padded", [
+    (1, 700, ()), (20, 40, ()), (5, 300, (1, 4)),
+    (1, 100, ()),       # a short context in two chunks where the kv heads do not split evenly
+    (2, 300, (1,))])    # a split context combined by every thread, beside a padding row
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_model_shapes_and_padding_rows_keep_the_layer_paths_bits(shape, batch, context,
                                                                   padded, threads):
     """The attention copies specialised for head_dim 64 and 128, groups 1 to 8, batches
-    past the GEMM's row tiles, split contexts, and rows of batch padding (length 0, slot
+    past the GEMM's row tiles, split contexts (combined by one thread a sequence, or by
+    every thread where the sequences are fewer), and rows of batch padding (length 0, slot
     -1: zeros out, nothing stored); three threads on two cores (a thread waiting for one
     that is not running)."""
     model = q4_random(shape)
@@ -267,7 +271,8 @@ PHASES = ("q/k/v", "attention", "combine", "o", "gate/up", "down")  # decode_ste
 
 
 STALLS = [(*case, where) for case in [
-    ("q/k/v", 1, 1, 700), ("attention", 0, 1, 700), ("combine", 1, 1, 700),
+    # (combine: 2 sequences, one a thread; fewer, and each thread combines them itself)
+    ("q/k/v", 1, 1, 700), ("attention", 0, 1, 700), ("combine", 1, 2, 700),
     ("o", 2, 1, 700), ("gate/up", 0, 5, 40), ("down", 3, 5, 40),
     ("down", 0, 96, 40),   # a ring of 2 layers' buffers at this batch: layer 2 waits
     ("attention", 1, 96, 40)] for where in ("before", "after")] + [("start", -1, 96, 40, "before")]

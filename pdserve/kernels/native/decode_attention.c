@@ -312,6 +312,16 @@ int pd_da_split(int num_seqs, const void *seq_lens, int lens64, int KVH, int thr
         if (split > most) split = most;
         if (split < 1) split = 1;
     }
+    /* Whole contexts that make fewer items (sequence, kv head) than 4 a thread and not a
+     * multiple of the threads leave a thread of the decode step's team (decode_step.c) with
+     * more than the others: at batch 1, 3 kv heads on 2 threads, one computes two and the
+     * other one. In two chunks each they split evenly. (Where the call is not parallel the
+     * chunks run one after the other: the same bits as the step's, and a combine of 2 chunks
+     * more.) */
+    const int items = num_seqs * KVH;
+    if (split == 1 && threads > 1 && items < 4 * threads && items % threads
+            && (2 * items) % threads == 0 && max_len >= 2 * DA_TILE)
+        split = 2;
     return split;
 }
 
@@ -321,10 +331,16 @@ int pd_da_tasks(int num_seqs, const void *seq_lens, int lens64, int split, da_ta
     int count = 0;
     for (int b = 0; b < num_seqs; b++) {
         int len = (int)da_index(seq_lens, b, lens64);
-        int chunk = (len + split - 1) / split;
-        chunk = (chunk + DA_TILE - 1) / DA_TILE * DA_TILE;
-        for (int t0 = 0; t0 < len; t0 += chunk)
-            tasks[count++] = (da_task){b, t0, t0 + chunk < len ? t0 + chunk : len};
+        /* chunks of whole tiles, the nearest to an even split (rounded up, 130 positions in
+         * two were 80 and 50: one thread's share of the items 1.6 times the other's); the
+         * last takes the rest */
+        int chunk = ((len + split - 1) / split + DA_TILE / 2) / DA_TILE * DA_TILE;
+        if (chunk < DA_TILE) chunk = DA_TILE;
+        for (int t0 = 0, k = 1; t0 < len; t0 += chunk, k++) {
+            const int t1 = k == split || t0 + chunk >= len ? len : t0 + chunk;
+            tasks[count++] = (da_task){b, t0, t1};
+            if (t1 == len) break;
+        }
     }
     return count;
 }

@@ -20,12 +20,15 @@
  *   only its own outputs.
  * - Attention runs decode_attention.c's tasks (planned once a step: every layer's lengths
  *   are the same), split further by kv head and spread over the team: a kv head's sums are
- *   its own, so the result depends on neither the thread nor the split.
+ *   its own, so the result depends on neither the thread nor the split. A split context's
+ *   chunks are combined by one thread a sequence, or, where the sequences are fewer than
+ *   the threads (batch 1), by every thread for itself, so that none waits for another's.
  * - A thread done with its share of a phase takes what is left of the others' (take), and
  *   one whose last chunk runs far too long (its thread preempted) it computes itself
  *   (take_over): a phase does not wait for a thread the machine is not running.
  * - While q, k and v stream their weights, each thread asks for the K and V rows that its
- *   share of the layer's attention will read (kv_ahead).
+ *   share of the layer's attention will read (kv_ahead); as a phase ends, and while
+ *   attention computes, for the first lines of its share of the next weights (w_ahead).
  * A greedy batch's step can also look its tokens up (look_up) and pick them from a Q8_0
  * LM head (final_rows), so that a decode step is one call from token ids to tokens.
  */
@@ -123,12 +126,13 @@ typedef struct {
     float *sx, *sumx, *l, *acc; /* [B, K / 32] twice; combining: [H], [H, D] */
     bf16 *head, *gu;            /* a q, k or v head [B, D]; gate then up [B, 2 * I] */
     float *parts;               /* an attention item's m [H], l [H], acc [H, D] */
+    bf16 *att;                  /* attention's output combined by this thread [B, H, D] */
 } step_private;
 
 /* the private buffers' offsets from their start (s's pointers), and their size */
 static size_t private_layout(const pd_model *m, int B, int kmax, step_private *s) {
     size_t at = 0;
-    size_t o[10];
+    size_t o[11];
     o[0] = put(&at, (size_t)B * m->hidden * 2);
     o[1] = put(&at, (size_t)B * m->hidden * 2);
     o[2] = put(&at, (size_t)B * kmax);
@@ -139,13 +143,14 @@ static size_t private_layout(const pd_model *m, int B, int kmax, step_private *s
     o[7] = put(&at, (size_t)B * m->D * 2);
     o[8] = put(&at, (size_t)B * 2 * m->I * 2);
     o[9] = put(&at, (size_t)m->H * (m->D + 2) * 4);
+    o[10] = put(&at, (size_t)B * m->H * m->D * 2);
     if (s) {
         char *p = (char *)s->res;  /* the start */
         s->res = (bf16 *)(p + o[0]), s->xn = (bf16 *)(p + o[1]), s->xq = (int8_t *)(p + o[2]);
         s->sx = (float *)(p + o[3]), s->sumx = (float *)(p + o[4]);
         s->l = (float *)(p + o[5]), s->acc = (float *)(p + o[6]);
         s->head = (bf16 *)(p + o[7]), s->gu = (bf16 *)(p + o[8]);
-        s->parts = (float *)(p + o[9]);
+        s->parts = (float *)(p + o[9]), s->att = (bf16 *)(p + o[10]);
     }
     return at;
 }
@@ -238,6 +243,14 @@ static void split_spans(uint64_t *spans, size_t stride, int phase, int n, int nt
     }
 }
 
+/* Attention item c of a layer: task c / KVH (a sequence's chunk of positions), kv head
+ * c % KVH. Kv heads innermost: a thread's share of the items then reads whole positions
+ * of the cache (every kv head's row), one stream a task. (Tasks innermost, its share read
+ * a third of each position's lines: at batch 2 the q/k/v phase, which asks for them,
+ * took 1.11 times as long and attention 1.16.) */
+static inline int item_task(int c, int KVH) { return c / KVH; }
+static inline int item_head(int c, int KVH) { return c % KVH; }
+
 /* A layer's K and V, asked for into L2 while its q, k and v stream their weights:
  * attention reads a few hundred positions of cache rows scattered over pages, and after a
  * step's ~100 MB of weights have passed through the caches every row is a miss that the
@@ -266,7 +279,10 @@ static kv_ahead kv_ahead_plan(const uint64_t *items, const uint64_t *chunks,
     const int n = (int)(uint32_t)(w >> 32) - (int)(uint32_t)w;
     kv_ahead k = {(int)(uint32_t)v, (int)(uint32_t)(v >> 32), 0, 0};
     int64_t rows = 0;
-    for (int c = k.c; c < k.c1; c++) rows += tasks[c / KVH].t1 - tasks[c / KVH].t0;
+    for (int c = k.c; c < k.c1; c++) {
+        const da_task *tk = &tasks[item_task(c, KVH)];
+        rows += tk->t1 - tk->t0;
+    }
     k.per = n > 0 ? (int)((rows + n - 1) / n) : 0;
     return k;
 }
@@ -276,7 +292,7 @@ static void kv_ahead_next(kv_ahead *k, const pd_model *m, const pd_layer *ly,
     const int KVH = m->KVH, D = m->D;
     const int64_t row = (int64_t)KVH * D;
     for (int n = KV_AHEAD ? k->per : 0; n > 0 && k->c < k->c1;) {
-        const da_task *tk = &tasks[k->c / KVH];
+        const da_task *tk = &tasks[item_task(k->c, KVH)];
         if (k->t < tk->t0) k->t = tk->t0;
         if (k->t >= tk->t1) {
             k->c++;
@@ -286,7 +302,7 @@ static void kv_ahead_next(kv_ahead *k, const pd_model *m, const pd_layer *ly,
         const int64_t blk = tables[tk->b * bt_s + k->t / m->block_size];
         if (blk >= 0) {
             const int64_t at = (pd_kv_slot(blk, k->t, m->block_size) * row
-                                + (int64_t)(k->c % KVH) * D) * (int64_t)sizeof(bf16);
+                                + (int64_t)item_head(k->c, KVH) * D) * (int64_t)sizeof(bf16);
             for (int x = 0; x < D * (int)sizeof(bf16); x += 64) {
                 _mm_prefetch(ly->k_cache + at + x, _MM_HINT_T1);
                 _mm_prefetch(ly->v_cache + at + x, _MM_HINT_T1);
@@ -295,6 +311,39 @@ static void kv_ahead_next(kv_ahead *k, const pd_model *m, const pd_layer *ly,
         k->t++;
         n--;
     }
+}
+
+/* The next phase's weights, asked for while this one ends. Each phase's share of a
+ * thread is a stream of its own, 100-550 KiB at batch 1, and the hardware's prefetchers
+ * only take up a stream after its first misses: 150 times a step a thread would start
+ * one from cold. So a thread asks for the first lines of its share of the next phase's
+ * weights (the even split of their span, which it takes first) as it computes its last
+ * chunks of this one, and more while it waits for the others; and for the o projection's
+ * share while the layer's attention computes, which reads no weights. Software prefetches
+ * issued in a burst of hundreds are dropped (a prefetched 104 KiB range read no faster
+ * than a cold one on the 2-core EPYC), so they go a few at a time. */
+typedef struct {
+    const char *p[2], *end[2];  /* the lines still to ask for: up to two ranges (gate, up) */
+} w_ahead;
+
+#ifndef W_AHEAD
+#define W_AHEAD 1  /* 0: not asked for ahead (benchmarks/decode_step_builds.py compares) */
+#endif
+#ifndef W_AHEAD_LAST
+#define W_AHEAD_LAST 16  /* lines of each range per chunk, over a phase's last own chunks */
+#endif
+#ifndef W_AHEAD_WAIT
+#define W_AHEAD_WAIT 4  /* lines of each range on each look at the others' progress */
+#endif
+#ifndef W_AHEAD_ITEM
+#define W_AHEAD_ITEM 32  /* lines of each range before each attention item */
+#endif
+
+static inline void w_ahead_next(w_ahead *w, int lines) {
+    if (!W_AHEAD || !w) return;
+    for (int r = 0; r < 2; r++)
+        for (int n = lines; n > 0 && w->p[r] < w->end[r]; n--, w->p[r] += 64)
+            _mm_prefetch(w->p[r], _MM_HINT_T0);
 }
 
 /* blocks of 16 outputs of an int4 projection with k inputs (10 bytes a group of 32 an
@@ -353,6 +402,10 @@ typedef struct {
     const da_task *tasks;
     const int *first;            /* sequence g's tasks: [first[g], first[g + 1]) */
     int whole, oc, gc, dc;
+    int count;                   /* attention tasks (every layer's alike) */
+    int comb_each;               /* a split context combined by every thread for itself */
+    const uint8_t *head;         /* the Q8_0 LM head, or NULL */
+    int vocab_blocks;
     int n[PHASES];               /* each phase's chunks (every layer's alike) */
     char *slot0;
     size_t slot_bytes, at_att, at_parts, at_xo, at_act, at_xd;
@@ -424,7 +477,7 @@ static void run_chunk(const step_ctx *x, step_private *s, int li, int ph, int c)
         qkv_head(x, s, li, c);
         return;
     case PH_ATT: {  /* (task, kv head): its heads' sums in s->parts, then stored */
-        const int i = c / KVH, k = c % KVH, G = H / KVH;
+        const int i = item_task(c, KVH), k = item_head(c, KVH), G = H / KVH;
         const da_args a = att_args(x, li);
         float *p = s->parts;
         pd_da_run(&a, &x->tasks[i], k, k + 1, 0,
@@ -524,9 +577,9 @@ static void take_over(const step_ctx *x, step_private *s, int t, int li, int ph)
 }
 
 /* Until every chunk of layer li's phase ph is done: this thread ran `mine` of them since
- * tick t0 */
+ * tick t0 (wa: the next weights, asked for on each look) */
 static void wait_phase(const step_ctx *x, step_private *s, int t, int li, int ph,
-                       uint64_t t0, int mine) {
+                       uint64_t t0, int mine, w_ahead *wa) {
     const size_t at = (size_t)li * PHASES + ph;
     uint64_t start = 0, patience = 0;
     for (;;) {
@@ -543,6 +596,7 @@ static void wait_phase(const step_ctx *x, step_private *s, int t, int li, int ph
             take_over(x, s, t, li, ph);
             patience += patience;
         }
+        w_ahead_next(wa, W_AHEAD_WAIT);
         if (now - start > YIELD_AFTER)
             sched_yield();
         else
@@ -551,9 +605,10 @@ static void wait_phase(const step_ctx *x, step_private *s, int t, int li, int ph
 }
 
 /* Layer li's phase ph on this thread: its chunks as take() hands them out, then the wait
- * for the others' (kv: the layer's K and V asked for along the way) */
+ * for the others' (kv: the layer's K and V asked for along the way; wa: the next
+ * weights) */
 static void run_phase(const step_ctx *x, step_private *s, int t, int li, int ph,
-                      kv_ahead *kv) {
+                      kv_ahead *kv, w_ahead *wa) {
     if (!x->n[ph]) return;
     uint64_t *sp = x->spans + (size_t)li * PHASES + ph;
     worker *me = &x->workers[t];
@@ -565,6 +620,13 @@ static void run_phase(const step_ctx *x, step_private *s, int t, int li, int ph,
         uint64_t v = RUNNING | at << 32 | (uint32_t)c;
         __atomic_store_n(&me->v, v, __ATOMIC_RELEASE);
         if (kv) kv_ahead_next(kv, x->m, &x->layers[li], x->tasks, x->tables, x->bt_s);
+        if (wa) {
+            const uint64_t own = __atomic_load_n(sp + (size_t)t * x->stride, __ATOMIC_RELAXED);
+            if (ph == PH_ATT || ph == PH_COMB)
+                w_ahead_next(wa, W_AHEAD_ITEM);
+            else if ((uint32_t)(own >> 32) - (uint32_t)own < 2)  /* its last two chunks */
+                w_ahead_next(wa, W_AHEAD_LAST);
+        }
         stall_point(t, li, ph, 0, mine == 0, c);
         run_chunk(x, s, li, ph, c);
         stall_point(t, li, ph, 1, mine == 0, c);
@@ -573,7 +635,7 @@ static void run_phase(const step_ctx *x, step_private *s, int t, int li, int ph,
         else
             __atomic_store_n(&me->v, 0, __ATOMIC_RELAXED);  /* taken over: counted there */
     }
-    wait_phase(x, s, t, li, ph, t0, mine);
+    wait_phase(x, s, t, li, ph, t0, mine, wa);
 }
 
 /* Before a thread writes layer li's ring slot: every thread of the team (nt) is past the
@@ -590,6 +652,53 @@ static void wait_ring(const step_ctx *x, int li, int nt) {
         }
 }
 
+/* Thread t's share of the weights of layer li's phase ph (PH_QKV, PH_O, PH_GU or
+ * PH_DOWN; layer L: the LM head's, or none), from its span of the phase before it is taken
+ * from */
+static w_ahead w_ahead_plan(const step_ctx *x, int t, int li, int ph, const uint8_t *head) {
+    const pd_model *m = x->m;
+    w_ahead w = {{0, 0}, {0, 0}};
+    const uint64_t *sp = x->spans + (size_t)t * x->stride + (size_t)li * PHASES
+                         + (li < m->L ? ph : 0);
+    const uint64_t v = __atomic_load_n(sp, __ATOMIC_RELAXED);
+    const int lo = (int)(uint32_t)v, hi = (int)(uint32_t)(v >> 32);
+    if (lo >= hi) return w;
+    size_t block;     /* bytes of a block of 16 outputs */
+    int per, nb;      /* blocks a chunk, blocks in all */
+    const char *base;
+    if (li == m->L) {
+        if (!head) return w;
+        block = (size_t)(m->hidden / 32) * 544, per = HEAD_CHUNK, nb = x->vocab_blocks;
+        base = (const char *)head;
+    } else {
+        const pd_layer *ly = &x->layers[li];
+        switch (ph) {
+        case PH_QKV:  /* a chunk is a head */
+            block = (size_t)(m->hidden / 32) * 320, per = m->D / 16;
+            nb = (m->H + 2 * m->KVH) * per, base = (const char *)ly->qkv;
+            break;
+        case PH_O:
+            block = (size_t)(m->H * m->D / 32) * 320, per = x->oc, nb = m->hidden / 16;
+            base = (const char *)ly->o;
+            break;
+        case PH_GU:
+            block = (size_t)(m->hidden / 32) * 320, per = x->gc, nb = m->I / 16;
+            base = (const char *)ly->gate_up;
+            break;
+        default:
+            block = (size_t)(m->I / 32) * 320, per = x->dc, nb = m->hidden / 16;
+            base = (const char *)ly->down;
+        }
+    }
+    const int b0 = min_int(lo * per, nb), b1 = min_int(hi * per, nb);
+    w.p[0] = base + (size_t)b0 * block, w.end[0] = base + (size_t)b1 * block;
+    if (li < m->L && ph == PH_GU) {  /* up's blocks, I / 16 after gate's */
+        const size_t up = (size_t)nb * block;
+        w.p[1] = w.p[0] + up, w.end[1] = w.end[0] + up;
+    }
+    return w;
+}
+
 /* Layer li on thread t of a team of nt */
 static void run_layer(const step_ctx *x, step_private *s, int t, int nt, int li) {
     const pd_model *m = x->m;
@@ -600,18 +709,32 @@ static void run_layer(const step_ctx *x, step_private *s, int t, int nt, int li)
     wait_ring(x, li, nt);
     const uint64_t *sp = x->spans + (size_t)li * PHASES + (size_t)t * x->stride;
     kv_ahead kv = kv_ahead_plan(sp + PH_ATT, sp + PH_QKV, x->tasks, m->KVH);
-    run_phase(x, s, t, li, PH_QKV, &kv);
+    run_phase(x, s, t, li, PH_QKV, &kv, NULL);
     bf16 *att = att_of(x, li);
     for (int b = 0; b < B; b++)  /* batch padding: zeros, as the kernel's (every thread) */
         if (x->seq_lens[b] == 0) memset(att + (size_t)b * m->H * m->D, 0, (size_t)m->H * m->D * 2);
-    run_phase(x, s, t, li, PH_ATT, NULL);
-    run_phase(x, s, t, li, PH_COMB, NULL);
+    w_ahead wa = w_ahead_plan(x, t, li, PH_O, NULL);
+    run_phase(x, s, t, li, PH_ATT, NULL, &wa);
+    run_phase(x, s, t, li, PH_COMB, NULL, &wa);
+    if (x->comb_each) {  /* fewer sequences than threads: each combines them all itself */
+        da_args a = att_args(x, li);
+        a.out = (char *)s->att;
+        for (int b = 0; b < B; b++)
+            if (x->seq_lens[b] == 0) memset(s->att + (size_t)b * m->H * m->D, 0, (size_t)m->H * m->D * 2);
+        for (int g = 0; x->first[g] < x->count; g++)
+            pd_da_combine(&a, x->tasks, x->first[g], x->first[g + 1], parts_of(x, li),
+                          x->per_task, s->l, s->acc);
+        att = s->att;
+    }
     pd_int4_quantize(att, 1, B, m->H * m->D, s->xq, s->sx, s->sumx);
-    run_phase(x, s, t, li, PH_O, NULL);
+    wa = w_ahead_plan(x, t, li, PH_GU, NULL);
+    run_phase(x, s, t, li, PH_O, NULL, &wa);
     norm_rows(m, B, xo_of(x, li), ly->ln2, 0, s);
-    run_phase(x, s, t, li, PH_GU, NULL);
+    wa = w_ahead_plan(x, t, li, PH_DOWN, NULL);
+    run_phase(x, s, t, li, PH_GU, NULL, &wa);
     pd_int4_quantize(act_of(x, li), 1, B, m->I, s->xq, s->sx, s->sumx);
-    run_phase(x, s, t, li, PH_DOWN, NULL);
+    wa = w_ahead_plan(x, t, li + 1, PH_QKV, x->head);
+    run_phase(x, s, t, li, PH_DOWN, NULL, &wa);
 }
 
 /* The final norm of every row into this thread's s->xn (each thread's residual is the
@@ -672,7 +795,7 @@ int pd_decode_step(const pd_layer *layers, const pd_model *m, int B, const bf16 
                   .sin = sin, .tables = tables, .seq_lens = seq_lens, .bt_s = bt_s,
                   .per_task = (int64_t)H * (D + 2), .slots = slots, .whole = split == 1,
                   .oc = chunk_blocks(H * D), .gc = (chunk_blocks(hidden) + 1) / 2,
-                  .dc = chunk_blocks(I)};
+                  .dc = chunk_blocks(I), .head = head, .vocab_blocks = (vocab + 15) / 16};
     /* a ring slot: one layer's outputs */
     size_t sb = 0;
     put(&sb, (size_t)B * nh * D * 2);
@@ -732,7 +855,13 @@ int pd_decode_step(const pd_layer *layers, const pd_model *m, int B, const bf16 
         }
         c.x0 = own, c.cos = cs, c.sin = sn;
     }
-    const int n[PHASES] = {nh, count * KVH, c.whole ? 0 : groups, chunks(hidden / 16, c.oc),
+    /* a split context's chunks combined: by one thread a sequence (a phase of its own), or
+     * where the sequences are fewer than the threads, by every thread for itself (the
+     * others would only wait for it) */
+    c.count = count;
+    c.comb_each = !c.whole && groups < threads;
+    const int n[PHASES] = {nh, count * KVH, c.whole || c.comb_each ? 0 : groups,
+                           chunks(hidden / 16, c.oc),
                            chunks(I / 16, c.gc), chunks(hidden / 16, c.dc)};
     memcpy(c.n, n, sizeof(n));
     for (int li = 0; li < m->L; li++)
