@@ -231,7 +231,6 @@ def random_step_inputs(model, batch: int, context: int, padded=()):
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("batch,context,padded", [
     (1, 700, ()), (20, 40, ()), (5, 300, (1, 4)),
-    (1, 100, ()),       # a short context in two chunks where the kv heads do not split evenly
     (2, 300, (1,))])    # a split context combined by every thread, beside a padding row
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_model_shapes_and_padding_rows_keep_the_layer_paths_bits(shape, batch, context,

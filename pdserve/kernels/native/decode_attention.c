@@ -312,16 +312,6 @@ int pd_da_split(int num_seqs, const void *seq_lens, int lens64, int KVH, int thr
         if (split > most) split = most;
         if (split < 1) split = 1;
     }
-    /* Whole contexts that make fewer items (sequence, kv head) than 4 a thread and not a
-     * multiple of the threads leave a thread of the decode step's team (decode_step.c) with
-     * more than the others: at batch 1, 3 kv heads on 2 threads, one computes two and the
-     * other one. In two chunks each they split evenly. (Where the call is not parallel the
-     * chunks run one after the other: the same bits as the step's, and a combine of 2 chunks
-     * more.) */
-    const int items = num_seqs * KVH;
-    if (split == 1 && threads > 1 && items < 4 * threads && items % threads
-            && (2 * items) % threads == 0 && max_len >= 2 * DA_TILE)
-        split = 2;
     return split;
 }
 

@@ -202,6 +202,31 @@ static void norm_rows(const pd_model *m, int B, const bf16 *x, const bf16 *w, in
 enum { PH_QKV, PH_ATT, PH_COMB, PH_O, PH_GU, PH_DOWN, PHASES };
 #define HEAD_CHUNK 4    /* Q8_0 head blocks of 16 outputs a chunk (K = 576: 39 KiB) */
 
+/* Profiling (benchmarks/decode_step_phases.py builds the library with -DSTEP_PROFILE=1):
+ * time-stamp counter ticks per thread in each part of a step, read and cleared by
+ * pd_step_profile. In the build the nodes load every hook compiles to nothing. */
+#ifndef STEP_PROFILE
+#define STEP_PROFILE 0
+#endif
+/* the parts: each phase's chunks (PH_*), its wait (PR_WAIT + PH_*), the norms and
+ * quantizing, the wait for a ring slot, the LM head (final_rows), the team's whole work */
+enum { PR_WAIT = PHASES, PR_NORMS = 2 * PHASES, PR_RING, PR_HEAD, PR_TEAM, PR_PARTS };
+#define PROFILE_THREADS 64
+static uint64_t profile[PROFILE_THREADS][PR_PARTS];  /* only thread t writes row t */
+
+static inline uint64_t prof_now(void) { return STEP_PROFILE ? __rdtsc() : 0; }
+static inline void prof_add(int t, int part, uint64_t from, uint64_t to) {
+    if (STEP_PROFILE && t < PROFILE_THREADS) profile[t][part] += to - from;
+}
+
+/* [PROFILE_THREADS][PR_PARTS] ticks into out, then zeros (all zeros without STEP_PROFILE) */
+void pd_step_profile(uint64_t *out) {
+    memcpy(out, profile, sizeof(profile));
+    memset(profile, 0, sizeof(profile));
+}
+
+uint64_t pd_step_ticks(void) { return __rdtsc(); }
+
 static inline int min_int(int a, int b) { return a < b ? a : b; }
 
 static inline int take_front(uint64_t *span) {
@@ -635,7 +660,10 @@ static void run_phase(const step_ctx *x, step_private *s, int t, int li, int ph,
         else
             __atomic_store_n(&me->v, 0, __ATOMIC_RELAXED);  /* taken over: counted there */
     }
+    const uint64_t tw = prof_now();
     wait_phase(x, s, t, li, ph, t0, mine, wa);
+    prof_add(t, ph, t0, tw);
+    prof_add(t, PR_WAIT + ph, tw, prof_now());
 }
 
 /* Before a thread writes layer li's ring slot: every thread of the team (nt) is past the
@@ -704,9 +732,13 @@ static void run_layer(const step_ctx *x, step_private *s, int t, int nt, int li)
     const pd_model *m = x->m;
     const pd_layer *ly = &x->layers[li];
     const int B = x->B;
+    uint64_t p0 = prof_now();
     norm_rows(m, B, input_of(x, li), ly->ln1, li == 0, s);
     __atomic_store_n(&x->workers[t].layer, li, __ATOMIC_RELEASE);  /* done with li - 1's */
+    uint64_t p1 = prof_now();
     wait_ring(x, li, nt);
+    prof_add(t, PR_NORMS, p0, p1);
+    prof_add(t, PR_RING, p1, prof_now());
     const uint64_t *sp = x->spans + (size_t)li * PHASES + (size_t)t * x->stride;
     kv_ahead kv = kv_ahead_plan(sp + PH_ATT, sp + PH_QKV, x->tasks, m->KVH);
     run_phase(x, s, t, li, PH_QKV, &kv, NULL);
@@ -716,6 +748,7 @@ static void run_layer(const step_ctx *x, step_private *s, int t, int nt, int li)
     w_ahead wa = w_ahead_plan(x, t, li, PH_O, NULL);
     run_phase(x, s, t, li, PH_ATT, NULL, &wa);
     run_phase(x, s, t, li, PH_COMB, NULL, &wa);
+    p0 = prof_now();
     if (x->comb_each) {  /* fewer sequences than threads: each combines them all itself */
         da_args a = att_args(x, li);
         a.out = (char *)s->att;
@@ -725,14 +758,21 @@ static void run_layer(const step_ctx *x, step_private *s, int t, int nt, int li)
             pd_da_combine(&a, x->tasks, x->first[g], x->first[g + 1], parts_of(x, li),
                           x->per_task, s->l, s->acc);
         att = s->att;
+        prof_add(t, PH_COMB, p0, prof_now());
     }
+    p0 = prof_now();
     pd_int4_quantize(att, 1, B, m->H * m->D, s->xq, s->sx, s->sumx);
+    prof_add(t, PR_NORMS, p0, prof_now());
     wa = w_ahead_plan(x, t, li, PH_GU, NULL);
     run_phase(x, s, t, li, PH_O, NULL, &wa);
+    p0 = prof_now();
     norm_rows(m, B, xo_of(x, li), ly->ln2, 0, s);
+    prof_add(t, PR_NORMS, p0, prof_now());
     wa = w_ahead_plan(x, t, li, PH_DOWN, NULL);
     run_phase(x, s, t, li, PH_GU, NULL, &wa);
+    p0 = prof_now();
     pd_int4_quantize(act_of(x, li), 1, B, m->I, s->xq, s->sx, s->sumx);
+    prof_add(t, PR_NORMS, p0, prof_now());
     wa = w_ahead_plan(x, t, li + 1, PH_QKV, x->head);
     run_phase(x, s, t, li, PH_DOWN, NULL, &wa);
 }
@@ -875,11 +915,15 @@ int pd_decode_step(const pd_layer *layers, const pd_model *m, int B, const bf16 
         step_private s = {.res = (bf16 *)(mem + shared + (size_t)t * priv)};
         private_layout(m, B, kmax, &s);
         stall_point(t, -1, -1, 0, 1, -1);  /* a thread that comes to the step late */
+        const uint64_t p0 = prof_now();
         for (int li = 0; li < m->L; li++) run_layer(&c, &s, t, nt, li);
         if (t == 0) team = nt;
+        const uint64_t p1 = prof_now();
         final_rows(m, B, xd_of(&c, m->L - 1), norm_w, head, vocab, c.spans + m->L * PHASES,
                    c.stride, threads, t, nt, &s, out, best + (size_t)t * B,
                    at + (size_t)t * B);
+        prof_add(t, PR_HEAD, p1, prof_now());
+        prof_add(t, PR_TEAM, p0, prof_now());
     }
     if (head)  /* the largest of the threads' picks; of equals, the first in the vocabulary */
         for (int b = 0; b < B; b++) {
