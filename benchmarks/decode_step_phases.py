@@ -68,11 +68,7 @@ def main() -> None:
     if a.threads > MAX_THREADS:
         ap.error(f"--threads: at most {MAX_THREADS} are counted")
 
-    import torch
-
     from pdserve.bench.cluster import machine
-    from pdserve.bench.floor import read_bandwidth_gbs
-    from pdserve.common.sampling import SamplingParams
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine import Engine
     from pdserve.kernels.native import decode_step
@@ -85,63 +81,79 @@ def main() -> None:
     nbytes = weight_bytes(engine.model)
     builds = [["STEP_PROFILE=1"]] + ([["STEP_PROFILE=1", *a.define]] if a.define else [])
     names = ["as in the tree"] + (["-D" + " -D".join(a.define)] if a.define else [])
-    counts = (ctypes.c_uint64 * (MAX_THREADS * len(PARTS)))()
-    gen = torch.Generator().manual_seed(a.batch)
     with tempfile.TemporaryDirectory() as tmp:
         libs = [build(d, Path(tmp) / f"profiled{i}.so") for i, d in enumerate(builds)]
-        steps = []
         for lib in libs:
             fn = lib.pd_decode_step
             fn.argtypes, fn.restype = shipped.argtypes, shipped.restype
             lib.pd_step_profile.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
-            steps.append(fn)
         print(f"{datetime.now():%Y-%m-%d %H:%M}; {machine()}; threads {a.threads}; batch "
               f"{a.batch}; {a.rounds} rounds of {a.steps} steps" +
               (", builds ABBA" if len(libs) > 1 else ""))
-        rows: list[list[tuple[float, list[float]]]] = [[] for _ in libs]
         hz = tsc_hz(libs[0])
-        for r in range(a.rounds):
-            for i in range(a.batch):
-                prompt = torch.randint(3, 40000, (a.prompt_len,), generator=gen).tolist()
-                engine.add_request(f"{r}-{i}", prompt, SamplingParams(
-                    max_tokens=4 + a.steps * len(libs), temperature=0, ignore_eos=True))
-            for _ in range(3):  # the prefill, and decode steps before the counted ones
+        try:
+            rows = run_rounds(a, engine, libs, names)
+        finally:
+            decode_step._fn = lambda: shipped  # the library the node loaded
+        report(rows, names, nbytes, hz)
+
+
+def run_rounds(a, engine, libs: list, names: list[str]) -> list[list[tuple[float, list[float]]]]:
+    """Per build, per round: the step's median seconds and each part's ticks a step (the
+    threads' mean); each round printed as it ends"""
+    import torch
+
+    from pdserve.bench.floor import read_bandwidth_gbs
+    from pdserve.common.sampling import SamplingParams
+    from pdserve.kernels.native import decode_step
+
+    counts = (ctypes.c_uint64 * (MAX_THREADS * len(PARTS)))()
+    gen = torch.Generator().manual_seed(a.batch)
+    rows: list[list[tuple[float, list[float]]]] = [[] for _ in libs]
+    for r in range(a.rounds):
+        for i in range(a.batch):
+            prompt = torch.randint(3, 40000, (a.prompt_len,), generator=gen).tolist()
+            engine.add_request(f"{r}-{i}", prompt, SamplingParams(
+                max_tokens=4 + a.steps * len(libs), temperature=0, ignore_eos=True))
+        for _ in range(3):  # the prefill, and decode steps before the counted ones
+            engine.step()
+        line = [f"round {r:2d}: {read_bandwidth_gbs(a.threads, repeats=3):5.1f} GB/s"]
+        for which in (range(len(libs)) if r % 2 == 0 else reversed(range(len(libs)))):
+            lib = libs[which]
+            decode_step._fn = (lambda f: lambda: f)(lib.pd_decode_step)
+            lib.pd_step_profile(counts)  # cleared
+            ts = []
+            for _ in range(a.steps):
+                t0 = time.perf_counter()
                 engine.step()
-            gbs = read_bandwidth_gbs(a.threads, repeats=3)
-            line = [f"round {r:2d}: {gbs:5.1f} GB/s"]
-            for which in (range(len(libs)) if r % 2 == 0 else reversed(range(len(libs)))):
-                decode_step._fn = (lambda f: lambda: f)(steps[which])
-                libs[which].pd_step_profile(counts)  # cleared
-                ts = []
-                for _ in range(a.steps):
-                    t0 = time.perf_counter()
-                    engine.step()
-                    ts.append(time.perf_counter() - t0)
-                libs[which].pd_step_profile(counts)
-                per_thread = [[counts[t * len(PARTS) + p] for p in range(len(PARTS))]
-                              for t in range(a.threads)]
-                ticks = [statistics.mean(x[p] for x in per_thread) / a.steps
-                         for p in range(len(PARTS))]
-                rows[which].append((statistics.median(ts), ticks))
-                line.append(f"{names[which]} {statistics.median(ts) * 1e3:.3f} ms")
-            while engine.has_unfinished():
-                engine.step()
-            print("; ".join(line), flush=True)
-        for name, rs in zip(names, rows):
-            part = [statistics.median(x[1][p] for x in rs) / hz * 1e6 for p in range(len(PARTS))]
-            print(f"\n{name}: step median {statistics.median(x[0] for x in rs) * 1e3:.3f} ms; "
-                  "µs a step (median of rounds, the threads' mean):")
-            print("  " + ", ".join(f"{n} {v:.0f}" for n, v in zip(PARTS, part) if v >= 0.5))
-            rate = {n: nbytes[key] / (part[PARTS.index(n)] * 1e-6) / 1e9
-                    for n, key in (("q/k/v", "q/k/v"), ("o", "o"), ("gate/up", "gate/up"),
-                                   ("down", "down"), ("head", "head"))
-                    if nbytes[key] and part[PARTS.index(n)] > 0}
-            print("  weights' GB/s: " + ", ".join(f"{n} {v:.1f}" for n, v in rate.items()))
-        if len(libs) > 1:
-            diffs = [x[0] - y[0] for x, y in zip(rows[0], rows[1])]
-            print(f"\n{names[0]} - {names[1]}: median paired difference "
-                  f"{statistics.median(diffs) * 1e3:+.3f} ms, faster in "
-                  f"{sum(d < 0 for d in diffs)}/{len(diffs)} rounds")
+                ts.append(time.perf_counter() - t0)
+            lib.pd_step_profile(counts)
+            ticks = [statistics.mean(counts[t * len(PARTS) + p] for t in range(a.threads))
+                     / a.steps for p in range(len(PARTS))]
+            rows[which].append((statistics.median(ts), ticks))
+            line.append(f"{names[which]} {statistics.median(ts) * 1e3:.3f} ms")
+        while engine.has_unfinished():
+            engine.step()
+        print("; ".join(line), flush=True)
+    return rows
+
+
+def report(rows: list, names: list[str], nbytes: dict[str, int], hz: float) -> None:
+    """Each build's medians over the rounds, and the paired difference of two builds"""
+    for name, rs in zip(names, rows):
+        part = [statistics.median(x[1][p] for x in rs) / hz * 1e6 for p in range(len(PARTS))]
+        print(f"\n{name}: step median {statistics.median(x[0] for x in rs) * 1e3:.3f} ms; "
+              "µs a step (median of rounds, the threads' mean):")
+        print("  " + ", ".join(f"{n} {v:.0f}" for n, v in zip(PARTS, part) if v >= 0.5))
+        rate = {n: nbytes[n] / (part[PARTS.index(n)] * 1e-6) / 1e9
+                for n in ("q/k/v", "o", "gate/up", "down", "head")
+                if nbytes[n] and part[PARTS.index(n)] > 0}
+        print("  weights' GB/s: " + ", ".join(f"{n} {v:.1f}" for n, v in rate.items()))
+    if len(rows) > 1:
+        diffs = [x[0] - y[0] for x, y in zip(rows[0], rows[1])]
+        print(f"\n{names[0]} - {names[1]}: median paired difference "
+              f"{statistics.median(diffs) * 1e3:+.3f} ms, faster in "
+              f"{sum(d < 0 for d in diffs)}/{len(diffs)} rounds")
 
 
 def tsc_hz(lib) -> float:

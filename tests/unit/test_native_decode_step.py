@@ -231,7 +231,8 @@ def random_step_inputs(model, batch: int, context: int, padded=()):
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("batch,context,padded", [
     (1, 700, ()), (20, 40, ()), (5, 300, (1, 4)),
-    (2, 300, (1,))])    # a split context combined by every thread, beside a padding row
+    (2, 300, (1,)),     # a split context combined by every thread, beside a padding row
+    (3, 300, (0,))])    # two sequences combined by every thread of three, padding first
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_model_shapes_and_padding_rows_keep_the_layer_paths_bits(shape, batch, context,
                                                                   padded, threads):

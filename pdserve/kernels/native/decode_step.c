@@ -21,8 +21,9 @@
  * - Attention runs decode_attention.c's tasks (planned once a step: every layer's lengths
  *   are the same), split further by kv head and spread over the team: a kv head's sums are
  *   its own, so the result depends on neither the thread nor the split. A split context's
- *   chunks are combined by one thread a sequence, or, where the sequences are fewer than
- *   the threads (batch 1), by every thread for itself, so that none waits for another's.
+ *   chunks are combined by one thread a sequence, or, where the sequences (those with
+ *   tasks: not batch padding) are fewer than the threads (batch 1), by every thread for
+ *   itself, so that none waits for another's.
  * - A thread done with its share of a phase takes what is left of the others' (take), and
  *   one whose last chunk runs far too long (its thread preempted) it computes itself
  *   (take_over): a phase does not wait for a thread the machine is not running.
@@ -130,7 +131,8 @@ typedef struct {
 } step_private;
 
 /* the private buffers' offsets from their start (s's pointers), and their size */
-static size_t private_layout(const pd_model *m, int B, int kmax, step_private *s) {
+static size_t private_layout(const pd_model *m, int B, int kmax, int comb_each,
+                             step_private *s) {
     size_t at = 0;
     size_t o[11];
     o[0] = put(&at, (size_t)B * m->hidden * 2);
@@ -143,7 +145,7 @@ static size_t private_layout(const pd_model *m, int B, int kmax, step_private *s
     o[7] = put(&at, (size_t)B * m->D * 2);
     o[8] = put(&at, (size_t)B * 2 * m->I * 2);
     o[9] = put(&at, (size_t)m->H * (m->D + 2) * 4);
-    o[10] = put(&at, (size_t)B * m->H * m->D * 2);
+    o[10] = put(&at, comb_each ? (size_t)B * m->H * m->D * 2 : 0);
     if (s) {
         char *p = (char *)s->res;  /* the start */
         s->res = (bf16 *)(p + o[0]), s->xn = (bf16 *)(p + o[1]), s->xq = (int8_t *)(p + o[2]);
@@ -355,7 +357,8 @@ typedef struct {
 #define W_AHEAD 1  /* 0: not asked for ahead (benchmarks/decode_step_builds.py compares) */
 #endif
 #ifndef W_AHEAD_LAST
-#define W_AHEAD_LAST 16  /* lines of each range per chunk, over a phase's last own chunks */
+#define W_AHEAD_LAST 16  /* lines of each range per chunk: a phase's last two own chunks and
+                          * those a thread takes from the others */
 #endif
 #ifndef W_AHEAD_WAIT
 #define W_AHEAD_WAIT 4  /* lines of each range on each look at the others' progress */
@@ -412,7 +415,8 @@ typedef struct {
 #endif
 
 /* What every thread of a step reads. Layer li's outputs lie in ring slot li % ring: q, k,
- * v [B, nh, D], attention's [B, H, D] and a split context's parts (per task: m [H],
+ * v [B, nh, D], attention's [B, H, D] (with comb_each, each thread's own s->att instead:
+ * the slot's holds only batch padding's zeros) and a split context's parts (per task: m [H],
  * l [H], acc [H, D]), o's [B, hidden], silu(gate) * up [B, I] and down's [B, hidden]. A
  * thread writes a layer's slot once every thread has passed the layer that used it before
  * (wait_ring). */
@@ -649,7 +653,8 @@ static void run_phase(const step_ctx *x, step_private *s, int t, int li, int ph,
             const uint64_t own = __atomic_load_n(sp + (size_t)t * x->stride, __ATOMIC_RELAXED);
             if (ph == PH_ATT || ph == PH_COMB)
                 w_ahead_next(wa, W_AHEAD_ITEM);
-            else if ((uint32_t)(own >> 32) - (uint32_t)own < 2)  /* its last two chunks */
+            else if ((uint32_t)(own >> 32) - (uint32_t)own < 2)  /* its last two own chunks,
+                                                                   * and any it takes */
                 w_ahead_next(wa, W_AHEAD_LAST);
         }
         stall_point(t, li, ph, 0, mine == 0, c);
@@ -713,9 +718,12 @@ static w_ahead w_ahead_plan(const step_ctx *x, int t, int li, int ph, const uint
             block = (size_t)(m->hidden / 32) * 320, per = x->gc, nb = m->I / 16;
             base = (const char *)ly->gate_up;
             break;
-        default:
+        case PH_DOWN:
             block = (size_t)(m->I / 32) * 320, per = x->dc, nb = m->hidden / 16;
             base = (const char *)ly->down;
+            break;
+        default:  /* attention and combining read no weights */
+            return w;
         }
     }
     const int b0 = min_int(lo * per, nb), b1 = min_int(hi * per, nb);
@@ -749,7 +757,7 @@ static void run_layer(const step_ctx *x, step_private *s, int t, int nt, int li)
     run_phase(x, s, t, li, PH_ATT, NULL, &wa);
     run_phase(x, s, t, li, PH_COMB, NULL, &wa);
     p0 = prof_now();
-    if (x->comb_each) {  /* fewer sequences than threads: each combines them all itself */
+    if (x->comb_each) {  /* fewer sequences with tasks than threads: each combines them all */
         da_args a = att_args(x, li);
         a.out = (char *)s->att;
         for (int b = 0; b < B; b++)
@@ -863,7 +871,13 @@ int pd_decode_step(const pd_layer *layers, const pd_model *m, int B, const bf16 
     const size_t o_lookup = put(&shared, lk ? (size_t)B * hidden * 2 : 0);
     const size_t o_cos = put(&shared, lk ? (size_t)B * D * 2 : 0);
     const size_t o_sin = put(&shared, lk ? (size_t)B * D * 2 : 0);
-    const size_t priv = private_layout(m, B, kmax, NULL);
+    /* a split context's chunks combined: by one thread a sequence (a phase of its own), or
+     * where the sequences with tasks (pd_da_tasks gives batch padding none) are fewer than
+     * the threads, by every thread for itself (the others would only wait for it) */
+    int live = 0;
+    for (int b = 0; b < B; b++) live += seq_lens[b] > 0;
+    c.comb_each = !c.whole && live < threads;
+    const size_t priv = private_layout(m, B, kmax, c.comb_each, NULL);
     char *mem = aligned_alloc(64, shared + (size_t)threads * priv);
     if (!mem) return -1;
     if (__atomic_load_n(&stall.us, __ATOMIC_ACQUIRE) > 0)  /* a test's: nothing left over */
@@ -895,11 +909,7 @@ int pd_decode_step(const pd_layer *layers, const pd_model *m, int B, const bf16 
         }
         c.x0 = own, c.cos = cs, c.sin = sn;
     }
-    /* a split context's chunks combined: by one thread a sequence (a phase of its own), or
-     * where the sequences are fewer than the threads, by every thread for itself (the
-     * others would only wait for it) */
     c.count = count;
-    c.comb_each = !c.whole && groups < threads;
     const int n[PHASES] = {nh, count * KVH, c.whole || c.comb_each ? 0 : groups,
                            chunks(hidden / 16, c.oc),
                            chunks(I / 16, c.gc), chunks(hidden / 16, c.dc)};
@@ -913,7 +923,7 @@ int pd_decode_step(const pd_layer *layers, const pd_model *m, int B, const bf16 
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         step_private s = {.res = (bf16 *)(mem + shared + (size_t)t * priv)};
-        private_layout(m, B, kmax, &s);
+        private_layout(m, B, kmax, c.comb_each, &s);
         stall_point(t, -1, -1, 0, 1, -1);  /* a thread that comes to the step late */
         const uint64_t p0 = prof_now();
         for (int li = 0; li < m->L; li++) run_layer(&c, &s, t, nt, li);
