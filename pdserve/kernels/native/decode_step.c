@@ -688,7 +688,7 @@ static void wait_ring(const step_ctx *x, int li, int nt) {
 /* Thread t's share of the weights of layer li's phase ph (PH_QKV, PH_O, PH_GU or
  * PH_DOWN; layer L: the LM head's, or none), from its span of the phase before it is taken
  * from */
-static w_ahead w_ahead_plan(const step_ctx *x, int t, int li, int ph, const uint8_t *head) {
+static w_ahead w_ahead_plan(const step_ctx *x, int t, int li, int ph) {
     const pd_model *m = x->m;
     w_ahead w = {{0, 0}, {0, 0}};
     const uint64_t *sp = x->spans + (size_t)t * x->stride + (size_t)li * PHASES
@@ -700,9 +700,9 @@ static w_ahead w_ahead_plan(const step_ctx *x, int t, int li, int ph, const uint
     int per, nb;      /* blocks a chunk, blocks in all */
     const char *base;
     if (li == m->L) {
-        if (!head) return w;
+        if (!x->head) return w;
         block = (size_t)(m->hidden / 32) * 544, per = HEAD_CHUNK, nb = x->vocab_blocks;
-        base = (const char *)head;
+        base = (const char *)x->head;
     } else {
         const pd_layer *ly = &x->layers[li];
         switch (ph) {
@@ -753,7 +753,7 @@ static void run_layer(const step_ctx *x, step_private *s, int t, int nt, int li)
     bf16 *att = att_of(x, li);
     for (int b = 0; b < B; b++)  /* batch padding: zeros, as the kernel's (every thread) */
         if (x->seq_lens[b] == 0) memset(att + (size_t)b * m->H * m->D, 0, (size_t)m->H * m->D * 2);
-    w_ahead wa = w_ahead_plan(x, t, li, PH_O, NULL);
+    w_ahead wa = w_ahead_plan(x, t, li, PH_O);
     run_phase(x, s, t, li, PH_ATT, NULL, &wa);
     run_phase(x, s, t, li, PH_COMB, NULL, &wa);
     p0 = prof_now();
@@ -771,17 +771,17 @@ static void run_layer(const step_ctx *x, step_private *s, int t, int nt, int li)
     p0 = prof_now();
     pd_int4_quantize(att, 1, B, m->H * m->D, s->xq, s->sx, s->sumx);
     prof_add(t, PR_NORMS, p0, prof_now());
-    wa = w_ahead_plan(x, t, li, PH_GU, NULL);
+    wa = w_ahead_plan(x, t, li, PH_GU);
     run_phase(x, s, t, li, PH_O, NULL, &wa);
     p0 = prof_now();
     norm_rows(m, B, xo_of(x, li), ly->ln2, 0, s);
     prof_add(t, PR_NORMS, p0, prof_now());
-    wa = w_ahead_plan(x, t, li, PH_DOWN, NULL);
+    wa = w_ahead_plan(x, t, li, PH_DOWN);
     run_phase(x, s, t, li, PH_GU, NULL, &wa);
     p0 = prof_now();
     pd_int4_quantize(act_of(x, li), 1, B, m->I, s->xq, s->sx, s->sumx);
     prof_add(t, PR_NORMS, p0, prof_now());
-    wa = w_ahead_plan(x, t, li + 1, PH_QKV, x->head);
+    wa = w_ahead_plan(x, t, li + 1, PH_QKV);
     run_phase(x, s, t, li, PH_DOWN, NULL, &wa);
 }
 
