@@ -176,12 +176,16 @@ static void norm_rows(const pd_model *m, int B, const bf16 *x, const bf16 *w, in
 
 /* Work: each phase's chunks are split evenly between the threads, and each thread takes
  * its own in order, one at a time, from the front of its span; a thread that has run out
- * takes the others' from the back. On a shared machine one core is often slower for a
- * while (another tenant, an interrupt, the node's I/O thread): with a fixed split the
- * other would wait for it at the end of every phase. A thread's own chunks stay one
- * forward stream through the weights, which is what the memory's prefetchers keep up with
- * (handing chunks out in turn from one counter made the step 1.3 times as long). Which
- * thread computes an output does not change its bits.
+ * takes half of what is left of another's, from the back, and makes it its own span. On
+ * a shared machine one core is often slower for a while (another tenant, an interrupt,
+ * the node's I/O thread): with a fixed split the other would wait for it at the end of
+ * every phase. A thread's own chunks stay one forward stream through the weights, which is
+ * what the memory's prefetchers keep up with (handing chunks out in turn from one counter
+ * made the step 1.3 times as long), and so do the halves a thread takes: while another
+ * thread is preempted the one left runs through its share in a few forward streams, not
+ * one stream a chunk from the back (a thread asleep 900 us a step made the step 0.46 ms
+ * longer with chunks taken one at a time from the back, 0.27 ms with halves; RESULTS.md).
+ * Which thread computes an output does not change its bits.
  * A span is [lo, hi) of chunk indices in one word, lo in the low 32 bits.
  *
  * A phase ends when all its chunks are done, not at a barrier: a thread that has run out
@@ -242,23 +246,36 @@ static inline int take_front(uint64_t *span) {
     }
 }
 
-static inline int take_back(uint64_t *span) {
+#ifndef TAKE_HALF
+#define TAKE_HALF 1  /* 0: one chunk at a time from the back (decode_step_builds.py compares) */
+#endif
+
+/* From another thread's span, the back half of what is left (rounded up): its first
+ * chunk returned, the rest stored as `own`, the taker's span, which is empty (no other
+ * thread changes an empty span, and only its thread fills it) */
+static inline int take_half(uint64_t *span, uint64_t *own) {
     uint64_t v = __atomic_load_n(span, __ATOMIC_RELAXED);
     for (;;) {
         const uint32_t lo = (uint32_t)v, hi = (uint32_t)(v >> 32);
         if (lo >= hi) return -1;
-        if (__atomic_compare_exchange_n(span, &v, v - ((uint64_t)1 << 32), 1,
-                                        __ATOMIC_RELAXED, __ATOMIC_RELAXED))
-            return (int)(hi - 1);
+        const uint32_t from = TAKE_HALF ? hi - (hi - lo + 1) / 2 : hi - 1;
+        if (__atomic_compare_exchange_n(span, &v, (uint64_t)lo | (uint64_t)from << 32, 1,
+                                        __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+            if (from + 1 < hi)
+                __atomic_store_n(own, (uint64_t)(from + 1) | (uint64_t)hi << 32,
+                                 __ATOMIC_RELAXED);
+            return (int)from;
+        }
     }
 }
 
 /* The next chunk for thread t: spans [n][stride], this phase's at offset 0, one for each
  * thread asked for (a team that came smaller leaves the missing threads' to be taken) */
 static inline int take(uint64_t *spans, size_t stride, int t, int n) {
-    int c = take_front(spans + (size_t)t * stride);
+    uint64_t *own = spans + (size_t)t * stride;
+    int c = take_front(own);
     for (int k = 1; c < 0 && k < n; k++)
-        c = take_back(spans + (size_t)((t + k) % n) * stride);
+        c = take_half(spans + (size_t)((t + k) % n) * stride, own);
     return c;
 }
 
