@@ -14,10 +14,14 @@ round, how many rounds the build as shipped won, and the ratio of the medians.
 ``--period-us``: a stand-in for the router, a client and the I/O threads that share a
 node's cores through launch, which take a thread of the step's team off its core for a
 while (``--define TAKE_OVER=0`` against the step that goes past such a thread).
+``--asleep-us N`` makes that preemption exact instead: in every step of both builds the
+team's second thread sleeps N microseconds before its first chunk of layer 5's q/k/v
+(decode_step.c's pd_decode_step_stall, which the tests use; while it is set each step
+also fills its scratch with NaNs first, in both builds alike).
 
     python benchmarks/decode_step_builds.py --define KV_AHEAD=0 [--batch 1,16]
         [--rounds 40] [--segment 20] [--prompt-len 32] [--max-len 400]
-        [--beside 2 --busy-us 350 --period-us 5000]
+        [--beside 2 --busy-us 350 --period-us 5000] [--asleep-us 900]
 """
 from __future__ import annotations
 
@@ -41,6 +45,8 @@ def build(defines: list[str], out: Path) -> ctypes.CDLL:
                     *map(str, native.SOURCES)], check=True)
     return ctypes.CDLL(str(out))
 
+
+STALL_ARGS = [ctypes.c_int] * 4 + [ctypes.c_int64]
 
 BUSY = """import sys, time
 busy, period = float(sys.argv[1]) * 1e-6, float(sys.argv[2]) * 1e-6
@@ -145,6 +151,8 @@ def main() -> None:
                     help="processes busy beside the engine (a node's neighbours)")
     ap.add_argument("--busy-us", type=float, default=350.0)
     ap.add_argument("--period-us", type=float, default=5000.0)
+    ap.add_argument("--asleep-us", type=int, default=0,
+                    help="the second thread asleep this long in every step (layer 5)")
     a = ap.parse_args()
     try:
         batches = [int(b) for b in a.batch.split(",")]
@@ -154,12 +162,15 @@ def main() -> None:
         ap.error("--batch, --rounds, --segment and --prompt-len must be at least 1")
     if a.beside < 0 or not 0 < a.busy_us < a.period_us:
         ap.error("--beside must be at least 0, --busy-us between 0 and --period-us")
+    if a.asleep_us and (a.asleep_us < 0 or a.threads < 2):
+        ap.error("--asleep-us must be at least 0 and needs --threads 2 or more")
     if a.max_len < 2 * a.segment + 8:  # a round's two segments must fit in one sequence
         ap.error(f"--max-len must be at least 2 * --segment + 8 ({2 * a.segment + 8})")
 
     from pdserve.bench.cluster import machine
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine import Engine
+    from pdserve.kernels import native
     from pdserve.kernels.native import decode_step
 
     engine = Engine(EngineConfig(dtype="bfloat16", quantization="auto", threads=a.threads,
@@ -168,16 +179,27 @@ def main() -> None:
         raise SystemExit("the native decode step does not serve this model here")
     shipped = decode_step._fn()  # the library the node loaded
     with tempfile.TemporaryDirectory() as tmp:
-        other = build(a.define, Path(tmp) / "other.so").pd_decode_step
+        lib = build(a.define, Path(tmp) / "other.so")
+        other = lib.pd_decode_step
         other.argtypes, other.restype = shipped.argtypes, shipped.restype
         steps = [lambda: shipped, lambda: other]
         names = ["as shipped", " ".join(f"-D{d}" for d in a.define)]
         beside = f"; beside {a.beside} x busy {a.busy_us:g} us of {a.period_us:g}" \
             if a.beside else ""
+        asleep = f"; thread 1 asleep {a.asleep_us} us a step" if a.asleep_us else ""
         print(f"{datetime.now():%Y-%m-%d %H:%M}; {machine()}; threads {a.threads}; "
-              f"{a.rounds} rounds of 2 x {a.segment} steps, ABBA{beside}")
-        with busy_beside(a.beside, a.busy_us, a.period_us):
-            report(engine, steps, names, batches, a)
+              f"{a.rounds} rounds of 2 x {a.segment} steps, ABBA{beside}{asleep}")
+        stalls = [native.function("pd_decode_step_stall", STALL_ARGS),
+                  lib.pd_decode_step_stall]
+        stalls[1].argtypes = STALL_ARGS
+        try:
+            for stall in stalls:  # (thread, layer, phase: q/k/v, before its chunk, us)
+                stall(1, 5, 0, 0, a.asleep_us)
+            with busy_beside(a.beside, a.busy_us, a.period_us):
+                report(engine, steps, names, batches, a)
+        finally:
+            for stall in stalls:
+                stall(-1, -1, -1, -1, 0)
 
 
 if __name__ == "__main__":
