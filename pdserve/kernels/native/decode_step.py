@@ -56,6 +56,26 @@ class _Lookup(ctypes.Structure):
                 ("cos_sin", _P), ("max_pos", _L)]
 
 
+class _Inputs:
+    """``DecodeStep.decode``'s ctypes inputs for one batch size, made once and filled in
+    place each step: made anew, they were half of the wrapper's 55 us a batch-1 step, its
+    memory cold after the weights streamed through the caches (RESULTS.md). ``width``: the
+    block tables' row stride, room for ``width`` blocks a sequence."""
+
+    def __init__(self, rows: int, width: int, lookup: Lookup):
+        self.rows, self.width = rows, width
+        self.tables = (ctypes.c_int32 * (rows * width))()
+        self.ids, self.positions = (_L * rows)(), (_L * rows)()
+        self.lens, self.slots = (ctypes.c_int32 * rows)(), (_L * rows)()
+        self.tokens = (_L * rows)()
+        emb = lookup.embedding
+        q8 = emb.dtype is torch.uint8
+        self.lookup = _Lookup(ctypes.addressof(self.ids), ctypes.addressof(self.positions),
+                              emb.data_ptr() if q8 else None, None if q8 else emb.data_ptr(),
+                              lookup.vocab, lookup.cos_sin.data_ptr(), lookup.cos_sin.shape[0])
+        self.lookup_at = ctypes.addressof(self.lookup)
+
+
 @functools.cache  # declaring the signature costs more than the call's arguments
 def _fn():
     return function("pd_decode_step",
@@ -133,6 +153,7 @@ class DecodeStep:
         self.layers, self.final_norm, self.shape, self.head = layers, final_norm, shape, head
         self._bound: tuple | None = None     # (the KV pairs bound, their _Layer array)
         self._out: torch.Tensor | None = None  # decode's hidden states, the last batch's size
+        self._inputs: _Inputs | None = None    # decode's, the last batch's size
         self._model = _Model(len(layers), shape.hidden, shape.num_heads, shape.num_kv_heads,
                              shape.head_dim, shape.intermediate, 0, shape.eps,
                              shape.head_dim ** -0.5)
@@ -174,6 +195,7 @@ class DecodeStep:
         """The weights' memory moved (their tensors are the same objects): the next call
         takes every address again."""
         self._bound = None
+        self._inputs = None
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor,
@@ -230,21 +252,21 @@ class DecodeStep:
         layers = self._bind(kv_caches)
         self._check(ids, positions, tables, slots)
         width = max(map(len, tables)) or 1
-        flat = (ctypes.c_int32 * (rows * width))()
-        for i, table in enumerate(tables):
+        inputs = self._inputs
+        if inputs is None or inputs.rows != rows or inputs.width < width:
+            # room for 16 more blocks a sequence: made again every 16 blocks at most
+            inputs = self._inputs = _Inputs(rows, width + 16, lookup)
+        flat, width = inputs.tables, inputs.width
+        for i, table in enumerate(tables):  # (the kernel reads a table up to its position)
             flat[i * width:i * width + len(table)] = table
-        ids_c, pos_c = (ctypes.c_int64 * rows)(*ids), (ctypes.c_int64 * rows)(*positions)
-        lens = (ctypes.c_int32 * rows)(*(p + 1 for p in positions))
-        emb = lookup.embedding
-        args = _Lookup(ctypes.addressof(ids_c), ctypes.addressof(pos_c),
-                       emb.data_ptr() if emb.dtype is torch.uint8 else None,
-                       emb.data_ptr() if emb.dtype is not torch.uint8 else None, lookup.vocab,
-                       lookup.cos_sin.data_ptr(), lookup.cos_sin.shape[0])
+        inputs.ids[:], inputs.positions[:] = ids, positions
+        inputs.lens[:] = [p + 1 for p in positions]
+        inputs.slots[:] = slots
         out = self._out
         if out is None or out.shape[0] != rows:
             out = self._out = torch.empty(rows, self.shape.hidden, dtype=torch.bfloat16)
-        return self._call(rows, layers, pick, out, None, None, None, flat, width, lens,
-                          (ctypes.c_int64 * rows)(*slots), ctypes.addressof(args))
+        return self._call(rows, layers, pick, out, None, None, None, flat, width, inputs.lens,
+                          inputs.slots, inputs.lookup_at, tokens=inputs.tokens)
 
     def _check(self, ids: list[int], positions: list[int], tables: list[list[int]],
                slots: list[int]) -> None:
@@ -266,13 +288,17 @@ class DecodeStep:
                 raise IndexError(f"native decode step: a block table that does not hold "
                                  f"position {p} in a cache of {blocks} blocks of {size}")
 
-    def _call(self, rows: int, layers, pick: bool, out: torch.Tensor, *inputs
+    def _call(self, rows: int, layers, pick: bool, out: torch.Tensor, *inputs, tokens=None
               ) -> tuple[torch.Tensor, list[int] | None]:
         """pd_decode_step over the bound ``layers`` into ``out`` [B, hidden] bfloat16:
-        ``inputs`` are its x, cos, sin, tables, table stride, lengths, slots and lookup"""
+        ``inputs`` are its x, cos, sin, tables, table stride, lengths, slots and lookup;
+        ``tokens``: int64 [rows] for the picks, else one is made"""
         x, cos, sin, tables, stride, lens, slots, lookup = inputs
         head = self.head if pick else None
-        tokens = (ctypes.c_int64 * rows)() if head is not None else None
+        if head is None:
+            tokens = None
+        elif tokens is None:
+            tokens = (ctypes.c_int64 * rows)()
         rc = _fn()(ctypes.addressof(layers), ctypes.addressof(self._model), rows, x,
                    self.final_norm.data_ptr(), out.data_ptr(), cos, sin, tables, stride, lens,
                    slots, head.packed.data_ptr() if head is not None else None,
