@@ -122,6 +122,27 @@ def test_a_nan_logit_hands_the_row_back_to_the_logits():
     assert torch.isnan(model.compute_logits(hidden)[:, 115]).all()
 
 
+def test_steps_one_after_another_and_after_the_weights_move_keep_the_tensor_paths_bits():
+    """decode fills one set of inputs a batch size from step to step: a step after a
+    longer sequence's (its table's row left with the longer one's blocks past its own),
+    one past the room the inputs had, and one after the weights' memory moved (the
+    embedding and head with them, then given new values) have the tensor path's bits."""
+    from pdserve.engine.host_memory import into_huge_pages
+
+    model = with_q8_head(random_int4_model(*SHAPES["smollm2"]), q8_embedding=True)
+    for i, context in enumerate([300, 40, 700, 40]):
+        if i == 3:
+            model.place_streamed_weights(into_huge_pages)
+            packed = model.lm_head.table.packed
+            fresh = with_q8_head(random_int4_model(*SHAPES["smollm2"]), vocab=VOCAB - 4)
+            packed.copy_(fresh.lm_head.table.packed)  # new values, where they now lie
+        lists, inputs, caches = decode_case(model, 2, context, 60 + i)
+        twin = [(k.clone(), v.clone()) for k, v in caches]
+        want = on_threads(2, model, inputs.input_ids, inputs.positions, inputs.meta, twin)
+        hidden, tokens = on_threads(2, model.decode_greedy, *lists, caches)
+        assert torch.equal(hidden, want), f"step {i}"
+        assert tokens == model.compute_logits(want).max(dim=-1).indices.tolist()
+
 def test_tokens_the_tables_and_the_cache_do_not_hold_are_refused():
     """Ids, positions, block tables and slots out of range: an IndexError, nothing
     computed or stored (the kernel trusts what it is given)."""
