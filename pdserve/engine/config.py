@@ -19,8 +19,10 @@ class EngineConfig:
                              default_text="the bundled model, SmolLM2-135M-Instruct; "
                                           "pdserve model info prints its path")
     dtype: str = flag("auto", "The weights' and the KV cache's dtype. auto: on the CPU, "
-                      "bfloat16 where it has AVX512-BF16 or AMX-BF16 and float32 elsewhere "
-                      "(the start-up log says which and why); on an accelerator, the "
+                      "bfloat16 where it has AVX512-BF16 or AMX-BF16, or where a GGUF "
+                      "file's int4 projections stay int4 on the native kernels (AVX2 "
+                      "too), and float32 elsewhere (the start-up log says which and why); "
+                      "on an accelerator, the "
                       "checkpoint's own.", choices=DTYPES, envvar="PDSERVE_DTYPE")
     device: str = flag("cpu", "torch device.")
     block_size: int = flag(16, "Tokens per KV block (a power of two).", min=1)

@@ -139,7 +139,7 @@ class ModelRunner:
         if self.device.type != "cpu":
             return "Triton kernel" if self.device.type == "cuda" else "torch reference"
         if self.native_prefill_why_not is None:
-            return "native C flash kernel (AVX512-BF16)"
+            return f"native C flash kernel ({native.isa()})"
         return f"torch SDPA (native kernel not used: {self.native_prefill_why_not})"
 
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:

@@ -174,6 +174,15 @@ def check_types(path: str | Path) -> None:
                              f"dequantize: {found}; supported: {', '.join(SUPPORTED_TYPES)}")
 
 
+def stores_int4(path: str | Path) -> bool:
+    """Whether any projection weight of the file is in a type that can stay int4
+    (quant.keeps)."""
+    from pdserve.model.quant import keeps
+
+    return any((hf := hf_name(t.name)) is not None and keeps(hf, t.tensor_type.name) is None
+               for t in reader(path).tensors)
+
+
 def hf_name(name: str) -> str | None:
     """llama.cpp's tensor name → Hugging Face's; None for one we do not know."""
     base, _, suffix = name.rpartition(".")

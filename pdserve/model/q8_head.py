@@ -55,7 +55,7 @@ def summary(kept: list[tuple[str, Q8Embedding]], dtype: torch.dtype, tied: bool)
         role = "the embedding and the tied LM head" if tied and gguf_name == "token_embd.weight" \
             else "the LM head" if gguf_name == "output.weight" else "the embedding"
         dense = table.num_embeddings * table.embedding_dim * size
-        parts.append(f"{gguf_name} kept as Q8_0 for {role} (native AVX512-VNNI kernels): "
+        parts.append(f"{gguf_name} kept as Q8_0 for {role} (native kernels, {native.isa()}): "
                      f"{table.nbytes / 2**20:.1f} MiB against {dense / 2**20:.1f} MiB in {name}")
     return "".join(f"; {p}" for p in parts)
 

@@ -84,7 +84,9 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 # that took 1.32 times the int4 kernel's time, at 192 1.05, at 224 0.93, at 256 0.86,
 # at 2,048 0.43.
 DENSE_ROWS = 224
-PACK_ROWS = 64  # torch's CPU int4 packing: rows in blocks of 64 (``_packed_q_t``)
+# torch's CPU int4 packing keeps rows in blocks of 64 on AVX-512 and of 32 on AVX2 (the
+# kernel torch's build picks for the CPU): ``_packed_q_t`` reads either
+PACK_ROWS = (64, 32)
 
 
 class QuantError(ValueError):
@@ -155,7 +157,7 @@ def summary(kept: list[tuple[int, int]], types: set[str], dtype: torch.dtype,
 
 
 KERNELS = {  # Int4Linear.backend → what runs, for the start-up log
-    "native": "the native AVX512-VNNI int4 x int8 GEMM (float16 scales; activations rounded "
+    "native": "the native int4 x int8 GEMM on {isa} (float16 scales; activations rounded "
               "to int8 per 32 inputs, as llama.cpp's Q4_1 x Q8_1)",
     "torch": "torch's int4 CPU kernel (bfloat16 scales and activations)",
     "triton": "the Triton W4A16 kernel",
@@ -168,7 +170,7 @@ def kernels_used(layers: list[Int4Linear]) -> str:
     counts: dict[str, int] = {}
     for lin in layers:
         counts[lin.backend] = counts.get(lin.backend, 0) + 1
-    line = "; ".join(f"{n} on {KERNELS[b]}" for b, n in counts.items())
+    line = "; ".join(f"{n} on {KERNELS[b].format(isa=native.isa())}" for b, n in counts.items())
     if "torch" in counts and native.why_unavailable() is not None:
         line += f" (native kernels unavailable: {native.why_unavailable()})"
     return f"int4 projections: {line}"
@@ -244,6 +246,7 @@ class Int4Linear(nn.Module):
         self.scales_and_zeros: torch.Tensor | None = None   # torch's CPU kernel: [G, N, 2]
         self.backend = "torch"      # which kernel pack() packed for: torch, native, triton
         self.dense_rows: int | None = None  # CPU: rows from which forward forms the weight
+        self.pack_rows = PACK_ROWS[0]  # torch's packing's row blocks (``_packed_q_t``)
 
     @classmethod
     def from_gguf(cls, raw: np.ndarray, type_name: str,
@@ -290,8 +293,10 @@ class Int4Linear(nn.Module):
             self.scales_and_zeros = torch.stack(                        # [G, N, 2]
                 [self.scale, self.zero], dim=-1).transpose(0, 1).to(self.dtype).contiguous()
             # the packing's layout is torch's, not a contract: read back and checked once
-            if self.out_features % PACK_ROWS == 0 and torch.equal(
-                    self._packed_q_t(), self.q.t().reshape(-1, GROUP, self.out_features)):
+            want = self.q.t().reshape(-1, GROUP, self.out_features)
+            self.pack_rows = next((rows for rows in PACK_ROWS if self.out_features % rows == 0
+                                   and torch.equal(self._packed_q_t(rows), want)), None)
+            if self.pack_rows is not None:
                 self.dense_rows = DENSE_ROWS
             else:
                 log.warning("int4 %dx%d: torch's packing is not the layout expected; every "
@@ -326,13 +331,14 @@ class Int4Linear(nn.Module):
             self.bias = self.bias.to(dtype=self.dtype)
         return True
 
-    def _packed_q_t(self) -> torch.Tensor:
+    def _packed_q_t(self, rows: int | None = None) -> torch.Tensor:
         """The 4-bit values out of torch's CPU packing, transposed and grouped: uint8
-        [G, 32, N], [g, i, n] = q[n, 32 g + i]. The packing keeps rows in blocks of 64
-        ([N / 64, K, 32] bytes: the low nibbles rows 0-31 of a block, the high ones 32-63)."""
-        n, k = self.out_features, self.in_features
-        blocks = self.packed.view(n // PACK_ROWS, k, PACK_ROWS // 2)           # [N/64, K, 32]
-        q_t = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1)                # [N/64, K, 64]
+        [G, 32, N], [g, i, n] = q[n, 32 g + i]. The packing keeps rows in blocks of R =
+        ``rows`` (default: the one found at pack) ([N / R, K, R / 2] bytes: the low nibbles
+        rows 0 .. R/2 - 1 of a block, the high ones the rest)."""
+        n, k, r = self.out_features, self.in_features, rows or self.pack_rows
+        blocks = self.packed.view(n // r, k, r // 2)                           # [N/R, K, R/2]
+        q_t = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1)                # [N/R, K, R]
         return q_t.permute(1, 0, 2).reshape(k // GROUP, GROUP, n)            # [G, 32, N]
 
     def _weight_t(self) -> torch.Tensor:

@@ -43,7 +43,7 @@ def test_off_by_the_environment_says_so_and_keeps_torchs_kernel(tmp_path):
 @pytest.mark.skipif(not native.available(), reason=f"native: {native.why_unavailable()}")
 def test_built_once_into_the_cache_and_reused(tmp_path):
     out = run({"XDG_CACHE_HOME": str(tmp_path)})
-    assert "backend: native" in out and "AVX512-VNNI" in out
+    assert "backend: native" in out and f"GEMM on {native.isa()}" in out
     built = list((tmp_path / "pdserve" / "native").iterdir())
     assert len(built) == 1 and built[0].name.startswith("pdserve-native-")
     mtime = built[0].stat().st_mtime_ns

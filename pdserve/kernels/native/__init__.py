@@ -9,10 +9,11 @@ the call. The library links the same ``libgomp.so.1`` torch has loaded, so its O
 torch's: same pool, same thread count (``torch.set_num_threads``).
 
 They run where ``why_unavailable()`` is None: an x86-64 CPU with AVX512-VNNI and
-AVX512-BF16, a C compiler that built the library, and ``PDSERVE_NATIVE_KERNELS`` not set
-to 0. Elsewhere the callers keep torch's kernels, and say so once at start-up
-(``describe``): never a silent difference in what runs, and never a request that fails
-because a build did.
+AVX512-BF16, or with AVX2, FMA and F16C (``avx512_on_avx2.h`` gives the same kernels each
+512-bit operation as two 256-bit ones), a C compiler that built the library, and
+``PDSERVE_NATIVE_KERNELS`` not set to 0. Elsewhere the callers keep torch's kernels, and
+say so once at start-up (``describe``): never a silent difference in what runs, and never
+a request that fails because a build did.
 """
 from __future__ import annotations
 
@@ -31,9 +32,11 @@ log = logging.getLogger(__name__)
 
 ENV = "PDSERVE_NATIVE_KERNELS"      # 0: torch's kernels only (comparisons, a broken cc)
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")
+AVX2_FLAGS = ("avx2", "fma", "f16c")  # without CPU_FLAGS: built on avx512_on_avx2.h
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))   # included by the sources
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+# -Wno-psabi: the AVX2 build passes 512-bit vectors between inlined functions only
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-Wno-psabi")
 BUILD_TIMEOUT_S = 300   # a compiler that hangs must not hold a node's start-up for ever
 
 
@@ -51,15 +54,27 @@ def _cpu() -> tuple[str, list[str]]:
     return model, flags
 
 
+def isa() -> str | None:
+    """The instructions the kernels are built for on this CPU: "AVX-512" (VNNI, BF16),
+    "AVX2" (the same kernels on avx512_on_avx2.h), or None (neither)."""
+    _, flags = _cpu()
+    if all(f in flags for f in CPU_FLAGS):
+        return "AVX-512"
+    if all(f in flags for f in AVX2_FLAGS):
+        return "AVX2"
+    return None
+
+
 def _static_reason() -> str | None:
     if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "off", "no"):
         return f"{ENV}=0"
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"the CPU is {platform.machine()}, not x86-64"
-    _, flags = _cpu()
-    missing = [f for f in CPU_FLAGS if f not in flags]
-    if missing:
-        return f"this CPU lacks {', '.join(missing)}"
+    if isa() is None:
+        _, flags = _cpu()
+        missing = [f for f in AVX2_FLAGS if f not in flags]
+        return (f"this CPU lacks {', '.join(missing)} (the kernels take AVX512-VNNI and "
+                f"-BF16, or AVX2 with FMA and F16C)")
     if shutil.which("cc") is None:
         return "no C compiler (cc) on PATH"
     if not SOURCES:
@@ -178,5 +193,5 @@ def attention_why_not(dtype, dtypes: tuple, num_heads: int, num_kv_heads: int,
 def describe() -> str:
     """For the start-up log: which CPU kernels run and, if not the native ones, why."""
     why = why_unavailable()
-    return "native CPU kernels (AVX512-VNNI)" if why is None else \
+    return f"native CPU kernels ({isa()})" if why is None else \
         f"torch's CPU kernels only (native ones unavailable: {why})"

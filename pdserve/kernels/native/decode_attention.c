@@ -163,7 +163,7 @@ static inline __attribute__((always_inline)) void da_chunk(
                     for (int g = 0; g < G; g++) {
                         __m512 d = _mm512_setzero_ps();
                         for (int c = 0; c < DW; c++)
-                            d = _mm512_dpbf16_ps(d, (__m512bh)q[g][c], (__m512bh)k[c]);
+                            d = nat_dpbf16(d, q[g][c], k[c]);
                         dots[g][i] = d;
                     }
                 }

@@ -58,6 +58,38 @@ void pd_int4_quantize(const void *x, int x_bf16, int M, int K, int8_t *xq, float
     }
 }
 
+#if defined(PD_AVX512_EMULATED) && AVX2_DOTS
+/* A group's int32 dots on AVX2, the same integers as the dpbusd chains give: no vpdpbusd,
+ * but vpmaddubsw's pair sums of a nibble (below 16) and an int8 cannot saturate, and the
+ * eight of a group (16 products, |sum| <= 16 * 15 * 128 = 30720) add up in int16 before
+ * one vpmaddwd widens them: 2 instructions a product pair, against 4 for the emulated
+ * dpbusd. p: the group's packed weights, x: its activations in row 0 (row stride K). */
+static inline __attribute__((always_inline)) void dots_avx2(
+        const uint8_t *p, const int8_t *x, int K, const int MT, __m512i *s) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256i t[2][MAX_TILE];
+    for (int h = 0; h < 2; h++) {  /* a half at a time: MT accumulators, not 2 MT, in the
+                                    * 16 registers */
+        for (int r = 0; r < MT; r++) t[h][r] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * j + 32 * h));
+            const __m256i wl = _mm256_and_si256(v, lo4);
+            const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+            for (int r = 0; r < MT; r++) {
+                int32_t a, b;  /* x at q[n, 4j ..] and, high nibbles, at q[n, 4j + 16 ..] */
+                memcpy(&a, x + (size_t)r * K + 4 * j, 4);
+                memcpy(&b, x + (size_t)r * K + 4 * j + 16, 4);
+                t[h][r] = _mm256_add_epi16(t[h][r], _mm256_add_epi16(
+                    _mm256_maddubs_epi16(wl, _mm256_set1_epi32(a)),
+                    _mm256_maddubs_epi16(wh, _mm256_set1_epi32(b))));
+            }
+        }
+        for (int r = 0; r < MT; r++) t[h][r] = _mm256_madd_epi16(t[h][r], ones);
+    }
+    for (int r = 0; r < MT; r++) s[r] = pd_si(t[0][r], t[1][r]);
+}
+#endif
+
 /* MT rows x one block of 16 outputs over all groups. MT is a constant at each call site,
  * so acc[] lives in registers (8 rows: 8 accumulators + 8 weight vectors + temporaries). */
 static inline __attribute__((always_inline)) void tile(
@@ -81,6 +113,9 @@ static inline __attribute__((always_inline)) void tile(
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256)));
         __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288)));
         __m512i s[MAX_TILE];  /* each row's int32 dots for the block's 16 outputs */
+#if defined(PD_AVX512_EMULATED) && AVX2_DOTS
+        dots_avx2(p, xq + g * GROUP, K, MT, s);
+#else
 #if HI_IN_PLACE
         if (MT < 4) {
             /* Few rows: the high nibbles stay where they are, as 16 q. Their dots are 16
@@ -120,6 +155,7 @@ static inline __attribute__((always_inline)) void tile(
                     s[r] = _mm512_dpbusd_epi32(s[r], w[j], _mm512_set1_epi32(four));
                 }
         }
+#endif
         for (int r = 0; r < MT; r++) {
             __m512 dx = _mm512_mul_ps(_mm512_cvtepi32_ps(s[r]), _mm512_set1_ps(sx[r * G + g]));
             acc[r] = _mm512_fmadd_ps(dx, d, acc[r]);

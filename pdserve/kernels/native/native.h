@@ -4,6 +4,14 @@
 #define PDSERVE_NATIVE_H
 
 #include <immintrin.h>
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) \
+      && defined(__AVX512VNNI__) && defined(__AVX512BF16__))
+#include "avx512_on_avx2.h"  /* the same kernels on an AVX2 CPU */
+#else
+/* acc + the products of a's and b's bfloat16 pairs; 32 bfloat16 from two float32 vectors */
+#define nat_dpbf16(acc, a, b) _mm512_dpbf16_ps((acc), (__m512bh)(a), (__m512bh)(b))
+#define nat_bf16_pairs(hi, lo) ((__m512i)_mm512_cvtne2ps_pbh((hi), (lo)))
+#endif
 #include <stddef.h>
 #include <stdint.h>
 

@@ -61,7 +61,7 @@ static inline __m512 bcast_pair(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_set1_epi32(two));
 }
 
-#define DP(acc, a, b) _mm512_dpbf16_ps((acc), (__m512bh)(a), (__m512bh)(b))
+#define DP(acc, a, b) nat_dpbf16(acc, a, b)
 
 /* o[r][d0 .. d0 + 16 NV) = o * alpha[r] + P.V over key block b, R and NV constants at
  * each call site: the R x NV accumulators stay in registers. */
@@ -160,9 +160,9 @@ static inline __attribute__((always_inline)) void panel(
             l[r] = _mm512_fmadd_ps(l[r], _mm512_set1_ps(alpha[r]), sum);
             if (p_bf16) {
                 _mm512_storeu_si512(pbuf + r * BN,
-                                    (__m512i)_mm512_cvtne2ps_pbh(s[r][1], s[r][0]));
+                                    nat_bf16_pairs(s[r][1], s[r][0]));
                 _mm512_storeu_si512(pbuf + r * BN + 32,
-                                    (__m512i)_mm512_cvtne2ps_pbh(s[r][3], s[r][2]));
+                                    nat_bf16_pairs(s[r][3], s[r][2]));
             } else {
                 for (int j = 0; j < 4; j++) _mm512_storeu_ps(pf + r * BN + 16 * j, s[r][j]);
             }

@@ -103,6 +103,37 @@ static void q8_quantize_rows(const void *x, int x_bf16, int M, int K, int8_t *xq
     }
 }
 
+#if defined(PD_AVX512_EMULATED) && AVX2_DOTS
+/* A group's int32 dots on AVX2: the same integers as corr plus the dpbusd chains, the sum
+ * of q x (the activations), by the signed weights q = u - 128 (u ^ 0x80) instead: vpmaddubsw
+ * of |q| and the activations given q's sign cannot saturate (|q| <= 128, and the
+ * activations, rounded from at most 127 times their scale, |x| <= 127), against the 7
+ * instructions a row of an exact emulated dpbusd. p: the group's packed weights, xg: its
+ * activations as q8_quantize_rows lays them out. */
+static inline __attribute__((always_inline)) void q8_dots_avx2(
+        const uint8_t *p, const int8_t *xg, const int MT, __m512i *s) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    __m256i t[2][MAX_TILE];
+    for (int h = 0; h < 2; h++) {  /* a half at a time: MT accumulators, not 2 MT, in the
+                                    * 16 registers */
+        for (int r = 0; r < MT; r++) t[h][r] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            const __m256i q = _mm256_xor_si256(
+                _mm256_loadu_si256((const __m256i *)(p + 64 * j + 32 * h)), flip);
+            const __m256i mag = _mm256_abs_epi8(q);
+            for (int r = 0; r < MT; r++) {
+                int32_t four;
+                memcpy(&four, xg + (j * MT + r) * 4, 4);
+                const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(four), q);
+                t[h][r] = _mm256_add_epi32(t[h][r],
+                                           _mm256_madd_epi16(_mm256_maddubs_epi16(mag, x), ones));
+            }
+        }
+    }
+    for (int r = 0; r < MT; r++) s[r] = pd_si(t[0][r], t[1][r]);
+}
+#endif
+
 /* MT rows x one block of 16 outputs over all groups, the rows' activations as
  * q8_quantize_rows lays out a tile; MT is a constant at each call site, so the accumulators
  * live in registers (8 rows: 8 float + 8 int32 accumulators + the weight vectors + the
@@ -116,8 +147,11 @@ static inline __attribute__((always_inline)) void q8_tile(
         const uint8_t *p = wb + (size_t)g * BLOCK_BYTES;
         const int8_t *xg = xq + (size_t)g * 32 * MT;
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + D_OFFSET)));
-        /* rows innermost: MT independent dpbusd chains in flight */
         __m512i s[MAX_TILE];
+#if defined(PD_AVX512_EMULATED) && AVX2_DOTS
+        q8_dots_avx2(p, xg, MT, s);
+#else
+        /* rows innermost: MT independent dpbusd chains in flight */
         for (int r = 0; r < MT; r++) s[r] = _mm512_set1_epi32(corr[g * MT + r]);
         for (int j = 0; j < 8; j++) {
             const __m512i w = _mm512_loadu_si512(p + 64 * j);
@@ -127,6 +161,7 @@ static inline __attribute__((always_inline)) void q8_tile(
                 s[r] = _mm512_dpbusd_epi32(s[r], w, _mm512_set1_epi32(four));
             }
         }
+#endif
         for (int r = 0; r < MT; r++) {
             __m512 dx = _mm512_mul_ps(d, _mm512_set1_ps(sx[g * MT + r]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), dx, acc[r]);
