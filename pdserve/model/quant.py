@@ -84,9 +84,7 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 # that took 1.32 times the int4 kernel's time, at 192 1.05, at 224 0.93, at 256 0.86,
 # at 2,048 0.43.
 DENSE_ROWS = 224
-# torch's CPU int4 packing keeps rows in blocks of 64 on AVX-512 and of 32 on AVX2 (the
-# kernel torch's build picks for the CPU): ``_packed_q_t`` reads either
-PACK_ROWS = (64, 32)
+PACK_ROWS = (64, 32)  # torch's CPU int4 packing's row blocks: AVX-512's, AVX2's
 
 
 class QuantError(ValueError):
@@ -296,9 +294,8 @@ class Int4Linear(nn.Module):
             want = self.q.t().reshape(-1, GROUP, self.out_features)
             self.pack_rows = next((rows for rows in PACK_ROWS if self.out_features % rows == 0
                                    and torch.equal(self._packed_q_t(rows), want)), None)
-            if self.pack_rows is not None:
-                self.dense_rows = DENSE_ROWS
-            else:
+            self.dense_rows = DENSE_ROWS if self.pack_rows else None
+            if self.pack_rows is None:
                 log.warning("int4 %dx%d: torch's packing is not the layout expected; every "
                             "call runs the int4 kernel", self.out_features, self.in_features)
         self.q = self.scale = self.zero = None
@@ -333,9 +330,8 @@ class Int4Linear(nn.Module):
 
     def _packed_q_t(self, rows: int | None = None) -> torch.Tensor:
         """The 4-bit values out of torch's CPU packing, transposed and grouped: uint8
-        [G, 32, N], [g, i, n] = q[n, 32 g + i]. The packing keeps rows in blocks of R =
-        ``rows`` (default: the one found at pack) ([N / R, K, R / 2] bytes: the low nibbles
-        rows 0 .. R/2 - 1 of a block, the high ones the rest)."""
+        [G, 32, N], [g, i, n] = q[n, 32 g + i]. Rows in blocks of R = ``rows`` (default: as
+        found at pack), [N / R, K, R / 2] bytes: low nibbles the block's first R / 2 rows."""
         n, k, r = self.out_features, self.in_features, rows or self.pack_rows
         blocks = self.packed.view(n // r, k, r // 2)                           # [N/R, K, R/2]
         q_t = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1)                # [N/R, K, R]
