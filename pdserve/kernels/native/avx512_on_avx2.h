@@ -7,10 +7,10 @@
  * GCC's intrinsics only inline into AVX-512 code: each name below, and each 512-bit type,
  * is redirected to a pd512_ function or pd_ type of the same meaning (C casts no struct, so
  * the kernels cast between bfloat16 and other vectors through nat_dpbf16 and
- * nat_bf16_pairs, which native.h also defines for the AVX-512 build). Every one gives the bits the
- * instruction gives, with three exceptions no kernel meets: vdpbf16ps and vcvtneps2bf16
- * flush denormals, these do not; scalef is exact for the integral exponents the kernels
- * pass, not for fractional ones. The reductions add and compare in GCC's own order. */
+ * nat_bf16_pairs, which native.h also defines for the AVX-512 build). Each gives the bits
+ * the instruction gives, the reductions adding and comparing in GCC's own order, with three
+ * exceptions no kernel meets: vdpbf16ps and vcvtneps2bf16 flush denormals to zero, these
+ * do not; scalef is exact for the integral exponents the kernels pass, not for fractions. */
 #ifndef PDSERVE_AVX512_ON_AVX2_H
 #define PDSERVE_AVX512_ON_AVX2_H
 
@@ -42,8 +42,6 @@ PD_INLINE pd_m512i pd_si(__m256i lo, __m256i hi) { return (pd_m512i){lo, hi}; }
 #define __m512i pd_m512i
 #define __m512bh pd_m512i
 
-#define PD_PS1(name, op)                                                                   \
-    PD_INLINE __m512 name(__m512 a) { return pd_ps(op(pd_lo(a)), op(pd_hi(a))); }
 #define PD_PS2(name, op)                                                                   \
     PD_INLINE __m512 name(__m512 a, __m512 b) {                                            \
         return pd_ps(op(pd_lo(a), pd_lo(b)), op(pd_hi(a), pd_hi(b)));                      \
