@@ -22,12 +22,10 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.types import EngineStats, KVCacheLayout, ModelId
 from pdserve.model.config import read_token_space
 from pdserve.model.loader import (
-    auto_dtype,
-    keeps_int4,
     load_model,
     model_identity_hash,
     model_name,
-    resolve_dtype,
+    served_dtype,
 )
 from pdserve.model.quant import Int4Linear
 from pdserve.sim.profile import load_profile, sim_identity, unsimulated
@@ -63,11 +61,10 @@ class Worker:
         self.model = load_model(self.model_dir, config.dtype, config.device,
                                 config.quantization)
         self.model_config = self.model.config
-        int4 = config.dtype == "auto" and keeps_int4(self.model_dir, config.quantization)
-        self.dtype = resolve_dtype(config.dtype, self.model_config, config.device, int4)
-        if config.dtype == "auto":
-            log.info("dtype auto: %s (%s)", str(self.dtype).removeprefix("torch."),
-                     auto_dtype(self.model_config, config.device, int4)[1])
+        self.dtype, why = served_dtype(config.dtype, self.model_config, config.device,
+                                       self.model_dir, config.quantization)
+        if why is not None:
+            log.info("dtype auto: %s (%s)", str(self.dtype).removeprefix("torch."), why)
         limit = self.model_config.max_model_len
         self.max_model_len = min(config.max_model_len or limit, limit)
         per_block = kv_bytes_per_block(self.model_config, config.block_size, self.dtype)

@@ -65,7 +65,7 @@ def auto_dtype(cfg: ModelConfig | None, device: str | torch.device = "cpu",
 def resolve_dtype(name: str | torch.dtype, cfg: ModelConfig | None = None,
                   device: str | torch.device = "cpu", int4: bool = False) -> torch.dtype:
     """The torch dtype of ``--dtype`` NAME; "auto" as ``auto_dtype`` chooses on ``device``
-    (``int4``: the weights would stay int4, keeps_int4)."""
+    (``int4``: the weights would stay int4; ``served_dtype`` finds that out)."""
     if isinstance(name, torch.dtype):
         if name not in DTYPES.values():
             raise ValueError(f"dtype {name} is not supported; supported: {', '.join(DTYPES)}")
@@ -75,6 +75,15 @@ def resolve_dtype(name: str | torch.dtype, cfg: ModelConfig | None = None,
     if name not in DTYPES:
         raise ValueError(f"dtype {name!r} is not supported; supported: auto, {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def served_dtype(name: str | torch.dtype, cfg: ModelConfig, device: str | torch.device,
+                 model_path: str | Path, quantization: str) -> tuple[torch.dtype, str | None]:
+    """The dtype a model is served in under ``--dtype`` NAME and ``--quantization``, and
+    for "auto" why (None otherwise): what ``load_model`` loads and the engine logs."""
+    if name == "auto":
+        return auto_dtype(cfg, device, keeps_int4(model_path, quantization))
+    return resolve_dtype(name, cfg, device), None
 
 
 def load_config(model_path: str | Path) -> ModelConfig:
@@ -105,8 +114,7 @@ def load_model(model_path: str | Path, dtype: str | torch.dtype = "float32",
     embedding (and LM head) where model/q8_head.py's ``why_not`` allows."""
     model_path = Path(model_path)
     cfg = load_config(model_path)
-    torch_dtype = resolve_dtype(dtype, cfg, device, dtype == "auto"
-                                and keeps_int4(model_path, quantization))
+    torch_dtype = served_dtype(dtype, cfg, device, model_path, quantization)[0]
     int4 = plan(quantization, model_path.is_file(), torch_dtype, device)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
