@@ -27,9 +27,15 @@
 #define NB 16
 #define BLOCK_BYTES 320
 #define MAX_TILE 8
+#ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096  /* ahead in a block stream */
+#endif
 #ifndef PREFETCH_MIN_ROWS
+#ifdef PD_AVX512_EMULATED
+#define PREFETCH_MIN_ROWS 1  /* AVX2: at one row too (tile()) */
+#else
 #define PREFETCH_MIN_ROWS 2  /* tiles of fewer rows leave the stream to the hardware */
+#endif
 #endif
 #ifndef HI_IN_PLACE
 #define HI_IN_PLACE 1  /* 0: tiles of 1-3 rows unpack as 4 rows and more do (benchmarks) */
@@ -106,7 +112,8 @@ static inline __attribute__((always_inline)) void tile(
          * 4 KiB pages). At one row, with the weights in 2 MiB pages (host_memory.py), the
          * hardware's prefetchers keep up alone and the five prefetches a group cost more
          * than they bring: the decode step 0.90-0.92 times as long without them; at 8 rows
-         * and more it is 1.13-1.17 times as long (benchmarks/RESULTS.md) */
+         * and more it is 1.13-1.17 times as long (benchmarks/RESULTS.md). On AVX2 (a Zen 3
+         * EPYC) they pay at one row too: the step 0.94 times as long with them */
         if (MT >= PREFETCH_MIN_ROWS)
             for (int c = 0; c < BLOCK_BYTES; c += 64)
                 _mm_prefetch((const char *)p + PREFETCH_BYTES + c, _MM_HINT_T0);
