@@ -41,8 +41,7 @@ def build(defines: list[str], out: Path) -> ctypes.CDLL:
     """The native library built as the nodes build it, plus ``-D`` defines."""
     from pdserve.kernels import native
 
-    subprocess.run(["cc", *native.CFLAGS, *(f"-D{d}" for d in defines), "-o", str(out),
-                    *map(str, native.SOURCES)], check=True)
+    native.compile_library(out, tuple(defines))
     return ctypes.CDLL(str(out))
 
 
