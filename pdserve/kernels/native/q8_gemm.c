@@ -41,9 +41,9 @@
 #define D_OFFSET 512
 #define MAX_TILE 8
 /* Software prefetch, bytes ahead in a block stream (0: none). On AVX2 (a Zen 3 EPYC) the
- * head's stream of ~30 MB read faster with it: the batch-1 decode step 0.87-0.91 times as
- * long at 16 blocks ahead, 0.93-0.94 at 8 or 32 (RESULTS.md). Not measured on AVX-512,
- * whose int4 GEMM found the hardware's prefetchers enough at one row. */
+ * head's stream of ~30 MB read faster with it: the batch-1 decode step 0.87 times as long
+ * at 16 blocks ahead, 0.91 at 8, 0.94 at 32, 0.93 at 64 (RESULTS.md). Not measured on
+ * AVX-512, whose int4 GEMM found the hardware's prefetchers enough at one row. */
 #ifndef Q8_PREFETCH
 #ifdef PD_AVX512_EMULATED
 #define Q8_PREFETCH (16 * BLOCK_BYTES)
