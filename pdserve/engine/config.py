@@ -22,8 +22,8 @@ class EngineConfig:
                       "bfloat16 where it has AVX512-BF16 or AMX-BF16, or where a GGUF "
                       "file's int4 projections stay int4 on the native kernels (AVX2 "
                       "too), and float32 elsewhere (the start-up log says which and why); "
-                      "on an accelerator, the "
-                      "checkpoint's own.", choices=DTYPES, envvar="PDSERVE_DTYPE")
+                      "on an accelerator, the checkpoint's own.", choices=DTYPES,
+                      envvar="PDSERVE_DTYPE")
     device: str = flag("cpu", "torch device.")
     block_size: int = flag(16, "Tokens per KV block (a power of two).", min=1)
     num_kv_blocks: int | None = flag(None, "KV cache size in blocks.", min=1,

@@ -282,12 +282,12 @@ STALLS = [(*case, where) for case in [
 @pytest.mark.parametrize("phase,layer,batch,context,where", STALLS)
 def test_a_stalled_thread_is_gone_past_with_the_same_bits(phase, layer, batch, context, where):
     """The thread that runs a phase's first chunk sleeps 30 ms (or longer) in it, before
-    computing it or after: the other computes that chunk itself and goes on (a preempted thread on a
-    shared machine), and the late thread's writes, when it wakes, are the same bits. Or it
-    thread 1 sleeps before its first layer ("start"): the other does every chunk, and waits for it
-    before reusing a ring slot that the late thread's norms still read. The hidden states
-    and the caches are the layer path's, and the library counted each chunk it computed
-    again."""
+    computing it or after: the other computes that chunk itself and goes on (a preempted
+    thread on a shared machine), and the late thread's writes, when it wakes, are the same
+    bits. Or thread 1 sleeps before its first layer ("start"): the other does every chunk,
+    and waits for it before reusing a ring slot that the late thread's norms still read.
+    The hidden states and the caches are the layer path's, and the library counted each
+    chunk it computed again."""
     fn = native.function("pd_decode_step_stall", [ctypes.c_int] * 4 + [ctypes.c_int64])
     redone = native.function("pd_decode_step_redone", [], ctypes.c_uint64)
     model = q4_random("smollm2_4")
